@@ -132,7 +132,8 @@ class Session:
         return p.U8Response(1).encode()
 
     def handle_get_tensor(self, req: p.GetTensorRequest) -> bytes:
-        return self.buffers.region(req.tensor, req.offset, req.size)
+        # a copy: the transport may hold on to the reply while later commands rewrite the buffer
+        return self.buffers.region(req.tensor, req.offset, req.size).tobytes()
 
     def handle_copy_tensor(self, req: p.CopyTensorRequest) -> bytes:
         _, _, src_size = self.buffers.locate(req.src)

@@ -1,0 +1,97 @@
+"""A blocking RPC client on the shared codec: one connection to one worker (ours or llama.cpp's)."""
+
+from __future__ import annotations
+
+import socket
+
+from rpcserver import protocol as p
+from rpcserver.protocol import Command, ProtocolError
+
+MAX_RESPONSE = 1 << 34
+
+
+class WorkerError(Exception):
+    """The worker is unreachable, speaks another protocol, or dropped the connection."""
+
+
+class RpcClient:
+    def __init__(self, endpoint: str, timeout: float | None = 60.0):
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise WorkerError(f"invalid endpoint '{endpoint}': expected host:port")
+        self.endpoint = endpoint
+        try:
+            self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        except OSError as exc:
+            raise WorkerError(f"cannot connect to worker {endpoint}: {exc.strerror or exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = p.ResponseReader(MAX_RESPONSE)
+        hello = p.HelloResponse.decode(self.call(Command.HELLO, p.HelloRequest()))
+        self.version = (hello.major, hello.minor, hello.patch)
+        if hello.major != p.PROTOCOL_VERSION[0]:
+            self.close()
+            raise WorkerError(f"worker {endpoint} speaks RPC protocol {hello.major}.{hello.minor}.{hello.patch}, "
+                              f"we speak {'.'.join(map(str, p.PROTOCOL_VERSION))}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def send(self, command: Command, message=None) -> None:
+        """A request without a reply."""
+        try:
+            self.sock.sendall(p.encode_request(command, message))
+        except OSError as exc:
+            raise WorkerError(f"worker {self.endpoint} dropped the connection during {command.name}: {exc}") from None
+
+    def call(self, command: Command, message=None) -> bytes:
+        """A request and its reply payload."""
+        self.send(command, message)
+        try:
+            while (payload := self.reader.next_payload(command)) is None:
+                chunk = self.sock.recv(1 << 20)
+                if not chunk:
+                    raise WorkerError(f"worker {self.endpoint} closed the connection during {command.name}")
+                self.reader.feed(chunk)
+        except OSError as exc:
+            raise WorkerError(f"worker {self.endpoint} failed during {command.name}: {exc}") from None
+        except ProtocolError as exc:
+            raise WorkerError(f"worker {self.endpoint}: {exc}") from None
+        return payload
+
+    # -- typed helpers -----------------------------------------------------------------------------
+
+    def device_memory(self, device: int = 0) -> tuple[int, int]:
+        r = p.GetDeviceMemoryResponse.decode(self.call(Command.GET_DEVICE_MEMORY, p.DeviceRequest(device)))
+        return r.free_mem, r.total_mem
+
+    def alignment(self, device: int = 0) -> int:
+        return p.U64Response.decode(self.call(Command.GET_ALIGNMENT, p.DeviceRequest(device))).value
+
+    def alloc_buffer(self, size: int, device: int = 0) -> tuple[int, int]:
+        """(handle, base address) of a new buffer; raises WorkerError if it does not fit."""
+        r = p.AllocBufferResponse.decode(self.call(Command.ALLOC_BUFFER, p.AllocBufferRequest(device, size)))
+        if r.remote_ptr == 0:
+            raise WorkerError(f"worker {self.endpoint} cannot allocate {size} bytes")
+        base = p.U64Response.decode(self.call(Command.BUFFER_GET_BASE, p.BufferRequest(r.remote_ptr))).value
+        return r.remote_ptr, base
+
+    def free_buffer(self, handle: int) -> None:
+        self.send(Command.FREE_BUFFER, p.BufferRequest(handle))
+
+    def set_tensor(self, tensor: p.RpcTensor, data: bytes, offset: int = 0) -> None:
+        self.send(Command.SET_TENSOR, p.SetTensorRequest(tensor, 0, offset, memoryview(data)))
+
+    def get_tensor(self, tensor: p.RpcTensor, size: int, offset: int = 0) -> bytes:
+        return self.call(Command.GET_TENSOR, p.GetTensorRequest(tensor, offset, size))
+
+    def graph_compute(self, nodes, tensors, device: int = 0) -> None:
+        self.send(Command.GRAPH_COMPUTE, p.GraphComputeRequest(device, nodes, tensors))
+
+    def graph_recompute(self, device: int = 0) -> None:
+        self.send(Command.GRAPH_RECOMPUTE, p.DeviceRequest(device))

@@ -1,0 +1,70 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from orchestrator.client import RpcClient
+from rpcserver import protocol as p
+from rpcserver.ggml import GGMLOp, GGMLType, contiguous_strides, nbytes
+from tools import reference
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    w = reference.start_worker("ours", tmp_path_factory.mktemp("worker"), mem_mib=256, timeout=300)
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def connect(worker):
+    clients = []
+
+    def make():
+        c = RpcClient(worker.address, timeout=120)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+class GraphBuilder:
+    """Lays tensors out in one buffer of a connection and serializes graphs over them."""
+
+    _ids = itertools.count(0x1000, 0x10)
+
+    def __init__(self, client: RpcClient, size: int = 1 << 20):
+        self.client = client
+        self.handle, self.base = client.alloc_buffer(size)
+        self.size = size
+        self.used = 0
+        self.tensors: dict[int, p.RpcTensor] = {}
+
+    def tensor(self, type_, ne, *, op=GGMLOp.NONE, src=(), params=b"", data=None, name="", view_of=None,
+               view_offs=0, nb=None) -> p.RpcTensor:
+        ne = tuple(ne) + (1,) * (4 - len(ne))
+        nb = nb or contiguous_strides(GGMLType(type_), ne)
+        if view_of is not None:
+            addr = view_of.data + view_offs
+        else:
+            addr = self.base + self.used
+            self.used += (nbytes(GGMLType(type_), ne, nb) + 31) // 32 * 32
+            assert self.used <= self.size
+        t = p.RpcTensor(id=next(self._ids), type=int(type_), buffer=self.handle, ne=ne, nb=nb, op=int(op),
+                        op_params=bytes(params).ljust(64, b"\0"), src=tuple(s.id for s in src),
+                        view_src=view_of.id if view_of is not None else 0, view_offs=view_offs,
+                        data=addr, name=name)
+        self.tensors[t.id] = t
+        if data is not None:
+            self.client.set_tensor(t, np.ascontiguousarray(data).tobytes())
+        return t
+
+    def compute(self, *nodes: p.RpcTensor) -> None:
+        records = np.concatenate([t.to_record() for t in self.tensors.values()])
+        self.client.graph_compute(np.array([n.id for n in nodes], dtype="<u8"), records)
+
+    def read(self, t: p.RpcTensor, dtype) -> np.ndarray:
+        size = nbytes(GGMLType(t.type), t.ne, t.nb)
+        return np.frombuffer(self.client.get_tensor(t, size), dtype=dtype)

@@ -1,0 +1,119 @@
+"""Our worker over real TCP: memory lifecycle, isolation between clients, and compute correctness."""
+
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from orchestrator.client import RpcClient, WorkerError
+from rpcserver import protocol as p
+from rpcserver.ggml import GGMLOp, GGMLType
+from rpcserver.protocol import Command
+
+from .conftest import GraphBuilder
+
+MiB = 1 << 20
+
+
+def test_handshake_and_device_queries(connect):
+    c = connect()
+    assert c.version == p.PROTOCOL_VERSION
+    assert p.DeviceCountResponse.decode(c.call(Command.DEVICE_COUNT)).device_count == 1
+    assert c.alignment() == 32
+    free, total = c.device_memory()
+    assert total == 256 * MiB and 0 < free <= total
+
+
+def test_buffers_are_accounted_and_freed_when_the_client_disconnects(connect):
+    observer = connect()
+    free0, _ = observer.device_memory()
+    c = connect()
+    c.alloc_buffer(10 * MiB)
+    handle, _ = c.alloc_buffer(6 * MiB)
+    assert observer.device_memory()[0] == free0 - 16 * MiB
+    c.free_buffer(handle)
+    assert c.device_memory()[0] == free0 - 10 * MiB
+    c.close()
+    deadline = time.monotonic() + 30
+    while observer.device_memory()[0] != free0:
+        assert time.monotonic() < deadline, "buffers of a closed connection were not freed"
+        time.sleep(0.05)
+
+
+def test_alloc_beyond_the_budget_answers_a_null_buffer_and_keeps_the_connection(connect):
+    c = connect()
+    r = p.AllocBufferResponse.decode(c.call(Command.ALLOC_BUFFER, p.AllocBufferRequest(0, 10**12)))
+    assert (r.remote_ptr, r.remote_size) == (0, 0)
+    assert c.device_memory()[1] == 256 * MiB  # still usable
+
+
+def test_set_get_copy_memset_clear_round_trip(connect):
+    c = connect()
+    g = GraphBuilder(c)
+    data = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    a = g.tensor(GGMLType.F32, (1000,), data=data)
+    b = g.tensor(GGMLType.F32, (1000,))
+    assert np.array_equal(g.read(a, np.float32), data)
+    assert p.U8Response.decode(c.call(Command.COPY_TENSOR, p.CopyTensorRequest(a, b))).result == 1
+    assert np.array_equal(g.read(b, np.float32), data)
+    c.send(Command.MEMSET_TENSOR, p.MemsetTensorRequest(b, 8, 16, 0))
+    expect = data.copy()
+    expect[2:6] = 0
+    assert np.array_equal(g.read(b, np.float32), expect)
+    assert c.get_tensor(a, 8, offset=4) == data[1:3].tobytes()
+    c.send(Command.BUFFER_CLEAR, p.BufferClearRequest(g.handle, 0))
+    assert not g.read(a, np.uint8).any()
+
+
+def test_graph_compute_and_recompute_follow_new_inputs(connect):
+    c = connect()
+    g = GraphBuilder(c)
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((2, 3, 7)).astype(np.float32)
+    a = g.tensor(GGMLType.F32, (7, 3), data=x)
+    b = g.tensor(GGMLType.F32, (7, 3), data=y)
+    s = g.tensor(GGMLType.F32, (7, 3), op=GGMLOp.ADD, src=(a, b))
+    m = g.tensor(GGMLType.F32, (7, 3), op=GGMLOp.MUL, src=(s, a))
+    g.compute(s, m)
+    assert np.array_equal(g.read(m, np.float32).reshape(3, 7), (x + y) * x)
+    x2 = rng.standard_normal((3, 7)).astype(np.float32)
+    c.set_tensor(a, x2.tobytes())
+    c.graph_recompute()
+    assert np.array_equal(g.read(m, np.float32).reshape(3, 7), (x2 + y) * x2)
+
+
+def test_two_clients_at_once_get_their_own_results(connect):
+    c1, c2 = connect(), connect()
+    g1, g2 = GraphBuilder(c1), GraphBuilder(c2)
+    v1 = np.arange(64, dtype=np.float32)
+    v2 = -np.arange(64, dtype=np.float32)
+    a1 = g1.tensor(GGMLType.F32, (64,), data=v1)
+    a2 = g2.tensor(GGMLType.F32, (64,), data=v2)
+    s1 = g1.tensor(GGMLType.F32, (64,), op=GGMLOp.ADD, src=(a1, a1))
+    s2 = g2.tensor(GGMLType.F32, (64,), op=GGMLOp.ADD, src=(a2, a2))
+    g1.compute(s1)
+    g2.compute(s2)
+    assert np.array_equal(g2.read(s2, np.float32), 2 * v2)
+    assert np.array_equal(g1.read(s1, np.float32), 2 * v1)
+
+
+def test_a_client_stalled_mid_message_does_not_delay_another(worker, connect):
+    staller = connect()
+    g = GraphBuilder(staller)
+    t = g.tensor(GGMLType.F32, (256,))
+    header = p.encode_request(Command.SET_TENSOR, p.SetTensorRequest(t, 0, 0, memoryview(bytes(1024))))
+    staller.sock.sendall(header[:400])  # header and part of the data, then silence
+    other = connect()
+    other.sock.settimeout(10)  # a stall would surface as a timeout here
+    for _ in range(20):
+        other.device_memory()
+    staller.sock.sendall(header[400:])
+    assert g.read(t, np.uint8).size == 1024
+
+
+def test_extension_probe_answers_with_our_magic(connect):
+    c = connect()
+    r = p.ExtHelloResponse.decode(c.call(Command.EXT_HELLO))
+    assert r.magic == p.EXT_MAGIC

