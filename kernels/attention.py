@@ -1,0 +1,444 @@
+"""FLASH_ATTN_EXT: softmax(scale * Q K^T + slope * mask) V per head, with GQA, softcap, ALiBi and sinks.
+
+q [DK, n_q, n_head, n_seq] F32; k [DK, n_kv, n_head_kv, n_seq] and v [DV, n_kv, n_head_kv, n_seq] F16 or
+F32 (usually strided views of the KV cache); mask F16 [>= n_kv, >= n_q, *, *]; sinks F32 [n_head].
+dst F32 [DV, n_head, n_q, n_seq]: the result is stored permuted, query rows outermost.
+op_params: [0] scale, [1] max_bias, [2] logit_softcap (float32), [3] precision (0 or 10: both F32).
+
+ggml-cpu (ops.cpp ggml_compute_forward_flash_attn_ext_f16) has three numerically different paths and
+we follow the one it would take, to the last bit of an AVX2+FMA build:
+- one query row at a time ("one_chunk"): Q rounded to F16 for an F16 K, dot products in the SIMD
+  lane order of ggml_vec_dot_f16, online softmax with glibc expf, and for an F16 V an accumulator
+  kept in F16 (rounded after every update);
+- tiled, when n_q >= 64 and K, V share a type: F32 Q, KQ by sequential FMA, 64-wide KV tiles whose
+  softmax uses ggml's vector exp, F32 accumulator;
+- split KV, for one decoded token over n_kv >= 512: each of ggml's threads takes a slice of the cache
+  and the partial results are merged, so the result depends on ggml's thread count (SPLIT_KV_THREADS).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numba
+import numpy as np
+from numba import prange
+
+from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+
+from .copy import parallel_worthwhile
+from .node import InvalidNode, Node, Tensor
+from .registry import OpKernel, register
+from .softmax import NEG_INF, alibi_slope, fma32, round_f16, vec_soft_max, widen_f16
+
+F32 = np.float32
+_jit = dict(cache=True, nogil=True, fastmath=False)
+
+# ggml-rpc-server computes with hardware_concurrency()/2 threads unless told otherwise (-t)
+SPLIT_KV_THREADS = max(1, (os.cpu_count() or 2) // 2)
+SPLIT_KV_MIN = 512  # n_kv from which ggml splits a single query over threads
+TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path
+TILE_KV = 64  # GGML_FA_TILE_KV
+
+
+BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time
+
+
+@numba.njit(inline="always", **_jit)
+def _lane_dots(kt2, q, b0, b1, f16, lanes, scores):
+    """scores[j] = ggml's vec_dot of K row b0+j with q, for j < b1-b0 (K given transposed, (DK, n_kv)).
+
+    ggml_vec_dot_f16/_f32 keep 32 lanes of FMA accumulators (lane t sums elements t, t+32, ...),
+    add them up in a fixed tree, and finish the last DK % 32 elements in double (F16) or float (F32).
+    """
+    n = b1 - b0
+    dk = q.shape[0]
+    nb = dk & ~31
+    for t in range(32):
+        lane = lanes[t]
+        lane[:n] = 0
+        for i in range(t, nb, 32):
+            qi = q[i]
+            krow = kt2[i, b0:b1]
+            for j in range(n):
+                lane[j] = fma32(krow[j], qi, lane[j])
+    for j in range(n):
+        l0 = (lanes[0, j] + lanes[16, j]) + (lanes[8, j] + lanes[24, j])
+        l1 = (lanes[1, j] + lanes[17, j]) + (lanes[9, j] + lanes[25, j])
+        l2 = (lanes[2, j] + lanes[18, j]) + (lanes[10, j] + lanes[26, j])
+        l3 = (lanes[3, j] + lanes[19, j]) + (lanes[11, j] + lanes[27, j])
+        l4 = (lanes[4, j] + lanes[20, j]) + (lanes[12, j] + lanes[28, j])
+        l5 = (lanes[5, j] + lanes[21, j]) + (lanes[13, j] + lanes[29, j])
+        l6 = (lanes[6, j] + lanes[22, j]) + (lanes[14, j] + lanes[30, j])
+        l7 = (lanes[7, j] + lanes[23, j]) + (lanes[15, j] + lanes[31, j])
+        scores[j] = ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7))
+    if nb < dk:
+        for j in range(n):
+            if f16:
+                total = np.float64(scores[j])
+                for i in range(nb, dk):
+                    total += np.float64(kt2[i, b0 + j] * q[i])
+                scores[j] = F32(total)
+            else:
+                s = scores[j]
+                for i in range(nb, dk):
+                    s = s + kt2[i, b0 + j] * q[i]  # not contracted in ggml_vec_dot_f32
+                scores[j] = s
+
+
+@numba.njit(**_jit)
+def _row_one_chunk(qrow, kt2, v2, mrow, has_mask, slope, scale, softcap, ic0, ic1, f16_k, f16_v, vkq):
+    """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
+
+    kt2 is one kv head's K transposed (DK, n_kv) and v2 its V rows (n_kv, DV), as float32; f16_k/f16_v
+    say whether ggml holds them as F16, which makes it round the query to F16 and keep the V
+    accumulator in F16.
+    """
+    dk = qrow.shape[0]
+    dv = vkq.shape[0]
+    q = np.empty(dk, F32)
+    for i in range(dk):
+        q[i] = round_f16(qrow[i]) if f16_k else qrow[i]
+    lanes = np.empty((32, BLOCK_KV), F32)
+    scores = np.empty(BLOCK_KV, F32)
+    vkq[:] = 0
+    S = F32(0.0)
+    M = NEG_INF
+    for b0 in range(ic0, ic1, BLOCK_KV):
+        b1 = min(b0 + BLOCK_KV, ic1)
+        _lane_dots(kt2, q, b0, b1, f16_k, lanes, scores)
+        for ic in range(b0, b1):
+            mv = slope * mrow[ic] if has_mask else F32(0.0)
+            if mv == NEG_INF:
+                continue
+            s = scores[ic - b0] * scale
+            if softcap != F32(0.0):
+                s = softcap * math.tanh(s)
+            s = s + mv
+            ms = F32(1.0)
+            vs = F32(1.0)
+            if s > M:
+                Mold = M
+                M = s
+                ms = math.exp(Mold - M)
+                for d in range(dv):
+                    vkq[d] = vkq[d] * ms
+                if f16_v:
+                    for d in range(dv):
+                        vkq[d] = round_f16(vkq[d])
+            else:
+                vs = math.exp(s - M)
+            # ggml_vec_mad_*: FMA in blocks of 32 and (contracted) leftovers alike
+            vrow = v2[ic]
+            if f16_v:
+                for d in range(dv):
+                    vkq[d] = round_f16(fma32(vrow[d], vs, vkq[d]))
+            else:
+                for d in range(dv):
+                    vkq[d] = fma32(vrow[d], vs, vkq[d])
+            S = fma32(S, ms, vs)
+    return M, S
+
+
+@numba.njit(inline="always", **_jit)
+def _apply_sink(sink, M, S, vkq):
+    ms = F32(1.0)
+    vs = F32(1.0)
+    if sink > M:
+        ms = math.exp(M - sink)
+        for d in range(vkq.shape[0]):
+            vkq[d] *= ms
+    else:
+        vs = math.exp(sink - M)
+    return fma32(S, ms, vs)
+
+
+@numba.njit(inline="always", **_jit)
+def _row_index(r, n_q, n_head):
+    return r // (n_head * n_q), (r // n_q) % n_head, r % n_q
+
+
+@numba.njit(**_jit)
+def _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out):
+    n_seq, n_head, n_q, _ = q.shape
+    iq3, iq2, iq1 = _row_index(r, n_q, n_head)
+    slope = alibi_slope(max_bias, n_head, iq2)
+    kt2 = kt[iq3 // (n_seq // kt.shape[0]), iq2 // (n_head // kt.shape[1])]
+    v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
+    mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
+    vkq = np.empty(v.shape[3], F32)
+    M, S = _row_one_chunk(q[iq3, iq2, iq1], kt2, v2, mrow, has_mask, slope, scale, softcap,
+                          0, kt.shape[3], f16_k, f16_v, vkq)
+    if has_sinks:
+        S = _apply_sink(sinks[iq2], M, S, vkq)
+    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
+    for d in range(vkq.shape[0]):
+        out[iq3, iq1, iq2, d] = vkq[d] * inv
+
+
+@numba.njit(parallel=True, **_jit)
+def _fa_one_chunk(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out,
+                  parallel):
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out)
+    else:
+        for r in range(n_rows):
+            _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out)
+
+
+@numba.njit(**_jit)
+def _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v,
+                part):
+    """Head w // n_chunks over cache slice w % n_chunks: (M, S, unnormalized VKQ) into part."""
+    n_head = q.shape[1]
+    n_kv = kt.shape[3]
+    chunk = (n_kv + n_chunks - 1) // n_chunks
+    h, c = w // n_chunks, w % n_chunks
+    ic0 = c * chunk
+    if ic0 >= n_kv:
+        part[h, c, 0] = NEG_INF
+        part[h, c, 1] = F32(0.0)
+        return
+    slope = alibi_slope(max_bias, n_head, h)
+    kt2 = kt[0, h // (n_head // kt.shape[1])]
+    v2 = v[0, h // (n_head // v.shape[1])]
+    vkq = part[h, c, 2:]
+    M, S = _row_one_chunk(q[0, h, 0], kt2, v2, mask[0, h % mask.shape[1], 0], has_mask, slope, scale,
+                          softcap, ic0, min(ic0 + chunk, n_kv), f16_k, f16_v, vkq)
+    if has_sinks and c == 0:  # ggml applies the sink with the first slice only
+        S = _apply_sink(sinks[h], M, S, vkq)
+    part[h, c, 0] = M
+    part[h, c, 1] = S
+
+
+@numba.njit(**_jit)
+def _split_merge(h, part, out):
+    """ggml_flash_attn_ext_reduce_partials for head h."""
+    dv = part.shape[2] - 2
+    M = NEG_INF
+    S = F32(0.0)
+    acc = np.zeros(dv, F32)
+    for c in range(part.shape[1]):
+        Mc, Sc = part[h, c, 0], part[h, c, 1]
+        if Sc == F32(0.0):
+            continue
+        Mn = max(M, Mc)
+        so = math.exp(M - Mn)
+        sn = math.exp(Mc - Mn)
+        for d in range(dv):
+            acc[d] = fma32(acc[d], so, part[h, c, 2 + d] * sn)
+        S = fma32(S, so, Sc * sn)
+        M = Mn
+    inv = F32(1.0) / S if S != F32(0.0) else F32(1.0)
+    for d in range(dv):
+        out[0, 0, h, d] = acc[d] * inv
+
+
+@numba.njit(parallel=True, **_jit)
+def _fa_split_kv(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, n_chunks, out,
+                 parallel):
+    """One query, every head, the cache cut into n_chunks slices merged the way ggml reduces them."""
+    n_head = q.shape[1]
+    part = np.zeros((n_head, n_chunks, 2 + v.shape[3]), F32)
+    if parallel:
+        for w in prange(n_head * n_chunks):
+            _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
+                        f16_k, f16_v, part)
+        for h in prange(n_head):
+            _split_merge(h, part, out)
+    else:
+        for w in range(n_head * n_chunks):
+            _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
+                        f16_k, f16_v, part)
+        for h in range(n_head):
+            _split_merge(h, part, out)
+
+
+@numba.njit(**_jit)
+def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out):
+    n_seq, n_head, n_q, dk = q.shape
+    n_kv = kt.shape[3]
+    dv = v.shape[3]
+    iq3, iq2, iq1 = _row_index(r, n_q, n_head)
+    slope = alibi_slope(max_bias, n_head, iq2)
+    kt2 = kt[iq3 // (n_seq // kt.shape[0]), iq2 // (n_head // kt.shape[1])]
+    v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
+    mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
+    qrow = q[iq3, iq2, iq1]
+    kq = np.empty(TILE_KV, F32)
+    vkq = np.zeros(dv, F32)
+    S = F32(0.0)
+    M = NEG_INF
+    for ic in range(0, n_kv, TILE_KV):
+        n = min(TILE_KV, n_kv - ic)
+        kq[:] = 0
+        for d in range(dk):  # simd_gemm: one FMA chain per score, over d in order
+            qd = qrow[d]
+            krow = kt2[d, ic : ic + n]
+            for t in range(n):
+                kq[t] = fma32(krow[t], qd, kq[t])
+        for t in range(n):
+            kq[t] = kq[t] * scale
+        if softcap != F32(0.0):
+            for t in range(n):
+                kq[t] = math.tanh(kq[t]) * softcap
+        if has_mask:
+            mseg = mrow[ic : ic + n]
+            for t in range(n):
+                kq[t] += slope * mseg[t]
+        kq[n:] = NEG_INF
+        tile_max = NEG_INF
+        for t in range(TILE_KV):
+            tile_max = tile_max if tile_max > kq[t] else kq[t]
+        if tile_max == NEG_INF:
+            continue
+        Mnew = max(M, tile_max)
+        if Mnew > M:
+            ms = math.exp(M - Mnew)
+            for d in range(dv):
+                vkq[d] *= ms
+            S *= ms
+        M = Mnew
+        S = F32(np.float64(S) + vec_soft_max(TILE_KV, kq, kq, Mnew))
+        for t in range(n):  # simd_gemm: one FMA chain per output, over the tile's rows in order
+            pt = kq[t]
+            vrow = v2[ic + t]
+            for d in range(dv):
+                vkq[d] = fma32(vrow[d], pt, vkq[d])
+    if has_sinks:
+        S = _apply_sink(sinks[iq2], M, S, vkq)
+    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
+    for d in range(dv):
+        out[iq3, iq1, iq2, d] = vkq[d] * inv
+
+
+@numba.njit(parallel=True, **_jit)
+def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, parallel):
+    """kt is K transposed per head, (n_seq, n_head_kv, DK, n_kv), so a tile's scores vectorize."""
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out)
+    else:
+        for r in range(n_rows):
+            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out)
+
+
+class _Parts:
+    """A FLASH_ATTN_EXT node's operands, as the kernels take them."""
+
+    def __init__(self, node: Node):
+        self.q, self.k, self.v = node.src[:3]
+        self.mask = node.src[3] if len(node.src) > 3 else None
+        self.sinks = node.src[4] if len(node.src) > 4 else None
+        self.scale, self.max_bias, self.softcap = (F32(node.param_f32(i)) for i in range(3))
+        if self.softcap != 0:
+            self.scale = F32(self.scale / self.softcap)
+
+    def path(self) -> str:
+        q, k, v = self.q, self.k, self.v
+        if k.type == v.type and q.ne[1] == 1 and q.ne[3] == 1 and k.ne[1] >= SPLIT_KV_MIN:
+            return "split"
+        if k.type == v.type and q.ne[1] >= TILE_Q:
+            return "tiled"
+        return "one_chunk"
+
+
+def _f32(t: Tensor, transpose: bool = False) -> np.ndarray:
+    """A tensor's values as a contiguous float32 array (F16 widens exactly), optionally with its two
+    inner axes swapped."""
+    if t.type == GGMLType.F16:
+        return widen_f16(t, transpose)
+    a = t.array()
+    return np.ascontiguousarray(a.transpose(0, 1, 3, 2) if transpose else a, dtype=F32)
+
+
+def check_flash_attn_ext(node: Node) -> None:
+    q, k, v = node.srcs(3)
+    p = _Parts(node)
+    mask, sinks, dst = p.mask, p.sinks, node.dst
+    if q.type != GGMLType.F32:
+        raise InvalidNode("FLASH_ATTN_EXT: q must be F32")
+    for name, t in (("k", k), ("v", v)):
+        if TYPE_TRAITS[t.type].is_quantized:
+            raise InvalidNode(f"FLASH_ATTN_EXT: quantized {name} ({t.type.name}) is not supported yet")
+        if t.type not in (GGMLType.F16, GGMLType.F32):
+            raise InvalidNode(f"FLASH_ATTN_EXT: {name} must be F16 or F32, got {t.type.name}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.nb[0] != TYPE_TRAITS[t.type].type_size:
+            raise InvalidNode(f"FLASH_ATTN_EXT: rows of {name} must be contiguous")
+    if k.ne[0] != q.ne[0] or v.ne[1] != k.ne[1]:
+        raise InvalidNode(f"FLASH_ATTN_EXT: q {q.ne}, k {k.ne}, v {v.ne} do not fit together")
+    if q.ne[3] != k.ne[3] or q.ne[3] != v.ne[3] or q.ne[2] % k.ne[2] or q.ne[2] % v.ne[2]:
+        raise InvalidNode(f"FLASH_ATTN_EXT: heads of q {q.ne} do not broadcast over k {k.ne} / v {v.ne}")
+    if mask is not None:
+        if mask.type != GGMLType.F16 or mask.nb[0] != 2:
+            raise InvalidNode("FLASH_ATTN_EXT: mask must be F16 with contiguous rows")
+        if mask.ne[0] < k.ne[1] or mask.ne[1] < q.ne[1] or q.ne[2] % mask.ne[2] or q.ne[3] % mask.ne[3]:
+            raise InvalidNode(f"FLASH_ATTN_EXT: mask {mask.ne} does not cover q {q.ne} x n_kv {k.ne[1]}")
+    elif p.max_bias > 0:
+        raise InvalidNode("FLASH_ATTN_EXT: max_bias (ALiBi) needs a mask")
+    if sinks is not None and (sinks.type != GGMLType.F32 or sinks.ne != (q.ne[2], 1, 1, 1)):
+        raise InvalidNode("FLASH_ATTN_EXT: sinks must be an F32 vector with one value per head")
+    if node.param_i32(3) not in (0, 10):
+        raise InvalidNode(f"FLASH_ATTN_EXT: precision {node.param_i32(3)} is not supported by ggml-cpu")
+    expect = (v.ne[0], q.ne[2], q.ne[1], q.ne[3])
+    if dst.type != GGMLType.F32 or dst.ne != expect or not dst.is_contiguous():
+        raise InvalidNode(f"FLASH_ATTN_EXT: dst must be contiguous F32 {expect}, got {dst.type.name} {dst.ne}")
+
+
+def forward_flash_attn_ext(node: Node) -> None:
+    p = _Parts(node)
+    kt, v = _f32(p.k, transpose=True), _f32(p.v)
+    mask = _f32(p.mask) if p.mask is not None else np.zeros((1, 1, 1, 1), F32)
+    sinks = p.sinks.array()[0, 0, 0] if p.sinks is not None else np.zeros(1, F32)
+    common = (mask, p.mask is not None, sinks, p.sinks is not None, p.scale, p.max_bias, p.softcap)
+    out = node.dst.array()  # (n_seq, n_q, n_head, DV)
+    q = p.q.array()
+    f16_k, f16_v = p.k.type == GGMLType.F16, p.v.type == GGMLType.F16
+    parallel = parallel_worthwhile(q.shape[0] * q.shape[1] * q.shape[2] * kt.shape[3], cost=q.shape[3] + v.shape[3])
+    path = p.path()
+    if path == "split":
+        _fa_split_kv(q, kt, v, *common, f16_k, f16_v, SPLIT_KV_THREADS, out, parallel)
+    elif path == "tiled":
+        _fa_tiled(q, kt, v, *common, out, parallel)
+    else:
+        _fa_one_chunk(q, kt, v, *common, f16_k, f16_v, out, parallel)
+
+
+def reference_flash_attn_ext(node: Node) -> None:
+    """numpy twin: plain softmax(scale*QK^T + slope*mask)V in float64 from the values ggml multiplies
+    (Q rounded to F16 on the F16-K paths that do so); agrees with the kernels to float32 rounding."""
+    p = _Parts(node)
+    q = p.q.array().astype(np.float64)
+    if p.k.type == GGMLType.F16 and p.path() != "tiled":
+        q = q.astype(np.float16).astype(np.float64)
+    k = p.k.array().astype(np.float64)
+    v = p.v.array().astype(np.float64)
+    n_head = q.shape[1]
+    k = np.repeat(k, n_head // k.shape[1], axis=1)
+    v = np.repeat(v, n_head // v.shape[1], axis=1)
+    s = np.einsum("shqd,shkd->shqk", q, k) * np.float64(p.scale)
+    if p.softcap != 0:
+        s = np.float64(p.softcap) * np.tanh(s)
+    if p.mask is not None:
+        m = p.mask.array()[..., : q.shape[2], : k.shape[2]].astype(np.float64)
+        m = np.tile(m, (q.shape[0] // m.shape[0], n_head // m.shape[1], 1, 1))
+        slopes = np.array([alibi_slope(p.max_bias, n_head, h) for h in range(n_head)], np.float64)
+        s = s + slopes[None, :, None, None] * m
+    mx = s.max(-1, keepdims=True)
+    if p.sinks is not None:
+        sk = p.sinks.array()[0, 0, 0].astype(np.float64)[None, :, None, None]
+        mx = np.maximum(mx, sk)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - mx)
+        total = e.sum(-1, keepdims=True) + (np.exp(sk - mx) if p.sinks is not None else 0.0)
+        o = np.einsum("shqk,shkd->shqd", e, v) / total
+    o = np.where(total > 0, o, 0.0)  # rows with every position masked come out as zeros, as in ggml
+    node.dst.array()[...] = o.transpose(0, 2, 1, 3).astype(F32)
+
+
+register(GGMLOp.FLASH_ATTN_EXT)(OpKernel(check_flash_attn_ext, forward_flash_attn_ext, reference_flash_attn_ext))

@@ -1,0 +1,499 @@
+"""DUP, CPY, CONT and SET_ROWS: moving elements between tensors, converting type on the way.
+
+ggml's copy semantics (ops.cpp `ggml_compute_forward_dup*`): the source is read in row-major order of
+its own shape and the destination is filled in row-major order of *its* shape; only the element counts
+must agree. Conversions go through f32, as ggml's `type_conversion_table` does.
+
+This module is also the home of the scalar float conversions other kernels share (F16 and BF16 bit
+patterns <-> f32), written to match what this x86 build of ggml does: F16C round-to-nearest-even for
+F16, ggml's own rounding formula for BF16.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import prange
+from numba.core import types
+from numba.extending import intrinsic
+
+from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+
+from .node import InvalidNode, Node, Tensor
+from .registry import OpKernel, register
+
+JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
+
+# ---------------------------------------------------------------------------------------------
+# bit casts and scalar conversions
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """Reinterpret the low 32 bits of an integer as a float32."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        word = context.cast(builder, args[0], sig.args[0], types.uint32)
+        return builder.bitcast(word, context.get_value_type(types.float32))
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def f32_to_bits(typingctx, value):
+    """Reinterpret a float32 as a uint32."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        single = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.bitcast(single, context.get_value_type(types.uint32))
+
+    return types.uint32(value), codegen
+
+
+@numba.njit(**JIT)
+def f16_to_f32_soft(h):
+    """An F16 bit pattern (any integer holding 16 bits) as float32; NaNs come out quiet, as with F16C."""
+    h = np.uint32(h) & np.uint32(0xFFFF)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    man = h & np.uint32(0x3FF)
+    if exp == 0x1F:
+        quiet = np.uint32(0x400000) if man != 0 else np.uint32(0)
+        return f32_from_bits(sign | np.uint32(0x7F800000) | quiet | (man << np.uint32(13)))
+    if exp == 0:
+        # zero or subnormal: man * 2^-24 is exact in float32
+        mag = np.float32(man) * np.float32(5.9604644775390625e-08)
+        return -mag if sign else mag
+    return f32_from_bits(sign | ((exp + np.uint32(112)) << np.uint32(23)) | (man << np.uint32(13)))
+
+
+@numba.njit(**JIT)
+def f32_to_f16_soft(value):
+    """float32 -> F16 bits (uint16), round-to-nearest-even like the F16C `vcvtps2ph` ggml uses here."""
+    u = f32_to_bits(np.float32(value))
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    if a > 0x7F800000:  # NaN: keep the top payload bits, force quiet
+        return np.uint16(sign | np.uint32(0x7E00) | ((a >> np.uint32(13)) & np.uint32(0x3FF)))
+    if a >= 0x477FF000:  # rounds to (or is) infinity
+        return np.uint16(sign | np.uint32(0x7C00))
+    if a >= 0x38800000:  # normal in f16: rebias the exponent, round the dropped 13 bits
+        r = a - np.uint32(0x38000000)
+        r = r + np.uint32(0xFFF) + ((r >> np.uint32(13)) & np.uint32(1))
+        return np.uint16(sign | (r >> np.uint32(13)))
+    # f16 subnormal (or zero): count units of 2^-24, rounding half to even
+    e = np.int64(a >> np.uint32(23))
+    shift = 126 - e
+    if shift >= 25:
+        return np.uint16(sign)  # under half a unit (f32 subnormals included): rounds to zero
+    m = np.int64((a & np.uint32(0x7FFFFF)) | np.uint32(0x800000))
+    q = m >> shift
+    rem = m & ((np.int64(1) << shift) - 1)
+    half = np.int64(1) << (shift - 1)
+    if rem > half or (rem == half and (q & 1) == 1):
+        q += 1
+    return np.uint16(sign | np.uint32(q))
+
+
+@intrinsic
+def _f32_to_f16_hw(typingctx, value):
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        single = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.bitcast(builder.fptrunc(single, ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(value), codegen
+
+
+@intrinsic
+def _f16_to_f32_hw(typingctx, bits):
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        word = context.cast(builder, args[0], sig.args[0], types.uint16)
+        return builder.fpext(builder.bitcast(word, ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+# With F16C, LLVM lowers half conversions to vcvtps2ph/vcvtph2ps, the very instructions ggml uses;
+# elsewhere the bit-twiddling versions above give the same results.
+_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+@numba.njit(inline="always", **JIT)
+def f16_to_f32(h):
+    if _F16C:
+        return _f16_to_f32_hw(np.uint16(h))
+    return f16_to_f32_soft(h)
+
+
+@numba.njit(inline="always", **JIT)
+def f32_to_f16(value):
+    if _F16C:
+        return _f32_to_f16_hw(np.float32(value))
+    return f32_to_f16_soft(value)
+
+
+@numba.njit(inline="always", **JIT)
+def bf16_to_f32(h):
+    return f32_from_bits((np.uint32(h) & np.uint32(0xFFFF)) << np.uint32(16))
+
+
+@numba.njit(inline="always", **JIT)
+def f32_to_bf16(value):
+    """ggml_compute_fp32_to_bf16: round to nearest even; NaNs are truncated and forced quiet."""
+    u = f32_to_bits(np.float32(value))
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(64))
+    return np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16))
+
+
+@numba.njit(inline="always", **JIT)
+def f32_to_i32(value):
+    """C float->int32 on x86 (cvttss2si): truncate; NaN and out-of-range give INT32_MIN."""
+    v = np.float32(value)
+    if v >= np.float32(-2147483648.0) and v < np.float32(2147483648.0):
+        return np.int32(v)
+    return np.int32(-2147483648)
+
+
+# numpy twins of the conversions, for references and tests
+
+def np_f16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def np_f32_to_f16_bits(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).astype(np.float16).view(np.uint16)
+
+
+def np_bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def np_f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
+
+
+def np_f32_to_i32(values: np.ndarray) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float32)
+    ok = (v >= -2147483648.0) & (v < 2147483648.0)
+    return np.where(ok, np.trunc(np.where(ok, v, 0)).astype(np.int64), -2147483648).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# storage kinds: how a kernel reads/writes the elements of an array
+
+KIND_F32, KIND_F16, KIND_BF16, KIND_I32, KIND_RAW = 0, 1, 2, 3, 4
+
+KINDS = {GGMLType.F32: KIND_F32, GGMLType.F16: KIND_F16, GGMLType.BF16: KIND_BF16, GGMLType.I32: KIND_I32}
+
+# numpy views numba can handle: half floats travel as their uint16 bit patterns
+_STORAGE = {GGMLType.F32: np.float32, GGMLType.F16: np.uint16, GGMLType.BF16: np.uint16, GGMLType.I32: np.int32}
+_RAW_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def storage(t: Tensor) -> np.ndarray:
+    """The tensor's (ne3, ne2, ne1, ne0) strided view in a numba-friendly dtype (F16/BF16 as uint16)."""
+    return t.array().view(_STORAGE[t.type])
+
+
+def raw_storage(t: Tensor) -> np.ndarray:
+    """A plain type's elements as unsigned integers of the same width: copies without conversion."""
+    return t.array().view(_RAW_UINTS[TYPE_TRAITS[t.type].type_size])
+
+
+@numba.njit(inline="always", **JIT)
+def load_f32(v, kind):
+    """One stored element as float32."""
+    if kind == KIND_F16:
+        return f16_to_f32(np.uint32(v))
+    if kind == KIND_BF16:
+        return bf16_to_f32(np.uint32(v))
+    return np.float32(v)
+
+
+@numba.njit(inline="always", **JIT)
+def store_f32(dst, i3, i2, i1, i0, f, kind):
+    """Write float32 `f` into dst[i3, i2, i1, i0], converting to the storage kind."""
+    if kind == KIND_F16:
+        dst[i3, i2, i1, i0] = f32_to_f16(f)
+    elif kind == KIND_BF16:
+        dst[i3, i2, i1, i0] = f32_to_bf16(f)
+    elif kind == KIND_I32:
+        dst[i3, i2, i1, i0] = f32_to_i32(f)
+    else:
+        dst[i3, i2, i1, i0] = f
+
+
+# ---------------------------------------------------------------------------------------------
+# row loops. Each kernel is a per-row body plus one driver whose `parallel` flag picks prange or a
+# plain loop: threads pay off only on big tensors, on small ones (decode steps) waking them costs
+# more than the work. (A plain range loop in a parallel=True function never touches the pool.)
+
+PARALLEL_MIN_WORK = 1 << 18
+
+
+def parallel_worthwhile(n_elements: int, cost: int = 1) -> bool:
+    """Whether to use threads; `cost` weighs an element's work (1 = a load and a store)."""
+    return n_elements * cost >= PARALLEL_MIN_WORK
+
+
+@numba.njit(inline="always", **JIT)
+def row_coords(r, n1, n2):
+    """(i1, i2, i3) of flat row r in a (n3, n2, n1, n0) array."""
+    return r % n1, (r // n1) % n2, r // (n1 * n2)
+
+
+@numba.njit(inline="always", **JIT)
+def _unflatten(flat, d2, d1, d0):
+    """(j3, j2, j1, j0) of the row-major element index `flat` in a (.., d2, d1, d0) array."""
+    rest = flat // d0
+    return rest // (d1 * d2), (rest // d1) % d2, rest % d1, flat % d0
+
+
+@numba.njit(inline="always", **JIT)
+def _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, j0):
+    if skind == KIND_RAW:
+        dst[j3, j2, j1, j0] = src[i3, i2, i1, i0]
+    else:
+        store_f32(dst, j3, j2, j1, j0, load_f32(src[i3, i2, i1, i0], skind), dkind)
+
+
+@numba.njit(**JIT)
+def _copy_row(src, dst, skind, dkind, r):
+    """Source row r into the destination elements that follow it in row-major order."""
+    n0, d0 = src.shape[3], dst.shape[3]
+    i1, i2, i3 = row_coords(r, src.shape[2], src.shape[1])
+    j3, j2, j1, j0 = _unflatten(r * n0, dst.shape[1], dst.shape[2], d0)
+    if n0 == d0:  # rows of equal length map onto each other whole
+        for i0 in range(n0):
+            _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, i0)
+        return
+    for i0 in range(n0):
+        if j0 == d0:
+            j3, j2, j1, j0 = _unflatten(r * n0 + i0, dst.shape[1], dst.shape[2], d0)
+        _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, j0)
+        j0 += 1
+
+
+@numba.njit(parallel=True, **JIT)
+def _copy_rows(src, dst, skind, dkind, parallel):
+    n_rows = src.shape[0] * src.shape[1] * src.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _copy_row(src, dst, skind, dkind, r)
+    else:
+        for r in range(n_rows):
+            _copy_row(src, dst, skind, dkind, r)
+
+
+def _copy_arrays(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
+    if src.size:
+        _copy_rows(src, dst, skind, dkind, parallel_worthwhile(src.size))
+
+
+def convert_into(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
+    """Row-major converting copy between storage arrays (for other kernels' widen/narrow steps)."""
+    _copy_arrays(src, dst, skind, dkind)
+
+
+def widen_f32(t: Tensor) -> np.ndarray:
+    """A fresh contiguous float32 (ne3, ne2, ne1, ne0) copy of an F32/F16/BF16 tensor."""
+    out = np.empty((t.ne[3], t.ne[2], t.ne[1], t.ne[0]), dtype=np.float32)
+    _copy_arrays(storage(t), out, KINDS[t.type], KIND_F32)
+    return out
+
+
+def copy_tensor(src: Tensor, dst: Tensor) -> None:
+    """ggml_compute_forward_dup: fill dst from src in row-major order, converting the type if needed."""
+    if src.type != dst.type:
+        _copy_arrays(storage(src), storage(dst), KINDS[src.type], KINDS[dst.type])
+    elif not TYPE_TRAITS[src.type].is_quantized:
+        _copy_arrays(raw_storage(src), raw_storage(dst), KIND_RAW, KIND_RAW)
+    else:  # whole blocks, which lie contiguously within rows: row-major bytes = row-major blocks
+        _copy_arrays(src.rows(), dst.rows(), KIND_RAW, KIND_RAW)
+
+
+# ---------------------------------------------------------------------------------------------
+# DUP / CPY / CONT
+
+# (source type, destination type) pairs ggml's dup converts between, quantization aside
+_CONVERSIONS = {
+    (GGMLType.F16, GGMLType.F32), (GGMLType.F16, GGMLType.BF16),
+    (GGMLType.BF16, GGMLType.F32), (GGMLType.BF16, GGMLType.F16),
+    (GGMLType.F32, GGMLType.F16), (GGMLType.F32, GGMLType.BF16), (GGMLType.F32, GGMLType.I32),
+    (GGMLType.I32, GGMLType.F32),
+}
+
+
+def _nelements(t: Tensor) -> int:
+    return t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
+
+
+def _check_dup(node: Node) -> None:
+    (src,) = node.srcs(1)
+    dst = node.dst
+    if _nelements(src) != _nelements(dst):
+        raise InvalidNode(f"{node.op.name}: {_nelements(src)} source elements into {_nelements(dst)}")
+    if src.type != dst.type and (src.type, dst.type) not in _CONVERSIONS:
+        raise InvalidNode(f"{node.op.name}: no conversion {src.type.name} -> {dst.type.name}")
+    if src.type == dst.type and TYPE_TRAITS[src.type].is_quantized:
+        # blocks are moved whole, so each side's rows must consist of whole blocks
+        tt = TYPE_TRAITS[src.type]
+        if any(t.nb[0] != tt.type_size or t.ne[0] % tt.block_size for t in (src, dst)):
+            raise InvalidNode(f"{node.op.name}: quantized copy needs rows of whole, contiguous blocks")
+        # ggml-cpu's dup_bytes sizes rows in elements instead of blocks when only the destination is
+        # contiguous and the shapes differ, overrunning both tensors: refuse what it cannot do
+        both = src.is_contiguous() and dst.is_contiguous()
+        if dst.is_contiguous() and not both and src.ne != dst.ne:
+            raise InvalidNode(f"{node.op.name}: quantized copy from a strided source into a reshaped tensor")
+    if node.op == GGMLOp.CPY and len(node.src) > 1 and node.src[1] is not None:
+        target = node.src[1]
+        if target.type != dst.type or target.ne != dst.ne:
+            raise InvalidNode("CPY: result must be a view of its destination (src[1])")
+    if node.op in (GGMLOp.DUP, GGMLOp.CONT) and src.type != dst.type:
+        raise InvalidNode(f"{node.op.name}: result type must equal source type")
+
+
+def _forward_dup(node: Node) -> None:
+    copy_tensor(node.src[0], node.dst)
+
+
+def reference_copy_array(src: Tensor, dst: Tensor) -> None:
+    """numpy twin of copy_tensor."""
+    if src.type == dst.type:
+        s, d = (src.rows(), dst.rows()) if src.is_quantized else (raw_storage(src), raw_storage(dst))
+        d[...] = s.reshape(d.shape)  # reshape reads src row-major; assignment writes dst row-major
+        return
+    values = to_f32_reference(src).reshape(dst.ne[3], dst.ne[2], dst.ne[1], dst.ne[0])
+    storage(dst)[...] = from_f32_reference(values, dst.type)
+
+
+def to_f32_reference(t: Tensor) -> np.ndarray:
+    a = storage(t)
+    if t.type == GGMLType.F16:
+        return np_f16_bits_to_f32(a)
+    if t.type == GGMLType.BF16:
+        return np_bf16_bits_to_f32(a)
+    return a.astype(np.float32)
+
+
+def from_f32_reference(values: np.ndarray, type_: GGMLType) -> np.ndarray:
+    if type_ == GGMLType.F16:
+        return np_f32_to_f16_bits(values)
+    if type_ == GGMLType.BF16:
+        return np_f32_to_bf16_bits(values)
+    if type_ == GGMLType.I32:
+        return np_f32_to_i32(values)
+    return np.asarray(values, dtype=np.float32)
+
+
+def _reference_dup(node: Node) -> None:
+    reference_copy_array(node.src[0], node.dst)
+
+
+for _op in (GGMLOp.DUP, GGMLOp.CPY, GGMLOp.CONT):
+    register(_op)(OpKernel(_check_dup, _forward_dup, _reference_dup))
+
+
+# ---------------------------------------------------------------------------------------------
+# SET_ROWS: dst[idx[i, i2 % n11, i3 % n12], i2, i3] = convert(values[i, i2, i3])
+# sources: src0 = values (F32/F16), src1 = row indices (I64/I32), src2 = the destination tensor;
+# the node's result is a view of that destination, so it is what we write.
+
+_SET_ROWS_DST = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+
+def _check_set_rows(node: Node) -> None:
+    values, index = node.srcs(2)
+    dst = node.dst
+    if values.type not in (GGMLType.F32, GGMLType.F16):
+        raise InvalidNode(f"SET_ROWS: values must be F32 or F16, not {values.type.name}")
+    if index.type not in (GGMLType.I64, GGMLType.I32):
+        raise InvalidNode(f"SET_ROWS: indices must be I64 or I32, not {index.type.name}")
+    if dst.type not in _SET_ROWS_DST:
+        raise InvalidNode(f"SET_ROWS: destination type {dst.type.name} not supported")
+    if len(node.src) > 2 and node.src[2] is not None:
+        target = node.src[2]
+        if target.type != dst.type or target.ne != dst.ne:
+            raise InvalidNode("SET_ROWS: result must be a view of its destination (src[2])")
+    ve, ie, de = values.ne, index.ne, dst.ne
+    if de[0] != ve[0] or de[2] != ve[2] or de[3] != ve[3]:
+        raise InvalidNode(f"SET_ROWS: destination {de} and values {ve} disagree outside dim 1")
+    if ie[0] != ve[1]:
+        raise InvalidNode(f"SET_ROWS: {ie[0]} indices for {ve[1]} value rows")
+    if ie[3] != 1 or ie[1] == 0 or ie[2] == 0 or ve[2] % ie[1] != 0 or ve[3] % ie[2] != 0:
+        raise InvalidNode(f"SET_ROWS: indices {ie} cannot broadcast over values {ve}")
+    for t, what in ((values, "values"), (dst, "destination")):
+        if t.ne[0] != 1 and t.nb[0] != TYPE_TRAITS[t.type].type_size:
+            raise InvalidNode(f"SET_ROWS: {what} rows must be contiguous")
+
+
+@numba.njit(**JIT)
+def _set_rows_plane(values, idx, dst, vkind, dkind, p):
+    """All value rows of plane p = (i2, i3), in order, so a repeated index keeps the last row."""
+    n3, n2, n1, n0 = values.shape
+    i2 = p % n2
+    i3 = p // n2
+    for i1 in range(n1):
+        row = idx[0, i3 % idx.shape[1], i2 % idx.shape[2], i1]
+        for i0 in range(n0):
+            v = values[i3, i2, i1, i0]
+            if vkind == dkind and vkind != KIND_F32:
+                dst[i3, i2, row, i0] = v  # F16 into F16: a plain copy
+            else:
+                store_f32(dst, i3, i2, row, i0, load_f32(v, vkind), dkind)
+
+
+@numba.njit(parallel=True, **JIT)
+def _set_rows(values, idx, dst, vkind, dkind, parallel):
+    """Returns False, having written nothing, if an index is out of range."""
+    for v in idx.flat:
+        if v < 0 or v >= dst.shape[2]:
+            return False
+    n_planes = values.shape[0] * values.shape[1]
+    if parallel:
+        for p in prange(n_planes):
+            _set_rows_plane(values, idx, dst, vkind, dkind, p)
+    else:
+        for p in range(n_planes):
+            _set_rows_plane(values, idx, dst, vkind, dkind, p)
+    return True
+
+
+def _forward_set_rows(node: Node) -> None:
+    values, dst = node.src[0], node.dst
+    idx = node.src[1].array()
+    parallel = parallel_worthwhile(_nelements(values))
+    if not _set_rows(storage(values), idx, storage(dst), KINDS[values.type], KINDS[dst.type], parallel):
+        raise InvalidNode(f"SET_ROWS: row index out of range [0, {dst.ne[1]})")
+
+
+def _reference_set_rows(node: Node) -> None:
+    values, dst = node.src[0], node.dst
+    idx = node.src[1].array()
+    if idx.size and (idx.min() < 0 or idx.max() >= dst.ne[1]):
+        raise InvalidNode(f"SET_ROWS: row index out of range [0, {dst.ne[1]})")
+    converted = from_f32_reference(to_f32_reference(values), dst.type)  # F16 -> F32 -> F16 is exact
+    out = storage(dst)
+    for i3 in range(values.ne[3]):
+        for i2 in range(values.ne[2]):
+            for i1, row in enumerate(idx[0, i3 % idx.shape[1], i2 % idx.shape[2], :]):
+                out[i3, i2, row] = converted[i3, i2, i1]
+
+
+register(GGMLOp.SET_ROWS)(OpKernel(_check_set_rows, _forward_set_rows, _reference_set_rows))

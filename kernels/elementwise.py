@@ -1,0 +1,569 @@
+"""Element-wise ops: ADD/SUB/MUL/DIV with broadcasting, SCALE, SQR/SQRT, UNARY and GLU.
+
+Arithmetic follows ggml-cpu as built here (x86-64, AVX2 + FMA, GCC with contraction on):
+- SILU and SWIGLU run ggml's 8-wide AVX2 `ggml_v_expf` polynomial on each full group of 8 elements
+  of a row and libm `expf` on the remaining tail; `expf_simd` below replays that polynomial lane by lane.
+- GELU and GELU_QUICK (and GEGLU, GEGLU_QUICK) read a 65536-entry F16 table indexed by the input
+  rounded to F16 (GGML_GELU_FP16); GELU passes inputs beyond +-10 through without the table.
+- SCALE with a bias is a fused multiply-add.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange
+from numba.core import types
+from numba.extending import intrinsic
+
+from rpcserver.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+
+from . import copy as cp
+from .node import InvalidNode, Node, Tensor
+from .registry import OpKernel, register
+
+JIT = cp.JIT
+F32 = np.float32
+
+# ---------------------------------------------------------------------------------------------
+# scalar math shared with other kernels (softmax uses the same vector exp in ggml)
+
+
+@intrinsic
+def fmaf(typingctx, a, b, c):
+    """Single-rounding a*b + c in float32 (llvm.fma.f32: vfmadd on this CPU)."""
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, vals)
+
+    return types.float32(a, b, c), codegen
+
+
+# ggml_v_expf's constants, spelled as in vec.h
+_R = F32(float.fromhex("0x1.8p23"))  # adding it rounds to an integer
+_LOG2E = F32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
+_C5 = F32(float.fromhex("0x1.0e4020p-7"))
+_C4 = F32(float.fromhex("0x1.573e2ep-5"))
+_C3 = F32(float.fromhex("0x1.555e66p-3"))
+_C2 = F32(float.fromhex("0x1.fffdb6p-2"))
+_C1 = F32(float.fromhex("0x1.ffffecp-1"))
+
+
+@numba.njit(inline="always", **JIT)
+def expf_simd(x):
+    """One lane of ggml_v_expf (AVX2 + FMA build): ARM's vectorised expf approximation."""
+    z = fmaf(x, _LOG2E, _R)
+    n = z - _R
+    b = fmaf(-n, _LN2_LO, fmaf(-n, _LN2_HI, x))
+    e = cp.f32_to_bits(z) << np.uint32(23)
+    k = cp.f32_from_bits(e + np.uint32(0x3F800000))
+    u = b * b
+    j = fmaf(fmaf(fmaf(_C5, b, _C4), u, fmaf(_C3, b, _C2)), u, _C1 * b)
+    # lanes with |n| > 126 need a scaled reconstruction, beyond 192 it saturates; vec.h blends the
+    # three results with masks, and so do these selects (which also lets LLVM vectorise callers)
+    an = abs(n)
+    g = np.uint32(0x82000000) if n <= F32(0.0) else np.uint32(0)
+    s1 = cp.f32_from_bits(g + np.uint32(0x7F000000))
+    s2 = cp.f32_from_bits(e - g)
+    wide = fmaf(s2, j, s2) * s1
+    result = fmaf(j, k, k)
+    result = wide if an > F32(126.0) else result
+    return s1 * s1 if an > F32(192.0) else result
+
+
+@numba.njit(inline="always", **JIT)
+def silu_simd(x):
+    return x / (F32(1.0) + expf_simd(F32(0.0) - x))
+
+
+@numba.njit(inline="always", **JIT)
+def silu_scalar(x):
+    return x / (F32(1.0) + math.exp(-x))
+
+
+_GELU_COEF_A = F32(0.044715)
+_GELU_QUICK_COEF = F32(-1.702)
+_SQRT_2_OVER_PI = F32(0.79788456080286535587989211986876)
+_SQRT_2_INV = F32(0.70710678118654752440084436210484)
+
+
+@numba.njit(**JIT)
+def gelu_tanh(x):
+    # GCC contracts 1 + A*x*x into one fma when it builds the table
+    return F32(0.5) * x * (F32(1.0) + math.tanh(_SQRT_2_OVER_PI * x * fmaf(_GELU_COEF_A * x, x, F32(1.0))))
+
+
+@numba.njit(inline="always", **JIT)
+def gelu_quick(x):
+    return x * (F32(1.0) / (F32(1.0) + math.exp(_GELU_QUICK_COEF * x)))
+
+
+@numba.njit(inline="always", **JIT)
+def gelu_erf(x):
+    return F32(0.5) * x * (F32(1.0) + math.erf(x * _SQRT_2_INV))
+
+
+@numba.njit(**JIT)
+def _build_gelu_tables(gelu, quick):
+    for h in range(65536):
+        x = cp.f16_to_f32(h)
+        nan = np.uint16((h & 0x8000) | 0x7E00)  # ggml's table holds payload-free NaNs
+        y = gelu_tanh(x)
+        gelu[h] = nan if y != y else cp.f32_to_f16(y)
+        y = gelu_quick(x)
+        quick[h] = nan if y != y else cp.f32_to_f16(y)
+
+
+_TABLES: list[np.ndarray] = []
+
+
+def gelu_tables() -> tuple[np.ndarray, np.ndarray]:
+    """ggml_table_gelu_f16 and ggml_table_gelu_quick_f16, as F16 bit patterns (built once)."""
+    if not _TABLES:
+        _TABLES.extend(np.empty(65536, dtype=np.uint16) for _ in range(2))
+        _build_gelu_tables(*_TABLES)
+    return _TABLES[0], _TABLES[1]
+
+
+@numba.njit(inline="always", **JIT)
+def gelu_table(x, table):
+    """ggml_vec_gelu_f32 with GGML_GELU_FP16: clamp far tails, else look the F16-rounded input up."""
+    if x <= F32(-10.0):
+        return F32(0.0)
+    if x >= F32(10.0):
+        return x
+    return cp.f16_to_f32(table[cp.f32_to_f16(x)])
+
+
+@numba.njit(inline="always", **JIT)
+def _clamp01(t):
+    """fminf(1, fmaxf(0, t)): NaN becomes 0."""
+    return F32(0.0) if not t > F32(0.0) else (t if t < F32(1.0) else F32(1.0))
+
+
+@numba.njit(inline="always", **JIT)
+def _roundf(x):
+    """C roundf: halfway cases away from zero."""
+    t = np.trunc(x)
+    if abs(x - t) >= F32(0.5):
+        t += math.copysign(F32(1.0), x)
+    return F32(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# UNARY (and SQR/SQRT, which are ops of their own but the same kind of kernel)
+
+U = GGMLUnaryOp
+_SQR, _SQRT, _SCALE = 1000, 1001, 1002  # private codes for GGML_OP_SQR / SQRT / SCALE
+
+# sub-ops whose forward is a plain per-element f32 function (SILU/GELU* need row context or tables)
+_UNARY_SUPPORTED = (
+    U.ABS, U.SGN, U.NEG, U.STEP, U.TANH, U.ELU, U.RELU, U.SIGMOID, U.GELU, U.GELU_QUICK, U.SILU,
+    U.HARDSWISH, U.HARDSIGMOID, U.EXP, U.EXPM1, U.SOFTPLUS, U.GELU_ERF, U.FLOOR, U.CEIL, U.ROUND, U.TRUNC,
+)
+
+
+@numba.njit(inline="always", **JIT)
+def _unary_scalar(op, x, gelu_tab, quick_tab, s, bias):
+    if op == _SCALE:  # with a bias ggml fuses the multiply-add
+        return x * s if bias == F32(0.0) else fmaf(x, s, bias)
+    if op == U.ABS:
+        return abs(x)
+    if op == U.SGN:
+        return F32(1.0) if x > F32(0.0) else (F32(-1.0) if x < F32(0.0) else F32(0.0))
+    if op == U.NEG:
+        return -x
+    if op == U.STEP:
+        return F32(1.0) if x > F32(0.0) else F32(0.0)
+    if op == U.TANH:
+        return math.tanh(x)
+    if op == U.ELU:
+        return x if x > F32(0.0) else math.expm1(x)
+    if op == U.RELU:
+        return x if x > F32(0.0) else F32(0.0)
+    if op == U.SIGMOID:
+        return F32(1.0) / (F32(1.0) + math.exp(-x))
+    if op == U.GELU:
+        return gelu_table(x, gelu_tab)
+    if op == U.GELU_QUICK:
+        return cp.f16_to_f32(quick_tab[cp.f32_to_f16(x)])
+    if op == U.SILU:
+        return silu_scalar(x)
+    if op == U.HARDSWISH:
+        return x * _clamp01((x + F32(3.0)) / F32(6.0))
+    if op == U.HARDSIGMOID:
+        return _clamp01((x + F32(3.0)) / F32(6.0))
+    if op == U.EXP:
+        return math.exp(x)
+    if op == U.EXPM1:
+        return math.exp(x) - F32(1.0)
+    if op == U.SOFTPLUS:
+        return x if x > F32(20.0) else math.log(F32(1.0) + math.exp(x))
+    if op == U.GELU_ERF:
+        return gelu_erf(x)
+    if op == U.FLOOR:
+        return np.floor(x)
+    if op == U.CEIL:
+        return np.ceil(x)
+    if op == U.ROUND:
+        return _roundf(x)
+    if op == U.TRUNC:
+        return np.trunc(x)
+    if op == _SQR:
+        return x * x
+    return math.sqrt(x)  # _SQRT
+
+
+@numba.njit(**JIT)
+def _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, r):
+    n3, n2, n1, n0 = src.shape
+    i1, i2, i3 = cp.row_coords(r, n1, n2)
+    vec_end = (n0 // 8) * 8 if op == U.SILU else 0  # SILU: 8-wide SIMD body, scalar tail
+    for i0 in range(vec_end):
+        dst[i3, i2, i1, i0] = silu_simd(src[i3, i2, i1, i0])
+    for i0 in range(vec_end, n0):
+        dst[i3, i2, i1, i0] = _unary_scalar(op, src[i3, i2, i1, i0], gelu_tab, quick_tab, s, bias)
+
+
+@numba.njit(parallel=True, **JIT)
+def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, parallel):
+    n_rows = src.shape[0] * src.shape[1] * src.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, r)
+    else:
+        for r in range(n_rows):
+            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, r)
+
+
+def _rows_contiguous(t: Tensor) -> bool:
+    return t.ne[0] == 1 or t.nb[0] == cp.TYPE_TRAITS[t.type].type_size
+
+
+def _unary_code(node: Node) -> int:
+    return {GGMLOp.SQR: _SQR, GGMLOp.SQRT: _SQRT, GGMLOp.SCALE: _SCALE}.get(node.op) or node.param_i32(0)
+
+
+def _check_unary(node: Node) -> None:
+    (src,) = node.srcs(1)
+    dst = node.dst
+    label = node.op.name if node.op != GGMLOp.UNARY else f"UNARY:{U(node.param_i32(0)).name}"
+    if src.type != GGMLType.F32 or dst.type != GGMLType.F32:
+        raise InvalidNode(f"{label}: only F32 -> F32 is supported, got {src.type.name} -> {dst.type.name}")
+    if src.ne != dst.ne:
+        raise InvalidNode(f"{label}: result shape {dst.ne} differs from source {src.ne}")
+    if not (_rows_contiguous(src) and _rows_contiguous(dst)):
+        raise InvalidNode(f"{label}: rows must be contiguous")
+
+
+def _forward_unary(node: Node) -> None:
+    """Also SCALE's forward: a per-element map with op_params (s, b)."""
+    src = node.src[0].array()
+    if src.size == 0:
+        return
+    gelu, quick = gelu_tables()
+    code = _unary_code(node)
+    s, bias = (F32(node.param_f32(0)), F32(node.param_f32(1))) if code == _SCALE else (F32(1.0), F32(0.0))
+    parallel = cp.parallel_worthwhile(src.size, cost=1 if code == _SCALE else 8)
+    _unary_rows(code, src, node.dst.array(), gelu, quick, s, bias, parallel)
+
+
+def _reference_unary_values(code: int, x: np.ndarray) -> np.ndarray:
+    """float32 numpy formulas (transcendentals to within an ulp of libm's)."""
+    one, zero = F32(1.0), F32(0.0)
+    with np.errstate(all="ignore"):
+        if code == U.GELU:
+            table = np.where(x <= -10, zero, np.where(x >= 10, x, _np_gelu_f16(x, _np_gelu_tanh)))
+            return table.astype(F32)
+        if code == U.GELU_QUICK:
+            return _np_gelu_f16(x, _np_gelu_quick)
+        formulas = {
+            U.ABS: np.abs, U.NEG: np.negative, U.TANH: np.tanh, U.EXP: np.exp,
+            U.SGN: lambda v: np.where(v > 0, one, np.where(v < 0, -one, zero)), U.STEP: lambda v: (v > 0).astype(F32),
+            U.ELU: lambda v: np.where(v > 0, v, np.expm1(v)),
+            U.RELU: lambda v: np.where(v > 0, v, zero),
+            U.SIGMOID: lambda v: one / (one + np.exp(-v)),
+            U.SILU: lambda v: v / (one + np.exp(-v)),
+            U.HARDSWISH: lambda v: v * np.fmin(one, np.fmax(zero, (v + F32(3)) / F32(6))),
+            U.HARDSIGMOID: lambda v: np.fmin(one, np.fmax(zero, (v + F32(3)) / F32(6))),
+            U.EXPM1: lambda v: np.exp(v) - one,
+            U.SOFTPLUS: lambda v: np.where(v > 20, v, np.log(one + np.exp(v))),
+            U.GELU_ERF: _np_gelu_erf,
+            U.FLOOR: np.floor, U.CEIL: np.ceil, U.TRUNC: np.trunc,
+            U.ROUND: lambda v: np.where(np.abs(v - np.trunc(v)) >= 0.5, np.trunc(v) + np.sign(v), np.trunc(v)),
+            _SQR: np.square, _SQRT: np.sqrt,
+        }
+        return np.asarray(formulas[code](x), dtype=F32)
+
+
+def _np_gelu_tanh(x):
+    return F32(0.5) * x * (F32(1) + np.tanh(_SQRT_2_OVER_PI * x * (F32(1) + _GELU_COEF_A * x * x)))
+
+
+def _np_gelu_quick(x):
+    return x * (F32(1) / (F32(1) + np.exp(_GELU_QUICK_COEF * x)))
+
+
+def _np_gelu_erf(x):
+    from math import erf
+
+    return (F32(0.5) * x * (F32(1) + np.vectorize(erf, otypes=[np.float64])(x * _SQRT_2_INV).astype(F32))).astype(F32)
+
+
+def _np_gelu_f16(x, fn):
+    """What the table path yields: fn at the F16-rounded input, rounded to F16."""
+    return fn(x.astype(np.float16).astype(F32)).astype(np.float16).astype(F32)
+
+
+def _reference_unary(node: Node) -> None:
+    node.dst.array()[...] = _reference_unary_values(_unary_code(node), node.src[0].array())
+
+
+_UNARY_KERNEL = OpKernel(_check_unary, _forward_unary, _reference_unary)
+for _sub in _UNARY_SUPPORTED:
+    register(GGMLOp.UNARY, _sub)(_UNARY_KERNEL)
+register(GGMLOp.SQR)(_UNARY_KERNEL)
+register(GGMLOp.SQRT)(_UNARY_KERNEL)
+
+
+# ---------------------------------------------------------------------------------------------
+# GLU: dst = act(x) * g, with x and g the two halves of src0's rows (swapped: g first) or src0, src1
+
+G = GGMLGluOp
+_GLU_SUPPORTED = (G.REGLU, G.GEGLU, G.SWIGLU, G.GEGLU_ERF, G.GEGLU_QUICK)
+
+
+@numba.njit(**JIT)
+def _glu_row(op, x, g, dst, gelu_tab, quick_tab, r):
+    n3, n2, n1, n0 = dst.shape
+    i1, i2, i3 = cp.row_coords(r, n1, n2)
+    vec_end = (n0 // 8) * 8 if op == G.SWIGLU else 0
+    for i0 in range(vec_end):
+        dst[i3, i2, i1, i0] = silu_simd(x[i3, i2, i1, i0]) * g[i3, i2, i1, i0]
+    for i0 in range(vec_end, n0):
+        v = x[i3, i2, i1, i0]
+        w = g[i3, i2, i1, i0]
+        if op == G.SWIGLU:
+            out = silu_scalar(v) * w
+        elif op == G.REGLU:
+            out = v * w if v > F32(0.0) else F32(0.0)
+        elif op == G.GEGLU:
+            if v <= F32(-10.0):
+                out = F32(0.0)
+            elif v >= F32(10.0):
+                out = v * w
+            else:
+                out = cp.f16_to_f32(gelu_tab[cp.f32_to_f16(v)]) * w
+        elif op == G.GEGLU_QUICK:
+            out = cp.f16_to_f32(quick_tab[cp.f32_to_f16(v)]) * w
+        else:  # GEGLU_ERF
+            out = gelu_erf(v) * w
+        dst[i3, i2, i1, i0] = out
+
+
+@numba.njit(parallel=True, **JIT)
+def _glu_rows(op, x, g, dst, gelu_tab, quick_tab, parallel):
+    n_rows = dst.shape[0] * dst.shape[1] * dst.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _glu_row(op, x, g, dst, gelu_tab, quick_tab, r)
+    else:
+        for r in range(n_rows):
+            _glu_row(op, x, g, dst, gelu_tab, quick_tab, r)
+
+
+def _contiguous_1(t: Tensor) -> bool:
+    """ggml_is_contiguous_1: contiguous rows, dims 2 and 3 packed after dim 1 (which may be padded)."""
+    if not _rows_contiguous(t):
+        return False
+    nxt = t.ne[1] * t.nb[1]
+    for i in (2, 3):
+        if t.ne[i] != 1 and t.nb[i] != nxt:
+            return False
+        nxt *= t.ne[i]
+    return True
+
+
+def _glu_operands(node: Node) -> tuple[np.ndarray, np.ndarray]:
+    a = node.src[0].array()
+    if len(node.src) > 1 and node.src[1] is not None:
+        return a, node.src[1].array()
+    nc = node.dst.ne[0]
+    first, second = a[..., :nc], a[..., nc : 2 * nc]
+    return (second, first) if node.param_i32(1) else (first, second)
+
+
+def _check_glu(node: Node) -> None:
+    (a,) = node.srcs(1)
+    b = node.src[1] if len(node.src) > 1 else None
+    dst = node.dst
+    label = f"GLU:{G(node.param_i32(0)).name}"
+    if a.type != GGMLType.F32 or dst.type != GGMLType.F32 or (b is not None and b.type != GGMLType.F32):
+        raise InvalidNode(f"{label}: only F32 is supported")
+    expect = a.ne if b is not None else (a.ne[0] // 2,) + a.ne[1:]
+    if dst.ne != expect:
+        raise InvalidNode(f"{label}: result shape {dst.ne}, expected {expect}")
+    if b is not None and b.ne != a.ne:
+        raise InvalidNode(f"{label}: operand shapes {a.ne} and {b.ne} differ")
+    for t in (a, b, dst):
+        if t is not None and not _contiguous_1(t):
+            raise InvalidNode(f"{label}: operands must be contiguous beyond dim 1 (ggml_is_contiguous_1)")
+
+
+def _forward_glu(node: Node) -> None:
+    x, g = _glu_operands(node)
+    dst = node.dst.array()
+    if dst.size == 0:
+        return
+    gelu, quick = gelu_tables()
+    _glu_rows(node.param_i32(0), x, g, dst, gelu, quick, cp.parallel_worthwhile(dst.size, cost=8))
+
+
+_GLU_ACTIVATION = {G.SWIGLU: U.SILU, G.REGLU: U.RELU, G.GEGLU: U.GELU, G.GEGLU_QUICK: U.GELU_QUICK,
+                   G.GEGLU_ERF: U.GELU_ERF}
+
+
+def _reference_glu(node: Node) -> None:
+    x, g = _glu_operands(node)
+    op = node.param_i32(0)
+    out = _reference_unary_values(_GLU_ACTIVATION[op], x) * g
+    # ggml writes a plain 0 where the activation's own result is 0 (never 0 * g)
+    zero_where = x <= 0 if op == G.REGLU else (x <= -10 if op == G.GEGLU else np.zeros(x.shape, bool))
+    node.dst.array()[...] = np.where(zero_where, F32(0), out)
+
+
+_GLU_KERNEL = OpKernel(_check_glu, _forward_glu, _reference_glu)
+for _sub in _GLU_SUPPORTED:
+    register(GGMLOp.GLU, _sub)(_GLU_KERNEL)
+
+
+# ---------------------------------------------------------------------------------------------
+# ADD / SUB / MUL / DIV: dst = src0 (op) src1, src1 repeated to src0's shape
+
+_BINARY_CODES = {GGMLOp.ADD: 0, GGMLOp.SUB: 1, GGMLOp.MUL: 2, GGMLOp.DIV: 3}
+
+# (src0, src1, dst) type triples ggml-cpu's binary_op accepts; all computed in f32
+_F32, _F16, _BF16 = GGMLType.F32, GGMLType.F16, GGMLType.BF16
+_BINARY_TYPES = {(_F32, _F32, _F32), (_F16, _F16, _F16), (_BF16, _BF16, _BF16), (_BF16, _F32, _BF16),
+                 (_BF16, _F32, _F32), (_F16, _F32, _F16), (_F16, _F32, _F32)}
+
+
+@numba.njit(inline="always", **JIT)
+def _binary_row(op, a, b, dst, r):
+    n3, n2, n1, n0 = a.shape
+    m3, m2, m1, m0 = b.shape
+    i1, i2, i3 = cp.row_coords(r, n1, n2)
+    x, y, z = a[i3, i2, i1], b[i3 % m3, i2 % m2, i1 % m1], dst[i3, i2, i1]
+    for base in range(0, n0, m0):  # src1's row repeats along src0's
+        if op == 0:
+            for k in range(m0):
+                z[base + k] = x[base + k] + y[k]
+        elif op == 1:
+            for k in range(m0):
+                z[base + k] = x[base + k] - y[k]
+        elif op == 2:
+            for k in range(m0):
+                z[base + k] = x[base + k] * y[k]
+        else:
+            for k in range(m0):
+                z[base + k] = x[base + k] / y[k]
+
+
+@numba.njit(parallel=True, **JIT)
+def _binary_rows(op, a, b, dst, parallel):
+    n_rows = a.shape[0] * a.shape[1] * a.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _binary_row(op, a, b, dst, r)
+    else:
+        for r in range(n_rows):
+            _binary_row(op, a, b, dst, r)
+
+
+def _check_binary(node: Node) -> None:
+    a, b = node.srcs(2)
+    dst = node.dst
+    name = node.op.name
+    if (a.type, b.type, dst.type) not in _BINARY_TYPES:
+        raise InvalidNode(f"{name}: unsupported types {a.type.name}, {b.type.name} -> {dst.type.name}")
+    if dst.ne != a.ne:
+        raise InvalidNode(f"{name}: result shape {dst.ne} differs from src0 {a.ne}")
+    a_empty, b_empty = 0 in a.ne, 0 in b.ne
+    repeats = a_empty == b_empty if (a_empty or b_empty) else all(x % y == 0 for x, y in zip(a.ne, b.ne))
+    if not repeats:
+        raise InvalidNode(f"{name}: src1 {b.ne} does not repeat into src0 {a.ne}")
+    for t, what in ((a, "src0"), (dst, "result")):
+        if t.nb[0] != cp.TYPE_TRAITS[t.type].type_size:
+            raise InvalidNode(f"{name}: {what} elements must be contiguous within rows")
+
+
+def _forward_binary(node: Node) -> None:
+    a, b, dst = node.src[0], node.src[1], node.dst
+    if 0 in a.ne:
+        return
+    code = _BINARY_CODES[node.op]
+    parallel = cp.parallel_worthwhile(a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3])
+    if a.type == b.type == dst.type == GGMLType.F32:
+        _binary_rows(code, a.array(), b.array(), dst.array(), parallel)
+        return
+    # half-float operands: widen to f32 (exact), compute in f32, round once into the result type
+    xa = cp.widen_f32(a)
+    xb = b.array() if b.type == GGMLType.F32 else cp.widen_f32(b)
+    out = dst.array() if dst.type == GGMLType.F32 else np.empty_like(xa)
+    _binary_rows(code, xa, xb, out, parallel)
+    if dst.type != GGMLType.F32:
+        cp.convert_into(out, cp.storage(dst), cp.KIND_F32, cp.KINDS[dst.type])
+
+
+_NP_BINARY = {GGMLOp.ADD: np.add, GGMLOp.SUB: np.subtract, GGMLOp.MUL: np.multiply, GGMLOp.DIV: np.divide}
+
+
+def _reference_binary(node: Node) -> None:
+    a, b, dst = node.src[0], node.src[1], node.dst
+    if 0 in a.ne:
+        return
+    xa, xb = cp.to_f32_reference(a), cp.to_f32_reference(b)
+    reps = tuple(x // y for x, y in zip(xa.shape, xb.shape))
+    with np.errstate(all="ignore"):
+        z = _NP_BINARY[node.op](xa, np.tile(xb, reps), dtype=F32)
+    cp.storage(dst)[...] = cp.from_f32_reference(z, dst.type)
+
+
+_BINARY_KERNEL = OpKernel(_check_binary, _forward_binary, _reference_binary)
+for _op in _BINARY_CODES:
+    register(_op)(_BINARY_KERNEL)
+
+
+# ---------------------------------------------------------------------------------------------
+# SCALE: dst = src * s (+ b, fused); the forward is the unary map's
+
+
+def _check_scale(node: Node) -> None:
+    (src,) = node.srcs(1)
+    dst = node.dst
+    if src.type != GGMLType.F32 or dst.type != GGMLType.F32:
+        raise InvalidNode(f"SCALE: only F32 is supported, got {src.type.name} -> {dst.type.name}")
+    if src.ne != dst.ne:
+        raise InvalidNode(f"SCALE: result shape {dst.ne} differs from source {src.ne}")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise InvalidNode("SCALE: source and result must be contiguous")
+
+
+def _reference_scale(node: Node) -> None:
+    x = node.src[0].array().astype(np.float64)
+    s, bias = node.param_f32(0), node.param_f32(1)
+    # a*s + b in double is the exact product plus one rounding: the same as f32 fma for these inputs
+    # except in double-rounding corner cases, which the tests' tolerance covers
+    y = x * s if bias == 0.0 else x * s + bias
+    node.dst.array()[...] = y.astype(F32)
+
+
+register(GGMLOp.SCALE)(OpKernel(_check_scale, _forward_unary, _reference_scale))

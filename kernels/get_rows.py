@@ -1,0 +1,154 @@
+"""GGML_OP_GET_ROWS: dst[i12, i11, i10] = src0 row idx[i12, i11, i10] of slice (i12, i11), as float32.
+
+ggml_get_rows: src0 (ne00, ne01, ne02, ne03), indices src1 I32 (ne10, ne11, ne12, 1) with
+ne02 == ne11 and ne03 == ne12; dst (ne00, ne10, ne11, ne12) is F32, or I32 when src0 is I32 (a plain
+copy). Rows are dequantized like ggml's to_float (float32 q * d (+ m), no fma).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+
+from . import quants
+from .node import InvalidNode, Node
+from .quants import LOAD_WEIGHT, QK, QUANT_TYPES, bf16_bits_to_f32_nb, f16_bits_to_f32
+from .registry import OpKernel, register
+
+PLAIN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32)
+SOURCE_TYPES = PLAIN_TYPES + QUANT_TYPES
+
+
+def check(node: Node) -> None:
+    src0, src1 = node.srcs(2)
+    dst = node.dst
+    if src0.type not in SOURCE_TYPES:
+        raise InvalidNode(f"GET_ROWS: unsupported source type {src0.type.name}")
+    if src1.type != GGMLType.I32:
+        raise InvalidNode("GET_ROWS: row indices must be I32")
+    want = GGMLType.I32 if src0.type == GGMLType.I32 else GGMLType.F32
+    if dst.type != want:
+        raise InvalidNode(f"GET_ROWS: dst must be {want.name} for a {src0.type.name} source")
+    if src0.ne[2] != src1.ne[1] or src0.ne[3] != src1.ne[2] or src1.ne[3] != 1:
+        raise InvalidNode(f"GET_ROWS: index shape {src1.ne} does not match source {src0.ne}")
+    expect = (src0.ne[0], src1.ne[0], src1.ne[1], src1.ne[2])
+    if dst.ne != expect:
+        raise InvalidNode(f"GET_ROWS: dst shape {dst.ne} is not {expect}")
+    tt = TYPE_TRAITS[src0.type]
+    if src0.ne[0] % tt.block_size:
+        raise InvalidNode(f"GET_ROWS: row length {src0.ne[0]} is not a multiple of {tt.block_size}")
+    if src0.nb[0] != tt.type_size or dst.nb[0] != 4:
+        raise InvalidNode("GET_ROWS: source and dst rows must be contiguous")
+
+
+def _indices(node: Node) -> np.ndarray:
+    """The (ne12, ne11, ne10) row indices, refused unless every one names a row of src0."""
+    src0, src1 = node.src[:2]
+    idx = src1.array()[0]
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= src0.ne[1]):
+        raise InvalidNode(f"GET_ROWS: row index out of range [0, {src0.ne[1]})")
+    return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# numba kernels
+
+_f16_load = LOAD_WEIGHT[GGMLType.F16]
+# block bytes and offset of the 4-bit quants, indexed by the type number (Q4_0=2 ... Q8_0=8)
+_BLOCK_BYTES = (0, 0, 18, 20, 0, 0, 22, 24, 34)
+_QS_AT = (0, 0, 2, 4, 0, 0, 6, 8, 2)
+
+
+@numba.njit(nogil=True, inline="always")
+def _dequantize_row(kind, mem, off, nblk, out):
+    """One row of nblk blocks at byte `off` of mem into out (float32), like dequantize_row_q*."""
+    for b in range(nblk):
+        p = off + b * _BLOCK_BYTES[kind]
+        d = _f16_load(mem, p)
+        o = b * QK
+        if kind == 8:  # Q8_0
+            for j in range(QK):
+                out[o + j] = np.float32(np.int8(mem[p + 2 + j])) * d
+            continue
+        m = _f16_load(mem, p + 2) if kind == 3 or kind == 7 else np.float32(0)
+        qs = p + _QS_AT[kind]
+        qh = np.int64(0)
+        if kind == 6 or kind == 7:
+            h = qs - 4
+            qh = (np.int64(mem[h]) | (np.int64(mem[h + 1]) << 8) | (np.int64(mem[h + 2]) << 16)
+                  | (np.int64(mem[h + 3]) << 24))
+        for j in range(QK // 2):
+            byte = np.int64(mem[qs + j])
+            lo = (byte & 15) | (((qh >> j) & 1) << 4)
+            hi = (byte >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            if kind == 2:
+                out[o + j] = np.float32(lo - 8) * d
+                out[o + j + 16] = np.float32(hi - 8) * d
+            elif kind == 6:
+                out[o + j] = np.float32(lo - 16) * d
+                out[o + j + 16] = np.float32(hi - 16) * d
+            else:  # Q4_1, Q5_1
+                out[o + j] = np.float32(lo) * d + m
+                out[o + j + 16] = np.float32(hi) * d + m
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _get_rows_quant(kind, mem, off, nb01, nb02, nb03, nblk, idx, out):
+    ne12, ne11, ne10 = idx.shape
+    for r in numba.prange(ne12 * ne11 * ne10):
+        i12, i11, i10 = r // (ne11 * ne10), (r // ne10) % ne11, r % ne10
+        row = off + idx[i12, i11, i10] * nb01 + i11 * nb02 + i12 * nb03
+        _dequantize_row(kind, mem, row, nblk, out[i12, i11, i10])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _get_rows_plain(kind, src, idx, out):
+    """src: (ne03, ne02, ne01, ne00) view, F16/BF16 as their uint16 bits; kind 0 copies as is."""
+    ne12, ne11, ne10 = idx.shape
+    ne00 = src.shape[3]
+    for r in numba.prange(ne12 * ne11 * ne10):
+        i12, i11, i10 = r // (ne11 * ne10), (r // ne10) % ne11, r % ne10
+        s = src[i12, i11, idx[i12, i11, i10]]
+        o = out[i12, i11, i10]
+        for i in range(ne00):
+            if kind == 1:
+                o[i] = f16_bits_to_f32(s[i])
+            elif kind == 2:
+                o[i] = bf16_bits_to_f32_nb(s[i])
+            else:
+                o[i] = s[i]
+
+
+def forward(node: Node) -> None:
+    src0 = node.src[0]
+    idx = _indices(node)
+    out = node.dst.array()  # (ne12, ne11, ne10, ne00): one output row per index
+    if 0 in node.dst.ne:
+        return
+    if src0.type in QUANT_TYPES:
+        _get_rows_quant(int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
+                        src0.ne[0] // QK, idx, out)
+        return
+    kind = {GGMLType.F16: 1, GGMLType.BF16: 2}.get(src0.type, 0)
+    src = src0.array()
+    _get_rows_plain(kind, src.view(np.uint16) if kind else src, idx, out)
+
+
+def reference(node: Node) -> None:
+    src0 = node.src[0]
+    idx = _indices(node)
+    ne12, ne11, ne10 = idx.shape
+    out = node.dst.array()
+    rows = src0.rows()
+    for i12 in range(ne12):
+        for i11 in range(ne11):
+            picked = rows[i12, i11, idx[i12, i11]]  # (ne10, row_bytes)
+            if src0.type == GGMLType.I32:
+                out[i12, i11] = np.ascontiguousarray(picked).view("<i4")
+            else:
+                out[i12, i11] = quants.dequantize_rows(src0.type, picked)
+
+
+register(GGMLOp.GET_ROWS)(OpKernel(check, forward, reference))

@@ -1,0 +1,357 @@
+"""GGML_OP_MUL_MAT: dst[i3,i2,i1,i0] = src0 row i0 (of slice i2/r2, i3/r3) . src1 row (i1,i2,i3).
+
+Follows ggml_compute_forward_mul_mat of the x86 AVX2+FMA ggml-cpu build, so results are
+bit-identical to the reference worker:
+  * src1 (f32) is first converted to the weights' vec_dot_type: q8_0 for Q4_0/Q5_0/Q8_0, q8_1 for
+    Q4_1/Q5_1, fp16 for F16, bf16 for BF16 (F32 stays f32);
+  * quantized weights: ggml_vec_dot_<w>_q8_<0|1> (see kernels.quants); llamafile's tinyBLAS, used
+    for batches, does the same arithmetic for these types;
+  * float weights: when llamafile's tinyBLAS takes the batch (>= 2 columns, rows % 4 == 0, and for
+    F32 a contiguous src1) each dot keeps 8 fma lanes (k mod 8); otherwise ggml_vec_dot_<f16|bf16|f32>
+    keeps 32 lanes over 32-element steps, with its own reduction tree and tail handling.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+
+from . import quants
+from .node import InvalidNode, Node
+from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT, fma32
+from .registry import OpKernel, register
+
+T = GGMLType
+# ggml-cpu's type_traits_cpu[w].vec_dot_type: the format src1 is converted to before the dots
+VEC_DOT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1,
+                T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0}
+WEIGHT_TYPES = tuple(VEC_DOT_TYPE)
+HINT_SRC0_IS_HADAMARD = 1  # op_params[1]: ggml-cpu would run a Walsh-Hadamard transform instead
+ROWS_PER_TASK = 16  # weight rows kept hot in cache while all activation columns stream past
+
+
+def check(node: Node) -> None:
+    src0, src1 = node.srcs(2)
+    dst = node.dst
+    if src0.type not in WEIGHT_TYPES:
+        raise InvalidNode(f"MUL_MAT: unsupported weight type {src0.type.name}")
+    if src1.type != GGMLType.F32 or dst.type != GGMLType.F32:
+        raise InvalidNode("MUL_MAT: src1 and dst must be F32")
+    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
+        raise InvalidNode("MUL_MAT: the Hadamard-transform hint is not supported")
+    ne0, ne1 = src0.ne, src1.ne
+    if ne0[0] != ne1[0]:
+        raise InvalidNode(f"MUL_MAT: row lengths differ ({ne0[0]} vs {ne1[0]})")
+    if ne0[2] <= 0 or ne0[3] <= 0 or ne1[2] % ne0[2] or ne1[3] % ne0[3]:
+        raise InvalidNode("MUL_MAT: src0 cannot be broadcast over src1 in dims 2/3")
+    if dst.ne != (ne0[1], ne1[1], ne1[2], ne1[3]):
+        raise InvalidNode(f"MUL_MAT: dst shape {dst.ne} is not {(ne0[1], ne1[1], ne1[2], ne1[3])}")
+    tt = TYPE_TRAITS[src0.type]
+    if ne0[0] % tt.block_size:
+        raise InvalidNode(f"MUL_MAT: row length {ne0[0]} is not a multiple of {tt.block_size}")
+    if src0.nb[0] != tt.type_size or src1.nb[0] != 4:
+        raise InvalidNode("MUL_MAT: rows of src0 and src1 must be contiguous")
+    if src0.nb[0] > src0.nb[1]:
+        raise InvalidNode("MUL_MAT: src0 must not be transposed")
+    nb = dst.nb
+    if 0 not in dst.ne and not (nb[0] == 4 and nb[0] <= nb[1] <= nb[2] <= nb[3]):
+        raise InvalidNode("MUL_MAT: dst must have contiguous rows and non-decreasing strides")
+
+
+def _tinyblas_takes(node: Node) -> bool:
+    """Does llamafile's tinyBLAS compute this float-weight product (instead of ggml's vec_dot)?"""
+    src0, src1 = node.src[:2]
+    if src1.ne[1] < 2 or src0.ne[1] % 4:
+        return False
+    return src0.type != GGMLType.F32 or src1.is_contiguous()
+
+
+def _activations(type_: GGMLType, x: np.ndarray) -> np.ndarray:
+    """f32 activations rounded to the float vec_dot_type (fp16 / bf16 round to nearest even)."""
+    if type_ == GGMLType.F16:
+        return x.astype(np.float16).astype(np.float32)
+    if type_ == GGMLType.BF16:
+        u = x.astype(np.float32).view(np.uint32)
+        nan = (u & 0x7FFFFFFF) > 0x7F800000
+        r = np.where(nan, (u >> 16) | 64, (u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint32)
+        return (r << 16).view(np.float32)
+    return np.ascontiguousarray(x, np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# numba kernels
+
+(_q40_1, _q40_4), (_q41_1, _q41_4), (_q50_1, _q50_4), (_q51_1, _q51_4), (_q80_1, _q80_4) = (
+    ROW_DOT[t] for t in QUANT_TYPES)
+
+
+@numba.njit(nogil=True, inline="always")
+def _dot1(kind, w, off, nb, yq, yd, ys, col):
+    if kind == 2:
+        return _q40_1(w, off, nb, yq, yd, ys, col)[0]
+    if kind == 3:
+        return _q41_1(w, off, nb, yq, yd, ys, col)[0]
+    if kind == 6:
+        return _q50_1(w, off, nb, yq, yd, ys, col)[0]
+    if kind == 7:
+        return _q51_1(w, off, nb, yq, yd, ys, col)[0]
+    return _q80_1(w, off, nb, yq, yd, ys, col)[0]
+
+
+@numba.njit(nogil=True, inline="always")
+def _dot4(kind, w, off, nb, yq, yd, ys, col):
+    if kind == 2:
+        return _q40_4(w, off, nb, yq, yd, ys, col)
+    if kind == 3:
+        return _q41_4(w, off, nb, yq, yd, ys, col)
+    if kind == 6:
+        return _q50_4(w, off, nb, yq, yd, ys, col)
+    if kind == 7:
+        return _q51_4(w, off, nb, yq, yd, ys, col)
+    return _q80_4(w, off, nb, yq, yd, ys, col)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ys, out):
+    ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
+    r2, r3 = ne12 // ne02, ne13 // ne03
+    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in numba.prange(ne13 * ne12 * nchunk):
+        chunk = task % nchunk
+        i12 = (task // nchunk) % ne12
+        i13 = task // (nchunk * ne12)
+        base = off + (i12 // r2) * nb02 + (i13 // r3) * nb03
+        col0 = (i13 * ne12 + i12) * ne11
+        lo = chunk * ROWS_PER_TASK
+        hi = min(ne01, lo + ROWS_PER_TASK)
+        i11 = 0
+        while i11 + 4 <= ne11:  # four activation rows per weight row read
+            for ir in range(lo, hi):
+                v = _dot4(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
+                for c in range(4):
+                    out[i13, i12, i11 + c, ir] = v[c]
+            i11 += 4
+        for i in range(i11, ne11):
+            for ir in range(lo, hi):
+                out[i13, i12, i, ir] = _dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)
+
+
+(_f32_load, _f16_load, _bf16_load) = (LOAD_WEIGHT[t] for t in FLOAT_TYPES)
+(_f32_tiny, _f32_vec), (_f16_tiny, _f16_vec), (_bf16_tiny, _bf16_vec) = (FLOAT_LANES[t] for t in FLOAT_TYPES)
+
+
+@numba.njit(nogil=True, inline="always")
+def _load(kind, w, off):
+    if kind == 0:
+        return _f32_load(w, off)
+    if kind == 1:
+        return _f16_load(w, off)
+    return _bf16_load(w, off)
+
+
+@numba.njit(nogil=True, inline="always")
+def _lanes(kind, tiny, w, off, y, yoff, n):
+    if tiny:
+        steps = n // 8
+        if kind == 0:
+            return _f32_tiny(w, off, y, yoff, steps)
+        if kind == 1:
+            return _f16_tiny(w, off, y, yoff, steps)
+        return _bf16_tiny(w, off, y, yoff, steps)
+    steps = n // 32
+    if kind == 0:
+        return _f32_vec(w, off, y, yoff, steps)
+    if kind == 1:
+        return _f16_vec(w, off, y, yoff, steps)
+    return _bf16_vec(w, off, y, yoff, steps)
+
+
+@numba.njit(nogil=True, inline="always")
+def _padded(kind, w, off, esize, y, yoff, rem, lane, acc):
+    """tinyBLAS's last partial step loads zero padding: lanes past the tail add fma(0, 0) = +0."""
+    if lane < rem:
+        return fma32(_load(kind, w, off + lane * esize), y[yoff + lane], acc)
+    return acc + np.float32(0)
+
+
+@numba.njit(nogil=True, inline="always")
+def _dot_float(kind, tiny, w, off, esize, y, yoff, n):
+    """One weight row . one activation row, as tinyBLAS or ggml_vec_dot_{f32,f16,bf16} on AVX2."""
+    v = _lanes(kind, tiny, w, off, y, yoff, n)
+    if tiny:
+        a0, a1, a2, a3, a4, a5, a6, a7 = v
+        if n & 7:
+            b = n & ~7
+            a0 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 0, a0)
+            a1 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 1, a1)
+            a2 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 2, a2)
+            a3 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 3, a3)
+            a4 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 4, a4)
+            a5 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 5, a5)
+            a6 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 6, a6)
+            a7 = _padded(kind, w, off + b * esize, esize, y, yoff + b, n & 7, 7, a7)
+        t0, t1, t2, t3 = a4 + a0, a5 + a1, a6 + a2, a7 + a3
+        return (t0 + t2) + (t1 + t3)
+    t0, t1, t2, t3 = v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]
+    full = n & ~31
+    if kind == 2:  # bf16 reduces like hsum_float_8, f32/f16 with two haddps
+        res = (t0 + t2) + (t1 + t3)
+    else:
+        res = (t0 + t1) + (t2 + t3)
+    if kind != 0:  # f16/bf16: the tail's products are exact and summed in double
+        total = np.float64(res)
+        for i in range(full, n):
+            total += np.float64(_load(kind, w, off + i * esize) * y[yoff + i])
+        return np.float32(total)
+    i = full  # f32, as gcc compiled the tail: 8- then 4-wide multiply-then-add, then scalar fma
+    while n - i >= 4:
+        step = 8 if n - i >= 8 else 4
+        for j in range(i, i + step):
+            res = res + _load(kind, w, off + j * 4) * y[yoff + j]
+        i += step
+    for j in range(i, n):
+        res = fma32(_load(kind, w, off + j * 4), y[yoff + j], res)
+    return res
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _mul_mat_float(kind, tiny, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize, y, out):
+    ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
+    ne00 = y.size // max(1, ne11 * ne12 * ne13)
+    r2, r3 = ne12 // ne02, ne13 // ne03
+    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in numba.prange(ne13 * ne12 * nchunk):
+        chunk = task % nchunk
+        i12 = (task // nchunk) % ne12
+        i13 = task // (nchunk * ne12)
+        base = off + (i12 // r2) * nb02 + (i13 // r3) * nb03
+        col0 = (i13 * ne12 + i12) * ne11
+        for i11 in range(ne11):
+            for ir in range(chunk * ROWS_PER_TASK, min(ne01, (chunk + 1) * ROWS_PER_TASK)):
+                out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, (col0 + i11) * ne00, ne00)
+
+
+def forward(node: Node) -> None:
+    src0, src1 = node.src[:2]
+    dst = node.dst
+    if 0 in src0.ne or 0 in dst.ne:
+        return
+    x = src1.array()
+    out = dst.array()
+    if src0.type in FLOAT_TYPES:
+        y = _activations(src0.type, x).reshape(-1)
+        _mul_mat_float(FLOAT_TYPES.index(src0.type), _tinyblas_takes(node), src0.mem, src0.offset, src0.nb[1],
+                       src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], src0.nb[0], y, out)
+        return
+    ne10 = src1.ne[0]
+    xs = np.ascontiguousarray(x, np.float32).reshape(-1, ne10)
+    qs = np.empty(xs.shape, np.int8)
+    d = np.empty((xs.shape[0], ne10 // QK), np.float32)
+    with_sum = VEC_DOT_TYPE[src0.type] == GGMLType.Q8_1
+    s = np.empty_like(d) if with_sum else d
+    quants.quantize_q8_rows(xs, qs, d, s, with_sum)
+    _mul_mat_quant(int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
+                   src0.ne[1], src0.ne[2], src0.ne[3], ne10 // QK, qs.reshape(-1), d.reshape(-1),
+                   s.reshape(-1), out)
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy reference: the same arithmetic, vectorized over (weight rows x activation rows)
+
+
+def fma32_np(a, b, c):
+    """Correctly rounded float32 a*b + c (numpy has no fma). The product is exact in float64; TwoSum
+    gives the exact sum as s + err, and err's sign only matters when s is a float32 halfway point."""
+    a, b, c = (np.asarray(v, np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    z = s - p
+    err = (p - (s - z)) + (c - z)
+    tie = (s.view(np.int64) & 0x1FFFFFFF) == 0x10000000
+    s = np.where(tie & (err != 0), np.nextafter(s, np.copysign(np.inf, err)), s)
+    return s.astype(np.float32)
+
+
+def _hsum8_np(acc):
+    t = acc[..., 4:] + acc[..., :4]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+
+
+def _slice_quant(type_, rows, x):
+    """rows: (R, row_bytes) weights; x: (C, K) f32 activations -> (R, C) like ggml_vec_dot."""
+    q, d, m = quants.unpack_blocks(type_, rows.reshape(-1, TYPE_TRAITS[type_].type_size))
+    nb = x.shape[1] // QK
+    q, d = q.reshape(len(rows), nb, 8, 4), d.reshape(len(rows), nb)
+    yq, yd, ys = quants.quantize_q8_ref(x, m is not None)
+    yq = yq.reshape(len(x), nb, 8, 4).astype(np.int64)
+    lanes = np.einsum("rblj,cblj->rcbl", q.astype(np.int64), yq).astype(np.float32)
+    acc = np.zeros((len(rows), len(x), 8), np.float32)
+    mins = np.zeros((len(rows), len(x)), np.float32)
+    for b in range(nb):
+        scale = d[:, None, b] * yd[None, :, b]  # float32 product, as ggml
+        acc = fma32_np(scale[..., None], lanes[:, :, b], acc)
+        if m is not None:
+            mins = fma32_np(m.reshape(len(rows), nb)[:, None, b], ys[None, :, b], mins)
+    return _hsum8_np(acc) + mins if m is not None else _hsum8_np(acc)
+
+
+def _slice_float(type_, w, x, tiny):
+    """w: (R, K) f32 weights, x: (C, K) activations already rounded to the vec_dot type."""
+    n = w.shape[1]
+    prod = lambda i, j: (w[:, None, i:j], x[None, :, i:j])  # noqa: E731
+    if tiny:
+        acc = np.zeros((len(w), len(x), 8), np.float32)
+        for i in range(0, n, 8):
+            a, b = prod(i, i + 8)
+            pad = 8 - a.shape[-1]
+            acc = fma32_np(np.pad(a, [(0, 0)] * 2 + [(0, pad)]), np.pad(b, [(0, 0)] * 2 + [(0, pad)]), acc)
+        return _hsum8_np(acc)
+    full = n & ~31
+    acc = np.zeros((len(w), len(x), 32), np.float32)
+    for i in range(0, full, 32):
+        acc = fma32_np(*prod(i, i + 32), acc)
+    v = (acc[..., 0:8] + acc[..., 16:24]) + (acc[..., 8:16] + acc[..., 24:32])
+    t = v[..., :4] + v[..., 4:]
+    if type_ == GGMLType.BF16:
+        res = (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+    else:
+        res = (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
+    if type_ != GGMLType.F32:
+        tail = (w[:, None, full:] * x[None, :, full:]).astype(np.float64)  # exact products
+        total = res.astype(np.float64)
+        for i in range(n - full):
+            total = total + tail[..., i]
+        return total.astype(np.float32)
+    i = full
+    while n - i >= 4:
+        step = 8 if n - i >= 8 else 4
+        for j in range(i, i + step):
+            res = res + w[:, None, j] * x[None, :, j]
+        i += step
+    for j in range(i, n):
+        res = fma32_np(w[:, None, j], x[None, :, j], res)
+    return res
+
+
+def reference(node: Node) -> None:
+    src0, src1 = node.src[:2]
+    if 0 in src0.ne or 0 in node.dst.ne:
+        return
+    out = node.dst.array()
+    x = src1.array()
+    ne02, ne03 = src0.ne[2], src0.ne[3]
+    ne12, ne13 = src1.ne[2], src1.ne[3]
+    tiny = src0.type in FLOAT_TYPES and _tinyblas_takes(node)
+    for i13 in range(ne13):
+        for i12 in range(ne12):
+            rows = src0.rows()[i13 // (ne13 // ne03), i12 // (ne12 // ne02)]
+            if src0.type in QUANT_TYPES:
+                out[i13, i12] = _slice_quant(src0.type, rows, x[i13, i12]).T
+            else:
+                w = quants.dequantize_rows(src0.type, rows)
+                out[i13, i12] = _slice_float(src0.type, w, _activations(src0.type, x[i13, i12]), tiny).T
+
+
+register(GGMLOp.MUL_MAT)(OpKernel(check, forward, reference))

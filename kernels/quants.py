@@ -1,0 +1,410 @@
+"""ggml block formats: numpy dequantizers, the activation quantizers ggml-cpu uses before dot
+products, and the per-row dot products of MUL_MAT as numba intrinsics that emit LLVM vector code
+(plain numba loops do not vectorize these small fixed-width lane patterns).
+
+Block matrices are (n_blocks, bytes_per_block) uint8 arrays. Arithmetic follows the x86 AVX2+FMA
+build of ggml-cpu that the reference worker runs (ggml-cpu/arch/x86/quants.c): activations are
+quantized with id = 127/amax and round-half-even; a block's 32 products are summed into 8 integer
+lanes of 4 consecutive elements; each lane accumulates fma(d_w*d_y, lane, acc) over the blocks and
+the 8 lanes are reduced as hsum_float_8. Mirroring that order makes our results bit-identical.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from rpcserver.ggml import TYPE_TRAITS, GGMLType
+
+QK = 32  # elements per block of every format here
+
+# ----------------------------------------------------------------------------------------------
+# numpy reference dequantizers: (n_blocks, type_size) uint8 -> (n_blocks, block_size) float32
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 values: element j is the low nibble of byte j, element j+16 its high nibble."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """4 bytes (little-endian u32) -> 32 values: bit e is the fifth bit of element e."""
+    word = qh.copy().view("<u4").astype(np.int64)  # (n, 1)
+    return ((word >> np.arange(QK)) & 1).astype(np.int32)
+
+
+# (bytes per block, offset of d, of m or None, of qh or None, of qs, bias subtracted from quants)
+_LAYOUT = {
+    GGMLType.Q4_0: (18, 0, None, None, 2, 8),
+    GGMLType.Q4_1: (20, 0, 2, None, 4, 0),
+    GGMLType.Q5_0: (22, 0, None, 2, 6, 16),
+    GGMLType.Q5_1: (24, 0, 2, 4, 8, 0),
+    GGMLType.Q8_0: (34, 0, None, None, 2, 0),
+}
+QUANT_TYPES = tuple(_LAYOUT)
+# the _1 formats carry a minimum m and are dotted with q8_1 activations (which carry s = d*sum)
+HAS_MIN = {t: lay[2] is not None for t, lay in _LAYOUT.items()}
+
+
+def unpack_blocks(type_: GGMLType, b: np.ndarray):
+    """(n, type_size) uint8 -> integer quants (n, 32) int32, scale d (n,) and minimum m (n,) or None."""
+    _, d_at, m_at, qh_at, qs_at, bias = _LAYOUT[type_]
+    if type_ == GGMLType.Q8_0:
+        q = b[:, qs_at : qs_at + QK].view(np.int8).astype(np.int32)
+    else:
+        q = _nibbles(b[:, qs_at : qs_at + QK // 2])
+        if qh_at is not None:
+            q |= _high_bits(b[:, qh_at : qh_at + 4]) << 4
+    m = None if m_at is None else _f16(b, m_at)[:, 0]
+    return q - bias, _f16(b, d_at)[:, 0], m
+
+
+def _dequantize_blocks(type_):
+    def dequantize(b):
+        q, d, m = unpack_blocks(type_, b)
+        y = q.astype(np.float32) * d[:, None]  # ggml: (float)q * d (+ m), float32 throughout
+        return y if m is None else y + m[:, None]
+
+    return dequantize
+
+
+def bf16_bits_to_f32(u16: np.ndarray) -> np.ndarray:
+    return (np.asarray(u16, np.uint32) << 16).view(np.float32)
+
+
+DEQUANTIZE = {
+    GGMLType.F32: lambda b: b.copy().view("<f4"),
+    GGMLType.F16: lambda b: b.copy().view("<f2").astype(np.float32),
+    GGMLType.BF16: lambda b: bf16_bits_to_f32(b.copy().view("<u2")),
+    **{t: _dequantize_blocks(t) for t in QUANT_TYPES},
+}
+
+
+def dequantize_rows(type_: GGMLType, rows: np.ndarray) -> np.ndarray:
+    """(..., row_bytes) uint8 rows of `type_` -> (..., ne0) float32."""
+    tt = TYPE_TRAITS[type_]
+    ne0 = rows.shape[-1] // tt.type_size * tt.block_size
+    blocks = np.ascontiguousarray(rows).reshape(-1, tt.type_size)
+    return DEQUANTIZE[type_](blocks).reshape(*rows.shape[:-1], ne0)
+
+
+# ----------------------------------------------------------------------------------------------
+# activation quantizers (ggml-cpu quantize_row_q8_0 / quantize_row_q8_1, AVX2 flavour)
+# kept unpacked: qs int8 (rows, k), d float32 (rows, k/32) holding fp16 values, s likewise for q8_1
+
+
+def quantize_q8_ref(x: np.ndarray, with_sum: bool):
+    """Reference: x (rows, k) float32 -> (qs, d, s); s = fp16(d * sum(qs)) is None unless with_sum."""
+    xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, QK)
+    amax = np.abs(xb).max(axis=2)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[:, :, None]).astype(np.int8)  # x*id in float32, round half to even
+    s = None
+    if with_sum:
+        s = (d * q.sum(axis=2, dtype=np.int32).astype(np.float32)).astype(np.float16).astype(np.float32)
+    return q.reshape(x.shape), d.astype(np.float16).astype(np.float32), s
+
+
+def pack_q8(qs: np.ndarray, d: np.ndarray, s: np.ndarray | None = None) -> np.ndarray:
+    """Unpacked activations -> ggml block bytes: (n_blocks, 34) for q8_0, (n_blocks, 36) for q8_1."""
+    head = [d.reshape(-1, 1).astype(np.float16).view(np.uint8)]
+    if s is not None:
+        head.append(s.reshape(-1, 1).astype(np.float16).view(np.uint8))
+    return np.concatenate(head + [qs.reshape(-1, QK).view(np.uint8)], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# LLVM helpers for numba: exact fma, fp16/bf16 conversions, vector block dot products
+
+_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_HALF = ir.HalfType()
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _host_has_avx2() -> bool:
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        return bool(llvm_binding.get_host_cpu_features().get("avx2", False))
+    except Exception:  # pragma: no cover - exotic hosts
+        return False
+
+
+HAS_AVX2 = _host_has_avx2()
+PREFETCH_AHEAD = 1024  # bytes; streaming a big weight matrix (the Q8_0 output layer) gains ~30%
+
+
+def _llvm_fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a*b + c rounded once, in float32 (what vfmadd does)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.call(_llvm_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3), list(args))
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_bits_to_f32(typingctx, bits):
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], _HALF), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def bf16_bits_to_f32_nb(typingctx, bits):
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def round_to_f16(typingctx, x):
+    """float32 -> nearest fp16 (ties to even) -> float32, as F16C's vcvtps2ph."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], _HALF), _F32)
+
+    return sig, codegen
+
+
+def _elem_ptr(context, builder, aryty, ary, index):
+    """Pointer to element `index` of a C-contiguous 1-d array."""
+    return builder.gep(context.make_array(aryty)(context, builder, ary).data, [index])
+
+
+def _byte_ptr(context, builder, aryty, ary, offset, elty):
+    data = builder.bitcast(context.make_array(aryty)(context, builder, ary).data, _I8.as_pointer())
+    return builder.bitcast(builder.gep(data, [offset]), elty.as_pointer())
+
+
+def _shuffle(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, len(idx)), idx))
+
+
+def _splat(builder, x, n=8):
+    v = builder.insert_element(ir.Constant(_vec(x.type, n), None), x, ir.Constant(_I32, 0))
+    return _shuffle(builder, v, v, [0] * n)
+
+
+def _lanes(builder, w, y):
+    """<32 x i8> weights, <32 x i8> activations -> <8 x i32>; lane l = sum of products 4l..4l+3."""
+    if HAS_AVX2:  # ggml's own sequence: sign trick, maddubs, madd with ones
+        v32, v16 = _vec(_I8, 32), _vec(_I16, 16)
+        psign = _llvm_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+        maddubs = _llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v32, v32])
+        madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16, v16])
+        pairs = builder.call(maddubs, [builder.call(psign, [w, w]), builder.call(psign, [y, w])])
+        return builder.call(madd, [pairs, ir.Constant(v16, [1] * 16)])
+    p = builder.mul(builder.sext(w, _vec(_I32, 32)), builder.sext(y, _vec(_I32, 32)))
+    even, odd = list(range(0, 32, 2)), list(range(1, 32, 2))
+    p2 = builder.add(_shuffle(builder, p, p, even), _shuffle(builder, p, p, odd))
+    return builder.add(_shuffle(builder, p2, p2, even[:8]), _shuffle(builder, p2, p2, odd[:8]))
+
+
+def _prefetch(builder, ptr):
+    """A read hint; never faults, so running past the end of the buffer is harmless."""
+    pf = _llvm_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+    builder.call(pf, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+def _hsum8(builder, v):
+    """ggml hsum_float_8: t = hi + lo, then (t0 + t2) + (t1 + t3)."""
+    t = builder.fadd(_shuffle(builder, v, v, [4, 5, 6, 7]), _shuffle(builder, v, v, [0, 1, 2, 3]))
+    e = [builder.extract_element(t, ir.Constant(_I32, i)) for i in range(4)]
+    return builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3]))
+
+
+def _decode_block(builder, load, typ, base):
+    """The 32 weights of the block at byte `base` as <32 x i8> (ggml element order)."""
+    size, _, _, qh_at, qs_at, bias = _LAYOUT[typ]
+    at = lambda off: builder.add(base, ir.Constant(_I64, off))  # noqa: E731
+    if typ == GGMLType.Q8_0:
+        return load(at(qs_at), _vec(_I8, 32))
+    qs = load(at(qs_at), _vec(_I8, 16))
+    lo = builder.and_(qs, ir.Constant(_vec(_I8, 16), [15] * 16))
+    hi = builder.lshr(qs, ir.Constant(_vec(_I8, 16), [4] * 16))
+    w = _shuffle(builder, lo, hi, list(range(32)))
+    if qh_at is not None:
+        bits = builder.lshr(_splat(builder, load(at(qh_at), _I32), 32), ir.Constant(_vec(_I32, 32), list(range(32))))
+        bits = builder.trunc(builder.and_(bits, ir.Constant(_vec(_I32, 32), [1] * 32)), _vec(_I8, 32))
+        w = builder.or_(w, builder.shl(bits, ir.Constant(_vec(_I8, 32), [4] * 32)))
+    if bias:
+        w = builder.sub(w, ir.Constant(_vec(_I8, 32), [bias] * 32))
+    return w
+
+
+def _make_row_dot(typ: GGMLType, ncols: int):
+    """Intrinsic dot(w, woff, nb, yq, yd, ys, col) -> ncols floats: the weight row of nb blocks at
+    byte woff of w against activation rows col..col+ncols-1 (yq int8 and yd/ys float32, flat,
+    nb blocks per row), exactly as ggml_vec_dot_<typ>_q8_<0|1> on AVX2."""
+    size, d_at, m_at, _, _, _ = _LAYOUT[typ]
+    ret = types.UniTuple(types.float32, ncols)
+
+    @intrinsic
+    def row_dot(typingctx, w, woff, nb, yq, yd, ys, col):
+        sig = ret(w, types.int64, types.int64, yq, yd, ys, types.int64)
+
+        def codegen(context, builder, signature, args):
+            w_, woff_, nb_, yq_, yd_, ys_, col_ = args
+            wt, _, _, yqt, ydt, yst, _ = signature.args
+            load = lambda off, ty: builder.load(_byte_ptr(context, builder, wt, w_, off, ty), align=1)  # noqa: E731
+            fma8 = _llvm_fn(builder, "llvm.fma.v8f32", _vec(_F32, 8), [_vec(_F32, 8)] * 3)
+            fma1 = _llvm_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8)) for _ in range(ncols)]
+            mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(ncols)]
+            with cgutils.for_range(builder, nb_) as loop:
+                b = loop.index
+                base = builder.add(woff_, builder.mul(b, ir.Constant(_I64, size)))
+                _prefetch(builder, _byte_ptr(context, builder, wt, w_, builder.add(base, ir.Constant(_I64, PREFETCH_AHEAD)), _I8))
+                dx = builder.fpext(load(builder.add(base, ir.Constant(_I64, d_at)), _HALF), _F32)
+                wv = _decode_block(builder, load, typ, base)
+                mx = None if m_at is None else builder.fpext(load(builder.add(base, ir.Constant(_I64, m_at)), _HALF), _F32)
+                for c in range(ncols):
+                    blk = builder.add(builder.mul(builder.add(col_, ir.Constant(_I64, c)), nb_), b)
+                    yp = builder.bitcast(_elem_ptr(context, builder, yqt, yq_, builder.mul(blk, ir.Constant(_I64, QK))),
+                                         _vec(_I8, 32).as_pointer())
+                    dy = builder.load(_elem_ptr(context, builder, ydt, yd_, blk))
+                    lanes = builder.sitofp(_lanes(builder, wv, builder.load(yp, align=1)), _vec(_F32, 8))
+                    d = _splat(builder, builder.fmul(dx, dy))
+                    builder.store(builder.call(fma8, [d, lanes, builder.load(accs[c])]), accs[c])
+                    if mx is not None:  # the _1 formats add m * s per block (compiled as an fma)
+                        sy = builder.load(_elem_ptr(context, builder, yst, ys_, blk))
+                        builder.store(builder.call(fma1, [mx, sy, builder.load(mins[c])]), mins[c])
+            out = []
+            for c in range(ncols):
+                total = _hsum8(builder, builder.load(accs[c]))
+                out.append(total if m_at is None else builder.fadd(total, builder.load(mins[c])))
+            return context.make_tuple(builder, ret, out)
+
+        return sig, codegen
+
+    return row_dot
+
+
+# one and four activation rows per weight row read (four is the register-blocked matrix case)
+ROW_DOT = {t: (_make_row_dot(t, 1), _make_row_dot(t, 4)) for t in QUANT_TYPES}
+
+
+# ----------------------------------------------------------------------------------------------
+# numba activation quantizer
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def quantize_q8_rows(x, qs, d, s, with_sum):
+    """x (rows, k) float32 -> qs (rows, k) int8, d (rows, k/32) float32 and, if with_sum, s."""
+    rows, k = x.shape
+    nb = k // QK
+    for r in numba.prange(rows):
+        for b in range(nb):
+            o = b * QK
+            amax = np.float32(0)
+            for j in range(QK):
+                amax = max(amax, abs(x[r, o + j]))
+            dv = amax / np.float32(127)
+            inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+            total = 0
+            for j in range(QK):
+                q = np.int8(np.rint(x[r, o + j] * inv))
+                qs[r, o + j] = q
+                total += q
+            d[r, b] = round_to_f16(dv)
+            if with_sum:
+                s[r, b] = round_to_f16(dv * np.float32(total))
+
+
+# ----------------------------------------------------------------------------------------------
+# float weights (F32/F16/BF16): fma lanes of ggml_vec_dot_* and llamafile's tinyBLAS
+
+_FLOAT_ELEM = {GGMLType.F32: (4, _F32), GGMLType.F16: (2, _HALF), GGMLType.BF16: (2, _I16)}
+
+
+def _to_f32(builder, v, typ, n):
+    if typ == GGMLType.F16:
+        return builder.fpext(v, _vec(_F32, n)) if n > 1 else builder.fpext(v, _F32)
+    if typ == GGMLType.BF16:
+        wide = _vec(_I32, n) if n > 1 else _I32
+        shifted = builder.shl(builder.zext(v, wide), ir.Constant(wide, [16] * n if n > 1 else 16))
+        return builder.bitcast(shifted, _vec(_F32, n) if n > 1 else _F32)
+    return v
+
+
+def _make_load_weight(typ: GGMLType):
+    """Intrinsic load(w, byte_offset) -> float32 of one F32/F16/BF16 weight."""
+    _, elty = _FLOAT_ELEM[typ]
+
+    @intrinsic
+    def load(typingctx, w, off):
+        def codegen(context, builder, signature, args):
+            v = builder.load(_byte_ptr(context, builder, signature.args[0], args[0], args[1], elty), align=1)
+            return _to_f32(builder, v, typ, 1)
+
+        return types.float32(w, types.int64), codegen
+
+    return load
+
+
+def _make_float_lanes(typ: GGMLType, ways: int):
+    """Intrinsic lanes(w, woff, y, yoff, steps) -> 8 floats. ways=1 is tinyBLAS (one 8-wide fma
+    accumulator, steps of 8); ways=4 is ggml_vec_dot (four accumulators, steps of 32) already reduced
+    lane-wise as (a0 + a2) + (a1 + a3). w: weight bytes at woff; y: float32 activations at yoff."""
+    esize, elty = _FLOAT_ELEM[typ]
+    ret = types.UniTuple(types.float32, 8)
+
+    @intrinsic
+    def lanes(typingctx, w, woff, y, yoff, steps):
+        sig = ret(w, types.int64, y, types.int64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            w_, woff_, y_, yoff_, steps_ = args
+            wt, _, yt = signature.args[:3]
+            v8 = _vec(_F32, 8)
+            fma8 = _llvm_fn(builder, "llvm.fma.v8f32", v8, [v8] * 3)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * 8)) for _ in range(ways)]
+            with cgutils.for_range(builder, steps_) as loop:
+                for a in range(ways):
+                    k = builder.add(builder.mul(loop.index, ir.Constant(_I64, 8 * ways)), ir.Constant(_I64, 8 * a))
+                    wp = _byte_ptr(context, builder, wt, w_, builder.add(woff_, builder.mul(k, ir.Constant(_I64, esize))),
+                                   _vec(elty, 8))
+                    yp = builder.bitcast(_elem_ptr(context, builder, yt, y_, builder.add(yoff_, k)), v8.as_pointer())
+                    wv = _to_f32(builder, builder.load(wp, align=1), typ, 8)
+                    builder.store(builder.call(fma8, [wv, builder.load(yp, align=4), builder.load(accs[a])]), accs[a])
+            v = [builder.load(a) for a in accs]
+            if ways == 4:
+                v = [builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))]
+            return context.make_tuple(builder, ret, [builder.extract_element(v[0], ir.Constant(_I32, i)) for i in range(8)])
+
+        return sig, codegen
+
+    return lanes
+
+
+FLOAT_TYPES = tuple(_FLOAT_ELEM)
+LOAD_WEIGHT = {t: _make_load_weight(t) for t in FLOAT_TYPES}
+FLOAT_LANES = {t: (_make_float_lanes(t, 1), _make_float_lanes(t, 4)) for t in FLOAT_TYPES}

@@ -1,0 +1,460 @@
+"""SOFT_MAX: dst = softmax(src0 * scale + slope * mask) over each row, with optional attention sinks.
+
+Matches ggml-cpu bit for bit on an AVX2+FMA build (ops.cpp ggml_compute_forward_soft_max_f32 and
+vec.cpp ggml_vec_soft_max_f32): the mask is added with a fused multiply-add, exponentials of each
+whole block of 8 use ggml's vector exp approximation (`v_expf`) and the rest glibc `expf`, and the
+row sum is accumulated in double from float32 sums of 8 lanes, in the order the SIMD code adds them.
+
+The float helpers at the top (`fma32`, bit casts, `v_expf`, fp16 conversions) are shared by the
+attention and rope kernels, which follow the same ggml arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import llvmlite.binding as llvm_binding
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
+
+from rpcserver.ggml import GGMLOp, GGMLType
+
+from .copy import parallel_worthwhile
+from .node import InvalidNode, Node, Tensor
+from .registry import OpKernel, register
+
+F32 = np.float32
+NEG_INF = F32(-np.inf)
+
+# ---------------------------------------------------------------- float helpers
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """Single-rounding a*b + c in float32 (llvm.fma), as the FMA instructions ggml is built with."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The IEEE bits of a float32, as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_f32(typingctx, u):
+    """The float32 whose IEEE bits are u."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _scale_bits(typingctx, z, addend):
+    """bits_f32((f32_bits(z) << 23) + addend) in wrapping 32-bit arithmetic (ggml_v_expf's 2**n)."""
+    sig = types.float32(types.float32, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.shl(builder.bitcast(args[0], i32), ir.Constant(i32, 23))
+        return builder.bitcast(builder.add(bits, args[1]), ir.FloatType())
+
+    return sig, codegen
+
+
+_jit = dict(cache=True, nogil=True, fastmath=False)
+
+# polynomial and range-reduction constants of ggml_v_expf (an Arm optimized-routines exp)
+_EXP_SHIFT = F32(float.fromhex("0x1.8p23"))
+_EXP_LOG2E = F32(float.fromhex("0x1.715476p+0"))
+_EXP_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
+_EXP_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
+_EXP_P0 = F32(float.fromhex("0x1.0e4020p-7"))
+_EXP_P1 = F32(float.fromhex("0x1.573e2ep-5"))
+_EXP_P2 = F32(float.fromhex("0x1.555e66p-3"))
+_EXP_P3 = F32(float.fromhex("0x1.fffdb6p-2"))
+_EXP_P4 = F32(float.fromhex("0x1.ffffecp-1"))
+_M32 = 0xFFFFFFFF
+
+
+@numba.njit(inline="always", **_jit)
+def v_expf(x):
+    """One lane of ggml's AVX2 ggml_v_expf (vec.h), which differs from expf by up to ~1.5 ulp.
+
+    Both of ggml's branches are evaluated and selected per lane, so loops over it vectorize; the
+    lanes a branch does not serve get harmless operands (1.0) so that no subnormal slows them down.
+    """
+    z = fma32(x, _EXP_LOG2E, _EXP_SHIFT)
+    n = z - _EXP_SHIFT
+    b = fma32(-n, _EXP_LN2_HI, x)
+    b = fma32(-n, _EXP_LN2_LO, b)
+    u = b * b
+    j = fma32(fma32(fma32(_EXP_P0, b, _EXP_P1), u, fma32(_EXP_P2, b, _EXP_P3)), u, _EXP_P4 * b)
+    wide = abs(n) > F32(126.0)
+    k = _scale_bits(z, np.uint32(0x3F800000)) if not wide else F32(1.0)
+    near = fma32(k, j, k)
+    # |n| > 126: the scale 2**n is split in two factors to reach the subnormal and overflow ranges
+    low = n <= F32(0.0)
+    s1 = (F32(2.0**-125) if low else F32(2.0**127)) if wide else F32(1.0)
+    s2 = _scale_bits(z, np.uint32(0x7E000000) if low else np.uint32(0)) if wide else F32(1.0)
+    mid = fma32(s2, j, s2) * s1
+    far = F32(0.0) if low else F32(np.inf)  # = s1 * s1, which under- or overflows
+    return near if not wide else (far if abs(n) > F32(192.0) else mid)
+
+
+# ---- fp16: ggml converts with F16C instructions (round to nearest even). LLVM's half type compiles
+# to the same instructions when the host has F16C; the bit-level versions are the exact fallback.
+
+HAS_F16C = bool(llvm_binding.get_host_cpu_features().get("f16c", False))
+
+
+@intrinsic
+def _round_f16_hw(typingctx, x):
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _f16_to_f32_hw(typingctx, h):
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _f16_bits_hw(typingctx, x):
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@numba.njit(inline="always", **_jit)
+def _round_f16_sw(x):
+    # adding and removing 1.5 * 2**(e+13) makes the float32 adder round at fp16's ulp for x's binade
+    ex = f32_bits(x) & np.uint32(0x7F800000)
+    # below fp16's smallest normal the grid is fixed at 2**-24; far above its range anything is inf
+    ex = min(max(ex, np.uint32(113 << 23)), np.uint32(143 << 23))
+    magic = bits_f32(np.uint32(ex + np.uint32((13 << 23) + 0x00400000)))
+    r = (x + magic) - magic
+    r = x * F32(0.0) if r == F32(0.0) else r  # keep the sign of zero
+    big = F32(np.inf) if r > F32(0.0) else NEG_INF
+    return big if abs(r) > F32(65504.0) else r
+
+
+@numba.njit(inline="always", **_jit)
+def _f16_to_f32_sw(h):
+    em = np.uint32(h) & np.uint32(0x7FFF)
+    sign = (np.uint32(h) & np.uint32(0x8000)) << np.uint32(16)
+    normal = bits_f32(np.uint32((em << np.uint32(13)) + np.uint32(0x38000000)))
+    tiny = F32(em) * F32(2.0**-24)
+    special = bits_f32(np.uint32((em << np.uint32(13)) | np.uint32(0x7F800000 | 0x400000)))  # inf / quiet NaN
+    special = bits_f32(np.uint32(0x7F800000)) if em == np.uint32(0x7C00) else special
+    v = tiny if em < np.uint32(0x400) else (special if em >= np.uint32(0x7C00) else normal)
+    return bits_f32(f32_bits(v) | sign)
+
+
+@numba.njit(inline="always", **_jit)
+def _f16_bits_sw(x):
+    r = _round_f16_sw(x)
+    u = f32_bits(r)
+    sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
+    e = (u >> np.uint32(23)) & np.uint32(0xFF)
+    m = u & np.uint32(0x7FFFFF)
+    if e == np.uint32(0xFF):
+        return np.uint16(sign | 0x7C00 | (0x200 if m else 0))
+    if e >= np.uint32(113):
+        return np.uint16(sign | ((e - np.uint32(112)) << np.uint32(10)) | (m >> np.uint32(13)))
+    return np.uint16(sign | np.uint32(abs(r) * F32(16777216.0)))  # multiples of 2**-24
+
+
+round_f16 = _round_f16_hw if HAS_F16C else _round_f16_sw  # float32 -> nearest fp16 value, as float32
+f16_to_f32 = _f16_to_f32_hw if HAS_F16C else _f16_to_f32_sw  # fp16 bits (uint16) -> float32
+f16_bits = _f16_bits_hw if HAS_F16C else _f16_bits_sw  # float32 -> fp16 bits (uint16), rounded
+
+
+@numba.njit(**_jit)
+def _widen_row(r, buf, off, ne, st, out):
+    i3, i2, i1 = r // (ne[2] * ne[1]), (r // ne[1]) % ne[2], r % ne[1]
+    base = off + i3 * st[3] + i2 * st[2] + i1 * st[1]
+    src = buf[base : base + ne[0]]  # a slice keeps the loop free of negative-index checks
+    row = out[i3, i2, i1]
+    for t in range(ne[0]):
+        row[t] = f16_to_f32(src[t])
+
+
+@numba.njit(**_jit)
+def _widen_plane_transposed(r, buf, off, ne, st, out):
+    # out[i3, i2, i0, i1]: widen 16 rows at a time into a small buffer, then write it out by columns
+    block = 16
+    i3, i2 = r // ne[2], r % ne[2]
+    plane = out[i3, i2]
+    tmp = np.empty((block, ne[0]), F32)
+    for j0 in range(0, ne[1], block):
+        m = min(block, ne[1] - j0)
+        for u in range(m):
+            b = off + i3 * st[3] + i2 * st[2] + (j0 + u) * st[1]
+            src = buf[b : b + ne[0]]
+            row = tmp[u]
+            for t in range(ne[0]):
+                row[t] = f16_to_f32(src[t])
+        for t in range(ne[0]):
+            col = plane[t, j0 : j0 + m]
+            for u in range(m):
+                col[u] = tmp[u, t]
+
+
+@numba.njit(parallel=True, **_jit)
+def _widen(buf, off, ne, st, out, transpose, parallel):
+    n = ne[3] * ne[2] if transpose else ne[3] * ne[2] * ne[1]
+    if parallel:
+        for r in prange(n):
+            if transpose:
+                _widen_plane_transposed(r, buf, off, ne, st, out)
+            else:
+                _widen_row(r, buf, off, ne, st, out)
+    else:
+        for r in range(n):
+            if transpose:
+                _widen_plane_transposed(r, buf, off, ne, st, out)
+            else:
+                _widen_row(r, buf, off, ne, st, out)
+
+
+def u16_view(t: Tensor) -> np.ndarray:
+    """The raw bits of an F16 tensor as a strided (ne3, ne2, ne1, ne0) uint16 array."""
+    ne, nb = t.ne, t.nb
+    return np.ndarray((ne[3], ne[2], ne[1], ne[0]), np.uint16, t.mem, t.offset, (nb[3], nb[2], nb[1], nb[0]))
+
+
+def widen_f16(t: Tensor, transpose: bool = False) -> np.ndarray:
+    """An F16 tensor (rows contiguous) as a new C-contiguous float32 (ne3, ne2, ne1, ne0) array, or
+    (ne3, ne2, ne0, ne1) if transpose."""
+    ne = t.ne
+    shape = (ne[3], ne[2], ne[0], ne[1]) if transpose else (ne[3], ne[2], ne[1], ne[0])
+    out = np.empty(shape, F32)
+    if t.offset % 2 or any(n % 2 for n in t.nb) or t.mem.size % 2:
+        src = u16_view(t).view(np.float16)  # odd byte layout: let numpy do it
+        out[...] = src.transpose(0, 1, 3, 2) if transpose else src
+        return out
+    buf = t.mem.view(np.uint16)
+    _widen(buf, t.offset // 2, np.array(ne, np.int64), np.array(t.nb, np.int64) // 2, out, transpose,
+           parallel_worthwhile(out.size, cost=2))
+    return out
+
+
+def as_f32(t: Tensor) -> np.ndarray:
+    """An F32 or F16 tensor's values as float32 (a copy for F16; the conversion is exact)."""
+    return t.array() if t.type == GGMLType.F32 else widen_f16(t)
+
+
+@numba.njit(**_jit)
+def alibi_slope(max_bias, n_head, h):
+    """ALiBi slope of head h, as ggml computes it (powf in float32)."""
+    if not max_bias > F32(0.0):
+        return F32(1.0)
+    n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = math.pow(F32(2.0), -max_bias / F32(n_head_log2))
+    m1 = math.pow(F32(2.0), -(max_bias / F32(2.0)) / F32(n_head_log2))
+    if h < n_head_log2:
+        return math.pow(m0, F32(h + 1))
+    return math.pow(m1, F32(2 * (h - n_head_log2) + 1))
+
+
+@numba.njit(**_jit)
+def vec_soft_max(n, y, x, mx):
+    """ggml_vec_soft_max_f32: y = exp(x - mx); returns the sum, accumulated in double like ggml."""
+    total = 0.0
+    nv = n - n % 8
+    xs, ys = x[:nv], y[:nv]  # slices keep the loop free of negative-index checks, so it vectorizes
+    for i in range(nv):
+        ys[i] = v_expf(xs[i] - mx)
+    for i in range(0, nv, 8):
+        # horizontal add of 8 lanes in the order of the AVX2 shuffle sequence
+        v = y[i : i + 8]
+        s = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+        total += np.float64(s)
+    for i in range(nv, n):
+        v = math.exp(x[i] - mx)
+        total += np.float64(v)
+        y[i] = v
+    return total
+
+
+# ---------------------------------------------------------------- SOFT_MAX
+
+
+@numba.njit(**_jit)
+def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias):
+    ne3, ne2, ne1, ne0 = src.shape
+    i3 = r // (ne2 * ne1)
+    i2 = (r // ne1) % ne2
+    i1 = r % ne1
+    slope = alibi_slope(max_bias, ne2, i2)
+    sp = src[i3, i2, i1]
+    wp = np.empty(ne0, F32)
+    for i in range(ne0):
+        wp[i] = sp[i] * scale
+    if has_mask:
+        mp = mask[i3 % mask.shape[0], i2 % mask.shape[1], i1]
+        for i in range(ne0):
+            wp[i] = fma32(slope, mp[i], wp[i])
+    mx = NEG_INF
+    for i in range(ne0):
+        mx = mx if mx > wp[i] else wp[i]
+    if has_sinks:
+        mx = mx if mx > sinks[i2] else sinks[i2]
+    total = vec_soft_max(ne0, wp, wp, mx)
+    if has_sinks:
+        total += np.float64(math.exp(sinks[i2] - mx))
+    inv = F32(1.0 / total)
+    dp = dst[i3, i2, i1]
+    for i in range(ne0):
+        dp[i] = wp[i] * inv
+
+
+@numba.njit(parallel=True, **_jit)
+def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, parallel):
+    n_rows = src.shape[0] * src.shape[1] * src.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias)
+    else:
+        for r in range(n_rows):
+            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias)
+
+
+def _soft_max_parts(node: Node):
+    src, mask = node.src[0], node.src[1] if len(node.src) > 1 else None
+    sinks = node.src[2] if len(node.src) > 2 else None
+    return src, mask, sinks, node.param_f32(0), node.param_f32(1)
+
+
+def check_soft_max(node: Node) -> None:
+    (src,) = node.srcs(1)
+    _, mask, sinks, _, max_bias = _soft_max_parts(node)
+    dst = node.dst
+    if src.type != GGMLType.F32 or dst.type != GGMLType.F32:
+        raise InvalidNode("SOFT_MAX: src0 and dst must be F32")
+    if dst.ne != src.ne:
+        raise InvalidNode(f"SOFT_MAX: dst shape {dst.ne} differs from src0 {src.ne}")
+    if src.nb[0] != 4 or dst.nb[0] != 4:
+        raise InvalidNode("SOFT_MAX: rows must be contiguous")
+    if mask is not None:
+        if mask.type not in (GGMLType.F32, GGMLType.F16) or mask.nb[0] != (4 if mask.type == GGMLType.F32 else 2):
+            raise InvalidNode("SOFT_MAX: mask must be F32 or F16 with contiguous rows")
+        if mask.ne[0] != src.ne[0] or mask.ne[1] < src.ne[1]:
+            raise InvalidNode(f"SOFT_MAX: mask {mask.ne} does not cover rows of {src.ne}")
+        if src.ne[2] % mask.ne[2] or src.ne[3] % mask.ne[3]:
+            raise InvalidNode(f"SOFT_MAX: mask {mask.ne} does not broadcast to {src.ne}")
+    elif max_bias > 0.0:
+        raise InvalidNode("SOFT_MAX: max_bias (ALiBi) needs a mask")
+    if sinks is not None:
+        if sinks.type != GGMLType.F32 or sinks.ne[0] != src.ne[2] or sinks.ne[1:] != (1, 1, 1):
+            raise InvalidNode("SOFT_MAX: sinks must be an F32 vector with one value per head (src0.ne2)")
+    if math.isnan(node.param_f32(0)) or math.isnan(max_bias):
+        raise InvalidNode("SOFT_MAX: NaN scale or max_bias")
+
+
+def forward_soft_max(node: Node) -> None:
+    src, mask, sinks, scale, max_bias = _soft_max_parts(node)
+    m = as_f32(mask) if mask is not None else np.zeros((1, 1, 1, 1), F32)
+    sk = sinks.array()[0, 0, 0] if sinks is not None else np.zeros(1, F32)
+    x = src.array()
+    _soft_max_rows(x, node.dst.array(), m, mask is not None, sk, sinks is not None, F32(scale), F32(max_bias),
+                   parallel_worthwhile(x.size, cost=8))
+
+
+# numpy twin: the same float32 steps, vectorized over all rows
+
+
+def _np_fma(a, b, c):
+    """a*b + c rounded once to float32 (exact product in float64; double rounding is vanishingly rare)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(F32)
+
+
+def np_v_expf(x: np.ndarray) -> np.ndarray:
+    """Vectorized twin of v_expf."""
+    x = np.asarray(x, F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = _np_fma(x, _EXP_LOG2E, _EXP_SHIFT)
+        n = z - _EXP_SHIFT
+        b = _np_fma(-n, _EXP_LN2_LO, _np_fma(-n, _EXP_LN2_HI, x))
+        e = (z.view(np.uint32).astype(np.int64) << 23) & _M32
+        k = ((e + 0x3F800000) & _M32).astype(np.uint32).view(F32)
+        u = b * b
+        j = _np_fma(_np_fma(_np_fma(_EXP_P0, b, _EXP_P1), u, _np_fma(_EXP_P2, b, _EXP_P3)), u, _EXP_P4 * b)
+        g = np.where(n <= 0, 0x82000000, 0)
+        s1 = ((g + 0x7F000000) & _M32).astype(np.uint32).view(F32)
+        s2 = ((e - g) & _M32).astype(np.uint32).view(F32)
+        far = np.where(np.abs(n) > 192, s1 * s1, _np_fma(s2, j, s2) * s1)
+        return np.where(np.abs(n) > 126, far, _np_fma(k, j, k)).astype(F32)
+
+
+def np_expf(x) -> np.ndarray:
+    """expf, correctly rounded (glibc's expf agrees but for rare last-bit cases)."""
+    return np.exp(np.asarray(x, np.float64)).astype(F32)
+
+
+def np_soft_max(x: np.ndarray, mx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Twin of vec_soft_max over the last axis: (exp values, float64 sums)."""
+    n = x.shape[-1]
+    nv = n - n % 8
+    d = (x - mx[..., None]).astype(F32)
+    y = np.empty_like(d)
+    y[..., :nv] = np_v_expf(d[..., :nv])
+    y[..., nv:] = np_expf(d[..., nv:])
+    blocks = y[..., :nv].reshape(*y.shape[:-1], nv // 8, 8)
+    lanes = blocks[..., :4] + blocks[..., 4:]
+    lanes = lanes[..., :2] + lanes[..., 2:]
+    s8 = lanes[..., 0] + lanes[..., 1]
+    return y, s8.astype(np.float64).sum(-1) + y[..., nv:].astype(np.float64).sum(-1)
+
+
+def reference_soft_max(node: Node) -> None:
+    src, mask, sinks, scale, max_bias = _soft_max_parts(node)
+    x = src.array() * F32(scale)
+    ne3, ne2, ne1, _ = x.shape
+    if mask is not None:
+        m = as_f32(mask)
+        m = np.tile(m, (ne3 // m.shape[0], ne2 // m.shape[1], 1, 1))[:, :, :ne1]
+        slopes = np.array([alibi_slope(F32(max_bias), ne2, h) for h in range(ne2)], F32)
+        x = _np_fma(slopes[None, :, None, None], m, x)
+    mx = x.max(-1)
+    if sinks is not None:
+        sk = sinks.array()[0, 0, 0][None, :, None]
+        mx = np.maximum(mx, sk)
+    y, total = np_soft_max(x, mx)
+    if sinks is not None:
+        total = total + np_expf(sk - mx)
+    node.dst.array()[...] = y * (1.0 / total).astype(F32)[..., None]
+
+
+register(GGMLOp.SOFT_MAX)(OpKernel(check_soft_max, forward_soft_max, reference_soft_max))

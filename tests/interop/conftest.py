@@ -1,0 +1,145 @@
+"""Fixtures for the interop tier: pinned llama.cpp clients talking to a worker over --rpc.
+
+RPC_INTEROP_WORKER selects the worker under test: "ours" (default, `python -m rpcserver`) or
+"reference" (llama.cpp's ggml-rpc-server, to check the harness itself). RPC_INTEROP_TIMEOUT
+(seconds, default 300) bounds each client run through the worker. With CI=true a missing
+binary or model fails the run; elsewhere those tests are skipped.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_reference_tools():
+    # Loaded by path: a stray top-level "tools" package elsewhere on sys.path must not shadow ours.
+    name = "pyrpc_tools_reference"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+reference = _load_reference_tools()
+
+IN_CI = os.environ.get("CI", "").strip().lower() == "true"
+CLIENT_THREADS = 2
+CPU_TIMEOUT = 180  # a CPU-only llama.cpp run here takes seconds
+# Per RPC-backed client run (or server start / request). The first one also pays for numba
+# compiling our kernels on a clean checkout; raise it on slow machines.
+RPC_TIMEOUT = float(os.environ.get("RPC_INTEROP_TIMEOUT", "300"))
+OFFLOAD_RE = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+def _unavailable(message: str):
+    if IN_CI:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def bin_dir() -> Path:
+    try:
+        return reference.bin_dir()
+    except reference.ReferenceMissing as exc:
+        _unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    try:
+        return reference.model_path()
+    except reference.ReferenceMissing as exc:
+        _unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
+def worker_kind() -> str:
+    kind = os.environ.get("RPC_INTEROP_WORKER", "ours").strip() or "ours"
+    if kind not in reference.WORKER_KINDS:
+        pytest.fail(f"RPC_INTEROP_WORKER={kind!r}; expected one of {reference.WORKER_KINDS}", pytrace=False)
+    return kind
+
+
+@pytest.fixture(scope="module")
+def worker(bin_dir, worker_kind, tmp_path_factory):
+    """One worker per test module, shared by its tests like a long-lived server would be."""
+    try:
+        started = reference.start_worker(worker_kind, tmp_path_factory.mktemp(f"{worker_kind}-worker"),
+                                         threads=CLIENT_THREADS)
+    except reference.WorkerFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield started
+    alive = started.alive()
+    started.stop()
+    if not alive:
+        pytest.fail(f"the worker died during the module.\n{started.describe()}", pytrace=False)
+
+
+class ClientFailed(AssertionError):
+    pass
+
+
+class LlamaRunner:
+    """Runs pinned llama.cpp tools with a timeout and turns failures into readable assertion errors."""
+
+    def __init__(self, bin_dir: Path):
+        self.bin_dir = bin_dir
+
+    def __call__(self, tool: str, args: list[str], *, timeout: float, worker=None) -> subprocess.CompletedProcess:
+        cmd = [str(self.bin_dir / tool), *map(str, args)]
+        try:
+            done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                                  env=reference.llama_env())
+        except subprocess.TimeoutExpired as exc:
+            raise ClientFailed(self._report(f"{tool} timed out after {timeout:.0f}s", cmd,
+                                            exc.stdout, exc.stderr, worker)) from None
+        if done.returncode != 0:
+            raise ClientFailed(self._report(f"{tool} exited with status {done.returncode}", cmd,
+                                            done.stdout, done.stderr, worker))
+        done.stdout = done.stdout.decode("utf-8", "replace")
+        done.stderr = done.stderr.decode("utf-8", "replace")
+        return done
+
+    @staticmethod
+    def _report(what: str, cmd, stdout, stderr, worker) -> str:
+        def tail(data) -> str:
+            text = data if isinstance(data, str) else (data or b"").decode("utf-8", "replace")
+            return text[-3000:]
+        parts = [what, f"command: {' '.join(cmd)}", f"stdout (tail):\n{tail(stdout)}", f"stderr (tail):\n{tail(stderr)}"]
+        if worker is not None:
+            parts.append(worker.describe())
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="session")
+def llama(bin_dir) -> LlamaRunner:
+    return LlamaRunner(bin_dir)
+
+
+def assert_fully_offloaded(stderr: str) -> None:
+    """The client log (at -lv 4) must say every layer went to the RPC device, so no run passes on CPU alone."""
+    match = OFFLOAD_RE.search(stderr)
+    assert match, "no 'offloaded N/M layers' line in the client log; was -lv 4 passed?\n" + stderr[-3000:]
+    assert match.group(1) == match.group(2), f"only {match.group(0)}"
+
+
+def text_diff(expected: str, got: str, expected_name: str = "cpu", got_name: str = "rpc") -> str:
+    """Where two outputs first differ, plus a line diff."""
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    lines = difflib.unified_diff(expected.splitlines(keepends=True), got.splitlines(keepends=True),
+                                 fromfile=expected_name, tofile=got_name)
+    return (f"outputs differ at character {at}: {expected_name}={expected[at:at + 40]!r} "
+            f"{got_name}={got[at:at + 40]!r}\n" + "".join(lines))

