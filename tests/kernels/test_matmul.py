@@ -228,7 +228,7 @@ def test_fma32_np_is_correctly_rounded():
 # bit for bit against the real ggml-cpu (llamafile's tinyBLAS included), 2 threads
 
 
-needs_ggml = pytest.mark.skipif(not ggml_oracle.available(), reason="pinned llama.cpp libraries not installed")
+needs_ggml = ggml_oracle.needs_ggml
 # a native build on an AVX-512 host runs 16-lane float kernels; we mirror the AVX2 build's 8 lanes
 _AVX512 = bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
 avx2_float_build = pytest.mark.skipif(_AVX512, reason="ggml's AVX-512 float dot products differ from AVX2's")

