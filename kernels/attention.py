@@ -35,14 +35,13 @@ from .softmax import NEG_INF, alibi_slope, fma32, round_f16, vec_soft_max, widen
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)
 
-# ggml-rpc-server computes with hardware_concurrency()/2 threads unless told otherwise (-t)
+# The split-KV result depends on the thread count of the ggml we imitate: ggml-rpc-server runs
+# hardware_concurrency()/2 threads unless given -t. Set this to match the reference being compared to.
 SPLIT_KV_THREADS = max(1, (os.cpu_count() or 2) // 2)
 SPLIT_KV_MIN = 512  # n_kv from which ggml splits a single query over threads
 TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path
 TILE_KV = 64  # GGML_FA_TILE_KV
-
-
-BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time
+BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time (bounds its scratch)
 
 
 @numba.njit(inline="always", **_jit)
@@ -142,16 +141,18 @@ def _row_one_chunk(qrow, kt2, v2, mrow, has_mask, slope, scale, softcap, ic0, ic
 
 
 @numba.njit(inline="always", **_jit)
-def _apply_sink(sink, M, S, vkq):
-    ms = F32(1.0)
-    vs = F32(1.0)
+def _apply_sink(sink, M, S, vkq, fused):
+    """Fold the head's sink logit into the softmax as one more position with a zero value row;
+    returns the new (M, S).
+
+    On a new maximum GCC leaves `S*ms + 1` unfused in the per-row code but fuses it in the tiled code.
+    """
     if sink > M:
         ms = math.exp(M - sink)
         for d in range(vkq.shape[0]):
             vkq[d] *= ms
-    else:
-        vs = math.exp(sink - M)
-    return fma32(S, ms, vs)
+        return sink, (fma32(S, ms, F32(1.0)) if fused else S * ms + F32(1.0))
+    return M, S + math.exp(sink - M)
 
 
 @numba.njit(inline="always", **_jit)
@@ -171,7 +172,7 @@ def _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bia
     M, S = _row_one_chunk(q[iq3, iq2, iq1], kt2, v2, mrow, has_mask, slope, scale, softcap,
                           0, kt.shape[3], f16_k, f16_v, vkq)
     if has_sinks:
-        S = _apply_sink(sinks[iq2], M, S, vkq)
+        M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
     inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
     for d in range(vkq.shape[0]):
         out[iq3, iq1, iq2, d] = vkq[d] * inv
@@ -209,7 +210,7 @@ def _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, 
     M, S = _row_one_chunk(q[0, h, 0], kt2, v2, mask[0, h % mask.shape[1], 0], has_mask, slope, scale,
                           softcap, ic0, min(ic0 + chunk, n_kv), f16_k, f16_v, vkq)
     if has_sinks and c == 0:  # ggml applies the sink with the first slice only
-        S = _apply_sink(sinks[h], M, S, vkq)
+        M, S = _apply_sink(sinks[h], M, S, vkq, False)
     part[h, c, 0] = M
     part[h, c, 1] = S
 
@@ -309,7 +310,7 @@ def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, s
             for d in range(dv):
                 vkq[d] = fma32(vrow[d], pt, vkq[d])
     if has_sinks:
-        S = _apply_sink(sinks[iq2], M, S, vkq)
+        M, S = _apply_sink(sinks[iq2], M, S, vkq, True)
     inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
     for d in range(dv):
         out[iq3, iq1, iq2, d] = vkq[d] * inv

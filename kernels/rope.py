@@ -33,12 +33,10 @@ class RopeParams:
     """The op_params of a ROPE node, decoded."""
 
     def __init__(self, node: Node):
-        self.n_dims = node.param_i32(1)
-        self.mode = node.param_i32(2)
-        self.n_ctx_orig = node.param_i32(4)
+        ints = node.params
+        self.n_dims, self.mode, self.n_ctx_orig, self.n_offs = int(ints[1]), int(ints[2]), int(ints[4]), int(ints[15])
         (self.freq_base, self.freq_scale, self.ext_factor, self.attn_factor,
-         self.beta_fast, self.beta_slow) = (F32(node.param_f32(i)) for i in range(5, 11))
-        self.n_offs = node.param_i32(15)
+         self.beta_fast, self.beta_slow) = ints[5:11].view(F32)
 
 
 @numba.njit(**_jit)
@@ -133,20 +131,25 @@ def _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox):
 
 
 @numba.njit(parallel=True, **_jit)
-def _rope_rows(src, dst, cache, n_dims, n_offs, neox, f16, parallel):
+def _rope_rows_f32(src, dst, cache, n_dims, n_offs, neox, parallel):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     if parallel:
         for r in prange(n_rows):
-            if f16:
-                _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
-            else:
-                _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
+            _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
     else:
         for r in range(n_rows):
-            if f16:
-                _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
-            else:
-                _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
+            _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
+
+
+@numba.njit(parallel=True, **_jit)
+def _rope_rows_f16(src, dst, cache, n_dims, n_offs, neox, parallel):
+    n_rows = src.shape[0] * src.shape[1] * src.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
+    else:
+        for r in range(n_rows):
+            _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
 
 
 def check_rope(node: Node) -> None:
@@ -165,22 +168,34 @@ def check_rope(node: Node) -> None:
     size = 4 if src.type == GGMLType.F32 else 2
     if src.nb[0] != size or dst.nb[0] != size:
         raise InvalidNode("ROPE: rows must be contiguous")
-    if pos.type != GGMLType.I32 or pos.ne != (src.ne[2], 1, 1, 1):
+    if pos.type != GGMLType.I32 or pos.ne != (src.ne[2], 1, 1, 1) or pos.nb[0] != 4:
         raise InvalidNode(f"ROPE: positions must be an I32 vector of length src0.ne2={src.ne[2]}, got {pos.ne}")
     ne0 = src.ne[0]
     if ne0 % 2 or p.n_dims <= 0 or p.n_dims % 2 or p.n_offs < 0 or p.n_offs % 2 or p.n_offs + p.n_dims > ne0:
         raise InvalidNode(f"ROPE: n_dims={p.n_dims}, n_offs={p.n_offs} do not fit rows of {ne0}")
-    if ff is not None and (ff.type != GGMLType.F32 or ff.ne[0] < p.n_dims // 2):
-        raise InvalidNode("ROPE: freq_factors must be F32 with at least n_dims/2 values")
+    if ff is not None and (ff.type != GGMLType.F32 or ff.ne[0] < p.n_dims // 2 or ff.nb[0] != 4):
+        raise InvalidNode("ROPE: freq_factors must be F32 with at least n_dims/2 contiguous values")
+
+
+_last_cache: list = [None, None]  # (key, table): Q and K of every layer rotate by the same positions
+
+
+def _raw(t: Tensor, n_bytes: int) -> bytes:
+    return t.mem[t.offset : t.offset + n_bytes].tobytes()
 
 
 def _cache(node: Node, p: RopeParams) -> np.ndarray:
-    ff = node.src[2] if len(node.src) > 2 else None
-    lo, hi = yarn_corr_dims(p.n_dims, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow)
-    factors = ff.array()[0, 0, 0] if ff is not None else np.ones(1, F32)
-    pos = node.src[1].array()[0, 0, 0]
-    return rope_cache(pos, p.n_dims // 2, p.n_dims, p.freq_base, p.freq_scale, p.ext_factor, p.attn_factor,
-                      lo, hi, factors, ff is not None)
+    pos, ff = node.src[1], node.src[2] if len(node.src) > 2 else None
+    n_pairs = p.n_dims // 2
+    # positions and factors are vectors with contiguous elements (checked), so raw bytes identify them
+    key = (_raw(pos, 4 * pos.ne[0]), _raw(ff, 4 * n_pairs) if ff is not None else None, node.params[1:11].tobytes())
+    if _last_cache[0] != key:
+        lo, hi = yarn_corr_dims(p.n_dims, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow)
+        factors = ff.array()[0, 0, 0] if ff is not None else np.ones(1, F32)
+        table = rope_cache(pos.array()[0, 0, 0], n_pairs, p.n_dims, p.freq_base, p.freq_scale, p.ext_factor,
+                           p.attn_factor, lo, hi, factors, ff is not None)
+        _last_cache[:] = [key, table]
+    return _last_cache[1]
 
 
 def forward_rope(node: Node) -> None:
@@ -188,9 +203,11 @@ def forward_rope(node: Node) -> None:
     src, dst = node.src[0], node.dst
     cache = _cache(node, p)
     neox = p.mode == ROPE_MODE_NEOX
-    f16 = src.type == GGMLType.F16
-    x, y = (u16_view(src), u16_view(dst)) if f16 else (src.array(), dst.array())
-    _rope_rows(x, y, cache, p.n_dims, p.n_offs, neox, f16, parallel_worthwhile(x.size, cost=4))
+    if src.type == GGMLType.F16:
+        x, y, rows = u16_view(src), u16_view(dst), _rope_rows_f16
+    else:
+        x, y, rows = src.array(), dst.array(), _rope_rows_f32
+    rows(x, y, cache, p.n_dims, p.n_offs, neox, parallel_worthwhile(x.size, cost=4))
 
 
 def reference_rope(node: Node) -> None:

