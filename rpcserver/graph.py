@@ -14,7 +14,7 @@ import numpy as np
 
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
-from .ggml import MAX_SRC, VIEW_OPS, GGMLOp, GGMLType, type_traits
+from .ggml import VIEW_OPS, GGMLOp, GGMLType, type_traits
 from .memory import BufferTable, MemoryError_
 from .protocol import GraphComputeRequest, RpcTensor
 
@@ -133,4 +133,3 @@ def run_plan(plan: Plan) -> None:
         raise GraphError(str(exc)) from None
 
 
-assert MAX_SRC == 10
