@@ -1,0 +1,77 @@
+"""Handlers under hypothesis: any request either succeeds or raises ProtocolError, and no write
+ever lands outside the tensor the request names."""
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rpcserver import protocol as p
+from rpcserver.memory import MemoryBudget
+from rpcserver.protocol import Command, ProtocolError
+from rpcserver.session import Session, WorkerConfig
+
+BUF = 4096
+
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**64 - 1)
+small = st.integers(0, 70)
+
+
+def session_with_buffer():
+    s = Session(WorkerConfig(MemoryBudget(1 << 20)))
+    handle = p.AllocBufferResponse.decode(s.handle(Command.ALLOC_BUFFER, p.AllocBufferRequest(0, BUF))).remote_ptr
+    base = p.U64Response.decode(s.handle(Command.BUFFER_GET_BASE, p.BufferRequest(handle))).value
+    return s, s.buffers.get(handle), base
+
+
+@st.composite
+def tensors(draw, handle, base):
+    return p.RpcTensor(
+        id=draw(u64), type=draw(st.one_of(st.sampled_from([0, 1, 3, 8, 26, 27]), u32)),
+        buffer=draw(st.sampled_from([handle, 0, handle + 1, draw(u64)])),
+        ne=tuple(draw(st.one_of(small, u32)) for _ in range(4)),
+        nb=tuple(draw(st.one_of(st.integers(0, 300), u32)) for _ in range(4)),
+        data=draw(st.one_of(st.integers(base - 64, base + BUF + 64), u64)),
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), command=st.sampled_from([Command.SET_TENSOR, Command.GET_TENSOR, Command.MEMSET_TENSOR,
+                                                 Command.COPY_TENSOR, Command.INIT_TENSOR, Command.GET_ALLOC_SIZE]))
+def test_tensor_handlers_never_touch_memory_outside_the_named_tensor(data, command):
+    s, buf, base = session_with_buffer()
+    buf.mem[:] = 0xAA
+    t = data.draw(tensors(buf.handle, base))
+    offset = data.draw(st.one_of(st.integers(0, 128), u64))
+    size = data.draw(st.one_of(st.integers(0, 128), u64))
+    if command == Command.SET_TENSOR:
+        req = p.SetTensorRequest(t, 0, offset, memoryview(bytes(data.draw(st.integers(0, 200)))))
+    elif command == Command.GET_TENSOR:
+        req = p.GetTensorRequest(t, offset, size)
+    elif command == Command.MEMSET_TENSOR:
+        req = p.MemsetTensorRequest(t, offset, size, 0)
+    elif command == Command.COPY_TENSOR:
+        req = p.CopyTensorRequest(data.draw(tensors(buf.handle, base)), t)
+    elif command == Command.INIT_TENSOR:
+        req = p.TensorRequest(t)
+    else:
+        req = p.GetAllocSizeRequest(0, t, ())
+    try:
+        s.handle(command, p.decode_request(command, memoryview(req.encode())))
+    except ProtocolError:
+        assert (buf.mem == 0xAA).all(), "a refused request must not have written anything"
+        return
+    written = np.flatnonzero(buf.mem != 0xAA)
+    if written.size:  # every written byte lies inside the tensor's own span
+        start = t.data - base
+        assert start <= written[0] and written[-1] < start + s.buffers.locate(t)[2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.binary(max_size=3000), command=st.sampled_from(list(Command)))
+def test_random_payloads_are_handled_or_refused(payload, command):
+    s, _, _ = session_with_buffer()
+    try:
+        s.handle(command, p.decode_request(command, memoryview(payload)))
+    except ProtocolError:
+        pass
