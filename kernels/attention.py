@@ -30,7 +30,8 @@ from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 from .copy import parallel_worthwhile
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
-from .softmax import NEG_INF, alibi_slope, fma32, round_f16, vec_soft_max, widen_f16
+from .fmath import fma32, round_f16
+from .softmax import NEG_INF, alibi_slope, vec_soft_max, widen_f16
 
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)

@@ -4,158 +4,33 @@ ggml's copy semantics (ops.cpp `ggml_compute_forward_dup*`): the source is read 
 its own shape and the destination is filled in row-major order of *its* shape; only the element counts
 must agree. Conversions go through f32, as ggml's `type_conversion_table` does.
 
-This module is also the home of the scalar float conversions other kernels share (F16 and BF16 bit
-patterns <-> f32), written to match what this x86 build of ggml does: F16C round-to-nearest-even for
-F16, ggml's own rounding formula for BF16.
+The scalar F16/BF16 conversions it uses live in kernels/fmath.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
-from llvmlite import ir
 from numba import prange
-from numba.core import types
-from numba.extending import intrinsic
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
+from .fmath import (
+    JIT,
+    bf16_to_f32,
+    f16_to_f32,
+    f32_to_bf16,
+    f32_to_f16,
+    np_bf16_bits_to_f32,
+    np_f16_bits_to_f32,
+    np_f32_to_bf16_bits,
+    np_f32_to_f16_bits,
+)
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
 
-JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
-
 # ---------------------------------------------------------------------------------------------
-# bit casts and scalar conversions
-
-
-@intrinsic
-def f32_from_bits(typingctx, bits):
-    """Reinterpret the low 32 bits of an integer as a float32."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        word = context.cast(builder, args[0], sig.args[0], types.uint32)
-        return builder.bitcast(word, context.get_value_type(types.float32))
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def f32_to_bits(typingctx, value):
-    """Reinterpret a float32 as a uint32."""
-    if not isinstance(value, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        single = context.cast(builder, args[0], sig.args[0], types.float32)
-        return builder.bitcast(single, context.get_value_type(types.uint32))
-
-    return types.uint32(value), codegen
-
-
-@numba.njit(**JIT)
-def f16_to_f32_soft(h):
-    """An F16 bit pattern (any integer holding 16 bits) as float32; NaNs come out quiet, as with F16C."""
-    h = np.uint32(h) & np.uint32(0xFFFF)
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
-    man = h & np.uint32(0x3FF)
-    if exp == 0x1F:
-        quiet = np.uint32(0x400000) if man != 0 else np.uint32(0)
-        return f32_from_bits(sign | np.uint32(0x7F800000) | quiet | (man << np.uint32(13)))
-    if exp == 0:
-        # zero or subnormal: man * 2^-24 is exact in float32
-        mag = np.float32(man) * np.float32(5.9604644775390625e-08)
-        return -mag if sign else mag
-    return f32_from_bits(sign | ((exp + np.uint32(112)) << np.uint32(23)) | (man << np.uint32(13)))
-
-
-@numba.njit(**JIT)
-def f32_to_f16_soft(value):
-    """float32 -> F16 bits (uint16), round-to-nearest-even like the F16C `vcvtps2ph` ggml uses here."""
-    u = f32_to_bits(np.float32(value))
-    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
-    a = u & np.uint32(0x7FFFFFFF)
-    if a > 0x7F800000:  # NaN: keep the top payload bits, force quiet
-        return np.uint16(sign | np.uint32(0x7E00) | ((a >> np.uint32(13)) & np.uint32(0x3FF)))
-    if a >= 0x477FF000:  # rounds to (or is) infinity
-        return np.uint16(sign | np.uint32(0x7C00))
-    if a >= 0x38800000:  # normal in f16: rebias the exponent, round the dropped 13 bits
-        r = a - np.uint32(0x38000000)
-        r = r + np.uint32(0xFFF) + ((r >> np.uint32(13)) & np.uint32(1))
-        return np.uint16(sign | (r >> np.uint32(13)))
-    # f16 subnormal (or zero): count units of 2^-24, rounding half to even
-    e = np.int64(a >> np.uint32(23))
-    shift = 126 - e
-    if shift >= 25:
-        return np.uint16(sign)  # under half a unit (f32 subnormals included): rounds to zero
-    m = np.int64((a & np.uint32(0x7FFFFF)) | np.uint32(0x800000))
-    q = m >> shift
-    rem = m & ((np.int64(1) << shift) - 1)
-    half = np.int64(1) << (shift - 1)
-    if rem > half or (rem == half and (q & 1) == 1):
-        q += 1
-    return np.uint16(sign | np.uint32(q))
-
-
-@intrinsic
-def _f32_to_f16_hw(typingctx, value):
-    if not isinstance(value, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        single = context.cast(builder, args[0], sig.args[0], types.float32)
-        return builder.bitcast(builder.fptrunc(single, ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(value), codegen
-
-
-@intrinsic
-def _f16_to_f32_hw(typingctx, bits):
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        word = context.cast(builder, args[0], sig.args[0], types.uint16)
-        return builder.fpext(builder.bitcast(word, ir.HalfType()), ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-# With F16C, LLVM lowers half conversions to vcvtps2ph/vcvtph2ps, the very instructions ggml uses;
-# elsewhere the bit-twiddling versions above give the same results.
-_F16C = "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
-
-
-@numba.njit(inline="always", **JIT)
-def f16_to_f32(h):
-    if _F16C:
-        return _f16_to_f32_hw(np.uint16(h))
-    return f16_to_f32_soft(h)
-
-
-@numba.njit(inline="always", **JIT)
-def f32_to_f16(value):
-    if _F16C:
-        return _f32_to_f16_hw(np.float32(value))
-    return f32_to_f16_soft(value)
-
-
-@numba.njit(inline="always", **JIT)
-def bf16_to_f32(h):
-    return f32_from_bits((np.uint32(h) & np.uint32(0xFFFF)) << np.uint32(16))
-
-
-@numba.njit(inline="always", **JIT)
-def f32_to_bf16(value):
-    """ggml_compute_fp32_to_bf16: round to nearest even; NaNs are truncated and forced quiet."""
-    u = f32_to_bits(np.float32(value))
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16((u >> np.uint32(16)) | np.uint32(64))
-    return np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16))
+# float32 -> int32 (the F16/BF16 conversions live in fmath.py)
 
 
 @numba.njit(inline="always", **JIT)
@@ -165,27 +40,6 @@ def f32_to_i32(value):
     if v >= np.float32(-2147483648.0) and v < np.float32(2147483648.0):
         return np.int32(v)
     return np.int32(-2147483648)
-
-
-# numpy twins of the conversions, for references and tests
-
-def np_f16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return np.asarray(bits, dtype=np.uint16).view(np.float16).astype(np.float32)
-
-
-def np_f32_to_f16_bits(values: np.ndarray) -> np.ndarray:
-    return np.asarray(values, dtype=np.float32).astype(np.float16).view(np.uint16)
-
-
-def np_bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def np_f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
 
 
 def np_f32_to_i32(values: np.ndarray) -> np.ndarray:

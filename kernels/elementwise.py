@@ -2,7 +2,7 @@
 
 Arithmetic follows ggml-cpu as built here (x86-64, AVX2 + FMA, GCC with contraction on):
 - SILU and SWIGLU run ggml's 8-wide AVX2 `ggml_v_expf` polynomial on each full group of 8 elements
-  of a row and libm `expf` on the remaining tail; `expf_simd` below replays that polynomial lane by lane.
+  of a row and libm `expf` on the remaining tail; `fmath.v_expf` replays that polynomial lane by lane.
 - GELU and GELU_QUICK (and GEGLU, GEGLU_QUICK) read a 65536-entry F16 table indexed by the input
   rounded to F16 (GGML_GELU_FP16); GELU passes inputs beyond +-10 through without the table.
 - SCALE with a bias is a fused multiply-add.
@@ -14,74 +14,25 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import prange
-from numba.core import types
-from numba.extending import intrinsic
 
 from rpcserver.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 from . import copy as cp
+from .fmath import JIT, f16_to_f32, f32_to_f16, fma32, v_expf
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
 
-JIT = cp.JIT
 F32 = np.float32
 
+
 # ---------------------------------------------------------------------------------------------
-# scalar math shared with other kernels (softmax uses the same vector exp in ggml)
-
-
-@intrinsic
-def fmaf(typingctx, a, b, c):
-    """Single-rounding a*b + c in float32 (llvm.fma.f32: vfmadd on this CPU)."""
-
-    def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args)]
-        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, vals)
-
-    return types.float32(a, b, c), codegen
-
-
-# ggml_v_expf's constants, spelled as in vec.h
-_R = F32(float.fromhex("0x1.8p23"))  # adding it rounds to an integer
-_LOG2E = F32(float.fromhex("0x1.715476p+0"))
-_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
-_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
-_C5 = F32(float.fromhex("0x1.0e4020p-7"))
-_C4 = F32(float.fromhex("0x1.573e2ep-5"))
-_C3 = F32(float.fromhex("0x1.555e66p-3"))
-_C2 = F32(float.fromhex("0x1.fffdb6p-2"))
-_C1 = F32(float.fromhex("0x1.ffffecp-1"))
-
-
-@numba.njit(inline="always", **JIT)
-def expf_simd(x):
-    """One lane of ggml_v_expf (AVX2 + FMA build): ARM's vectorised expf approximation."""
-    z = fmaf(x, _LOG2E, _R)
-    n = z - _R
-    b = fmaf(-n, _LN2_LO, fmaf(-n, _LN2_HI, x))
-    e = cp.f32_to_bits(z) << np.uint32(23)
-    k = cp.f32_from_bits(e + np.uint32(0x3F800000))
-    u = b * b
-    j = fmaf(fmaf(fmaf(_C5, b, _C4), u, fmaf(_C3, b, _C2)), u, _C1 * b)
-    # lanes with |n| > 126 need a scaled reconstruction, beyond 192 it saturates; vec.h blends the
-    # three results with masks, and so do these selects (which also lets LLVM vectorise callers)
-    an = abs(n)
-    g = np.uint32(0x82000000) if n <= F32(0.0) else np.uint32(0)
-    s1 = cp.f32_from_bits(g + np.uint32(0x7F000000))
-    s2 = cp.f32_from_bits(e - g)
-    wide = fmaf(s2, j, s2) * s1
-    result = fmaf(j, k, k)
-    result = wide if an > F32(126.0) else result
-    return s1 * s1 if an > F32(192.0) else result
+# scalar activations
 
 
 @numba.njit(inline="always", **JIT)
 def silu_simd(x):
-    return x / (F32(1.0) + expf_simd(F32(0.0) - x))
+    return x / (F32(1.0) + v_expf(F32(0.0) - x))
 
 
 @numba.njit(inline="always", **JIT)
@@ -98,7 +49,7 @@ _SQRT_2_INV = F32(0.70710678118654752440084436210484)
 @numba.njit(**JIT)
 def gelu_tanh(x):
     # GCC contracts 1 + A*x*x into one fma when it builds the table
-    return F32(0.5) * x * (F32(1.0) + math.tanh(_SQRT_2_OVER_PI * x * fmaf(_GELU_COEF_A * x, x, F32(1.0))))
+    return F32(0.5) * x * (F32(1.0) + math.tanh(_SQRT_2_OVER_PI * x * fma32(_GELU_COEF_A * x, x, F32(1.0))))
 
 
 @numba.njit(inline="always", **JIT)
@@ -114,12 +65,12 @@ def gelu_erf(x):
 @numba.njit(**JIT)
 def _build_gelu_tables(gelu, quick):
     for h in range(65536):
-        x = cp.f16_to_f32(h)
+        x = f16_to_f32(h)
         nan = np.uint16((h & 0x8000) | 0x7E00)  # ggml's table holds payload-free NaNs
         y = gelu_tanh(x)
-        gelu[h] = nan if y != y else cp.f32_to_f16(y)
+        gelu[h] = nan if y != y else f32_to_f16(y)
         y = gelu_quick(x)
-        quick[h] = nan if y != y else cp.f32_to_f16(y)
+        quick[h] = nan if y != y else f32_to_f16(y)
 
 
 _TABLES: list[np.ndarray] = []
@@ -140,7 +91,7 @@ def gelu_table(x, table):
         return F32(0.0)
     if x >= F32(10.0):
         return x
-    return cp.f16_to_f32(table[cp.f32_to_f16(x)])
+    return f16_to_f32(table[f32_to_f16(x)])
 
 
 @numba.njit(inline="always", **JIT)
@@ -174,7 +125,7 @@ _UNARY_SUPPORTED = (
 @numba.njit(inline="always", **JIT)
 def _unary_scalar(op, x, gelu_tab, quick_tab, s, bias):
     if op == _SCALE:  # with a bias ggml fuses the multiply-add
-        return x * s if bias == F32(0.0) else fmaf(x, s, bias)
+        return x * s if bias == F32(0.0) else fma32(x, s, bias)
     if op == U.ABS:
         return abs(x)
     if op == U.SGN:
@@ -194,7 +145,7 @@ def _unary_scalar(op, x, gelu_tab, quick_tab, s, bias):
     if op == U.GELU:
         return gelu_table(x, gelu_tab)
     if op == U.GELU_QUICK:
-        return cp.f16_to_f32(quick_tab[cp.f32_to_f16(x)])
+        return f16_to_f32(quick_tab[f32_to_f16(x)])
     if op == U.SILU:
         return silu_scalar(x)
     if op == U.HARDSWISH:
@@ -361,9 +312,9 @@ def _glu_row(op, x, g, dst, gelu_tab, quick_tab, r):
             elif v >= F32(10.0):
                 out = v * w
             else:
-                out = cp.f16_to_f32(gelu_tab[cp.f32_to_f16(v)]) * w
+                out = f16_to_f32(gelu_tab[f32_to_f16(v)]) * w
         elif op == G.GEGLU_QUICK:
-            out = cp.f16_to_f32(quick_tab[cp.f32_to_f16(v)]) * w
+            out = f16_to_f32(quick_tab[f32_to_f16(v)]) * w
         else:  # GEGLU_ERF
             out = gelu_erf(v) * w
         dst[i3, i2, i1, i0] = out

@@ -14,7 +14,8 @@ from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import quants
 from .node import InvalidNode, Node
-from .quants import LOAD_WEIGHT, QK, QUANT_TYPES, bf16_bits_to_f32_nb, f16_bits_to_f32
+from .fmath import bf16_to_f32, f16_to_f32
+from .quants import LOAD_WEIGHT, QK, QUANT_TYPES
 from .registry import OpKernel, register
 
 PLAIN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32)
@@ -114,9 +115,9 @@ def _get_rows_plain(kind, src, idx, out):
         o = out[i12, i11, i10]
         for i in range(ne00):
             if kind == 1:
-                o[i] = f16_bits_to_f32(s[i])
+                o[i] = f16_to_f32(s[i])
             elif kind == 2:
-                o[i] = bf16_bits_to_f32_nb(s[i])
+                o[i] = bf16_to_f32(s[i])
             else:
                 o[i] = s[i]
 

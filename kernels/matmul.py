@@ -20,7 +20,8 @@ from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import quants
 from .node import InvalidNode, Node
-from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT, fma32
+from .fmath import fma32
+from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT
 from .registry import OpKernel, register
 
 T = GGMLType

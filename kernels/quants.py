@@ -21,6 +21,8 @@ from numba.extending import intrinsic
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLType
 
+from .fmath import np_bf16_bits_to_f32, round_f16
+
 QK = 32  # elements per block of every format here
 
 # ----------------------------------------------------------------------------------------------
@@ -77,14 +79,10 @@ def _dequantize_blocks(type_):
     return dequantize
 
 
-def bf16_bits_to_f32(u16: np.ndarray) -> np.ndarray:
-    return (np.asarray(u16, np.uint32) << 16).view(np.float32)
-
-
 DEQUANTIZE = {
     GGMLType.F32: lambda b: b.copy().view("<f4"),
     GGMLType.F16: lambda b: b.copy().view("<f2").astype(np.float32),
-    GGMLType.BF16: lambda b: bf16_bits_to_f32(b.copy().view("<u2")),
+    GGMLType.BF16: lambda b: np_bf16_bits_to_f32(b.copy().view("<u2")),
     **{t: _dequantize_blocks(t) for t in QUANT_TYPES},
 }
 
@@ -125,7 +123,7 @@ def pack_q8(qs: np.ndarray, d: np.ndarray, s: np.ndarray | None = None) -> np.nd
 
 
 # ----------------------------------------------------------------------------------------------
-# LLVM helpers for numba: exact fma, fp16/bf16 conversions, vector block dot products
+# LLVM helpers for numba: vector block dot products (scalar fma/fp16/bf16 helpers are in fmath.py)
 
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _HALF = ir.HalfType()
@@ -150,48 +148,6 @@ PREFETCH_AHEAD = 1024  # bytes; streaming a big weight matrix (the Q8_0 output l
 
 def _llvm_fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """a*b + c rounded once, in float32 (what vfmadd does)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.call(_llvm_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3), list(args))
-
-    return sig, codegen
-
-
-@intrinsic
-def f16_bits_to_f32(typingctx, bits):
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], _HALF), _F32)
-
-    return sig, codegen
-
-
-@intrinsic
-def bf16_bits_to_f32_nb(typingctx, bits):
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), _F32)
-
-    return sig, codegen
-
-
-@intrinsic
-def round_to_f16(typingctx, x):
-    """float32 -> nearest fp16 (ties to even) -> float32, as F16C's vcvtps2ph."""
-    sig = types.float32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.fptrunc(args[0], _HALF), _F32)
-
-    return sig, codegen
 
 
 def _elem_ptr(context, builder, aryty, ary, index):
@@ -334,9 +290,9 @@ def quantize_q8_rows(x, qs, d, s, with_sum):
                 q = np.int8(np.rint(x[r, o + j] * inv))
                 qs[r, o + j] = q
                 total += q
-            d[r, b] = round_to_f16(dv)
+            d[r, b] = round_f16(dv)
             if with_sum:
-                s[r, b] = round_to_f16(dv * np.float32(total))
+                s[r, b] = round_f16(dv * np.float32(total))
 
 
 # ----------------------------------------------------------------------------------------------

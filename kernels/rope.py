@@ -23,7 +23,8 @@ from rpcserver.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 from .copy import parallel_worthwhile
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
-from .softmax import _np_fma, f16_bits, f16_to_f32, fma32, u16_view
+from .fmath import f16_to_f32, f32_to_f16, fma32, np_fma
+from .softmax import u16_view
 
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)
@@ -122,8 +123,8 @@ def _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox):
         a = n_offs + p if neox else n_offs + 2 * p
         b = a + n_pairs if neox else a + 1
         y0, y1 = _rotate(f16_to_f32(sp[a]), f16_to_f32(sp[b]), cache[i2, p, 0], cache[i2, p, 1], True)
-        dp[a] = f16_bits(y0)
-        dp[b] = f16_bits(y1)
+        dp[a] = f32_to_f16(y0)
+        dp[b] = f32_to_f16(y1)
     for i in range(n_offs):
         dp[i] = sp[i]
     for i in range(n_offs + n_dims, ne0):
@@ -226,8 +227,8 @@ def reference_rope(node: Node) -> None:
         angle, mscale = interp, p.attn_factor
         if p.ext_factor != 0:
             mix = (F32(1) - F32(np.clip((F32(k) - lo) / max(F32(0.001), hi - lo), 0, 1))) * p.ext_factor
-            angle = _np_fma(interp, F32(1) - mix, extrap * mix)
-            mscale = mscale * _np_fma(F32(0.1), F32(math.log(F32(1) / p.freq_scale)), F32(1))
+            angle = np_fma(interp, F32(1) - mix, extrap * mix)
+            mscale = mscale * np_fma(F32(0.1), F32(math.log(F32(1) / p.freq_scale)), F32(1))
         cos[:, k] = np.cos(angle.astype(np.float64)).astype(F32) * mscale
         sin[:, k] = np.sin(angle.astype(np.float64)).astype(F32) * mscale
         theta = theta * theta_scale
@@ -239,7 +240,7 @@ def reference_rope(node: Node) -> None:
     else:
         x0, x1 = xr[..., 0::2], xr[..., 1::2]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    y0, y1 = _np_fma(x0, c, -(x1 * s)), _np_fma(x0, s, x1 * c)
+    y0, y1 = np_fma(x0, c, -(x1 * s)), np_fma(x0, s, x1 * c)
     if p.mode == ROPE_MODE_NORMAL and n_pairs % 2 and src.type == GGMLType.F32:
         y0[..., -1] = x0[..., -1] * c[..., -1] - x1[..., -1] * s[..., -1]
         y1[..., -1] = x1[..., -1] * c[..., -1] + x0[..., -1] * s[..., -1]

@@ -5,200 +5,34 @@ vec.cpp ggml_vec_soft_max_f32): the mask is added with a fused multiply-add, exp
 whole block of 8 use ggml's vector exp approximation (`v_expf`) and the rest glibc `expf`, and the
 row sum is accumulated in double from float32 sums of 8 lanes, in the order the SIMD code adds them.
 
-The float helpers at the top (`fma32`, bit casts, `v_expf`, fp16 conversions) are shared by the
-attention and rope kernels, which follow the same ggml arithmetic.
+The float helpers (`fma32`, `v_expf`, fp16 conversions) live in kernels/fmath.py.
 """
 
 from __future__ import annotations
 
 import math
 
-import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
 from rpcserver.ggml import GGMLOp, GGMLType
 
 from .copy import parallel_worthwhile
+from .fmath import (
+    f16_to_f32,
+    fma32,
+    np_fma,
+    np_v_expf,
+    v_expf,
+)
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
 
-# ---------------------------------------------------------------- float helpers
-
-
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """Single-rounding a*b + c in float32 (llvm.fma), as the FMA instructions ggml is built with."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, args)
-
-    return sig, codegen
-
-
-@intrinsic
-def f32_bits(typingctx, x):
-    """The IEEE bits of a float32, as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def bits_f32(typingctx, u):
-    """The float32 whose IEEE bits are u."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _scale_bits(typingctx, z, addend):
-    """bits_f32((f32_bits(z) << 23) + addend) in wrapping 32-bit arithmetic (ggml_v_expf's 2**n)."""
-    sig = types.float32(types.float32, types.uint32)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        bits = builder.shl(builder.bitcast(args[0], i32), ir.Constant(i32, 23))
-        return builder.bitcast(builder.add(bits, args[1]), ir.FloatType())
-
-    return sig, codegen
-
-
 _jit = dict(cache=True, nogil=True, fastmath=False)
-
-# polynomial and range-reduction constants of ggml_v_expf (an Arm optimized-routines exp)
-_EXP_SHIFT = F32(float.fromhex("0x1.8p23"))
-_EXP_LOG2E = F32(float.fromhex("0x1.715476p+0"))
-_EXP_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
-_EXP_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
-_EXP_P0 = F32(float.fromhex("0x1.0e4020p-7"))
-_EXP_P1 = F32(float.fromhex("0x1.573e2ep-5"))
-_EXP_P2 = F32(float.fromhex("0x1.555e66p-3"))
-_EXP_P3 = F32(float.fromhex("0x1.fffdb6p-2"))
-_EXP_P4 = F32(float.fromhex("0x1.ffffecp-1"))
-_M32 = 0xFFFFFFFF
-
-
-@numba.njit(inline="always", **_jit)
-def v_expf(x):
-    """One lane of ggml's AVX2 ggml_v_expf (vec.h), which differs from expf by up to ~1.5 ulp.
-
-    Both of ggml's branches are evaluated and selected per lane, so loops over it vectorize; the
-    lanes a branch does not serve get harmless operands (1.0) so that no subnormal slows them down.
-    """
-    z = fma32(x, _EXP_LOG2E, _EXP_SHIFT)
-    n = z - _EXP_SHIFT
-    b = fma32(-n, _EXP_LN2_HI, x)
-    b = fma32(-n, _EXP_LN2_LO, b)
-    u = b * b
-    j = fma32(fma32(fma32(_EXP_P0, b, _EXP_P1), u, fma32(_EXP_P2, b, _EXP_P3)), u, _EXP_P4 * b)
-    wide = abs(n) > F32(126.0)
-    k = _scale_bits(z, np.uint32(0x3F800000)) if not wide else F32(1.0)
-    near = fma32(k, j, k)
-    # |n| > 126: the scale 2**n is split in two factors to reach the subnormal and overflow ranges
-    low = n <= F32(0.0)
-    s1 = (F32(2.0**-125) if low else F32(2.0**127)) if wide else F32(1.0)
-    s2 = _scale_bits(z, np.uint32(0x7E000000) if low else np.uint32(0)) if wide else F32(1.0)
-    mid = fma32(s2, j, s2) * s1
-    far = F32(0.0) if low else F32(np.inf)  # = s1 * s1, which under- or overflows
-    return near if not wide else (far if abs(n) > F32(192.0) else mid)
-
-
-# ---- fp16: ggml converts with F16C instructions (round to nearest even). LLVM's half type compiles
-# to the same instructions when the host has F16C; the bit-level versions are the exact fallback.
-
-HAS_F16C = bool(llvm_binding.get_host_cpu_features().get("f16c", False))
-
-
-@intrinsic
-def _round_f16_hw(typingctx, x):
-    sig = types.float32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _f16_to_f32_hw(typingctx, h):
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _f16_bits_hw(typingctx, x):
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
-
-
-@numba.njit(inline="always", **_jit)
-def _round_f16_sw(x):
-    # adding and removing 1.5 * 2**(e+13) makes the float32 adder round at fp16's ulp for x's binade
-    ex = f32_bits(x) & np.uint32(0x7F800000)
-    # below fp16's smallest normal the grid is fixed at 2**-24; far above its range anything is inf
-    ex = min(max(ex, np.uint32(113 << 23)), np.uint32(143 << 23))
-    magic = bits_f32(np.uint32(ex + np.uint32((13 << 23) + 0x00400000)))
-    r = (x + magic) - magic
-    r = x * F32(0.0) if r == F32(0.0) else r  # keep the sign of zero
-    big = F32(np.inf) if r > F32(0.0) else NEG_INF
-    return big if abs(r) > F32(65504.0) else r
-
-
-@numba.njit(inline="always", **_jit)
-def _f16_to_f32_sw(h):
-    em = np.uint32(h) & np.uint32(0x7FFF)
-    sign = (np.uint32(h) & np.uint32(0x8000)) << np.uint32(16)
-    normal = bits_f32(np.uint32((em << np.uint32(13)) + np.uint32(0x38000000)))
-    tiny = F32(em) * F32(2.0**-24)
-    special = bits_f32(np.uint32((em << np.uint32(13)) | np.uint32(0x7F800000 | 0x400000)))  # inf / quiet NaN
-    special = bits_f32(np.uint32(0x7F800000)) if em == np.uint32(0x7C00) else special
-    v = tiny if em < np.uint32(0x400) else (special if em >= np.uint32(0x7C00) else normal)
-    return bits_f32(f32_bits(v) | sign)
-
-
-@numba.njit(inline="always", **_jit)
-def _f16_bits_sw(x):
-    r = _round_f16_sw(x)
-    u = f32_bits(r)
-    sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
-    e = (u >> np.uint32(23)) & np.uint32(0xFF)
-    m = u & np.uint32(0x7FFFFF)
-    if e == np.uint32(0xFF):
-        return np.uint16(sign | 0x7C00 | (0x200 if m else 0))
-    if e >= np.uint32(113):
-        return np.uint16(sign | ((e - np.uint32(112)) << np.uint32(10)) | (m >> np.uint32(13)))
-    return np.uint16(sign | np.uint32(abs(r) * F32(16777216.0)))  # multiples of 2**-24
-
-
-round_f16 = _round_f16_hw if HAS_F16C else _round_f16_sw  # float32 -> nearest fp16 value, as float32
-f16_to_f32 = _f16_to_f32_hw if HAS_F16C else _f16_to_f32_sw  # fp16 bits (uint16) -> float32
-f16_bits = _f16_bits_hw if HAS_F16C else _f16_bits_sw  # float32 -> fp16 bits (uint16), rounded
-
 
 @numba.njit(**_jit)
 def _widen_row(r, buf, off, ne, st, out):
@@ -393,29 +227,6 @@ def forward_soft_max(node: Node) -> None:
 # numpy twin: the same float32 steps, vectorized over all rows
 
 
-def _np_fma(a, b, c):
-    """a*b + c rounded once to float32 (exact product in float64; double rounding is vanishingly rare)."""
-    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(F32)
-
-
-def np_v_expf(x: np.ndarray) -> np.ndarray:
-    """Vectorized twin of v_expf."""
-    x = np.asarray(x, F32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        z = _np_fma(x, _EXP_LOG2E, _EXP_SHIFT)
-        n = z - _EXP_SHIFT
-        b = _np_fma(-n, _EXP_LN2_LO, _np_fma(-n, _EXP_LN2_HI, x))
-        e = (z.view(np.uint32).astype(np.int64) << 23) & _M32
-        k = ((e + 0x3F800000) & _M32).astype(np.uint32).view(F32)
-        u = b * b
-        j = _np_fma(_np_fma(_np_fma(_EXP_P0, b, _EXP_P1), u, _np_fma(_EXP_P2, b, _EXP_P3)), u, _EXP_P4 * b)
-        g = np.where(n <= 0, 0x82000000, 0)
-        s1 = ((g + 0x7F000000) & _M32).astype(np.uint32).view(F32)
-        s2 = ((e - g) & _M32).astype(np.uint32).view(F32)
-        far = np.where(np.abs(n) > 192, s1 * s1, _np_fma(s2, j, s2) * s1)
-        return np.where(np.abs(n) > 126, far, _np_fma(k, j, k)).astype(F32)
-
-
 def np_expf(x) -> np.ndarray:
     """expf, correctly rounded (glibc's expf agrees but for rare last-bit cases)."""
     return np.exp(np.asarray(x, np.float64)).astype(F32)
@@ -444,7 +255,7 @@ def reference_soft_max(node: Node) -> None:
         m = as_f32(mask)
         m = np.tile(m, (ne3 // m.shape[0], ne2 // m.shape[1], 1, 1))[:, :, :ne1]
         slopes = np.array([alibi_slope(F32(max_bias), ne2, h) for h in range(ne2)], F32)
-        x = _np_fma(slopes[None, :, None, None], m, x)
+        x = np_fma(slopes[None, :, None, None], m, x)
     mx = x.max(-1)
     if sinks is not None:
         sk = sinks.array()[0, 0, 0][None, :, None]

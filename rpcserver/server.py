@@ -13,7 +13,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol as p
-from .protocol import Command, FrameReader, ProtocolError
+from .protocol import FrameReader, ProtocolError
 from .session import HEAVY, Session, WorkerConfig
 
 log = logging.getLogger("rpcserver")

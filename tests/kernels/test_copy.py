@@ -7,6 +7,7 @@ from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 import ggml_oracle
 from kernels import copy as cp
+from kernels import fmath as fm
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
@@ -35,7 +36,7 @@ def random_tensor(type_, ne, scale=3.0):
     elif type_ == T.F16:
         data = values.astype(np.float16)
     elif type_ == T.BF16:
-        data = cp.np_f32_to_bf16_bits(values)
+        data = fm.np_f32_to_bf16_bits(values)
     elif type_ == T.I32:
         data = RNG.integers(-1000, 1000, n, dtype=np.int32)
     else:  # quantized: a real quantization of the values where gguf can make one, else random blocks
@@ -76,11 +77,11 @@ def dst_bytes(node):
 def _apply(fn_code, x, out):
     for i in range(x.size):
         if fn_code == 0:
-            out[i] = cp.f32_to_f16(x[i])
+            out[i] = fm.f32_to_f16(x[i])
         elif fn_code == 1:
-            out[i] = cp.f32_to_f16_soft(x[i])
+            out[i] = fm.f32_to_f16_soft(x[i])
         elif fn_code == 2:
-            out[i] = cp.f32_to_bf16(x[i])
+            out[i] = fm.f32_to_bf16(x[i])
         else:
             out[i] = cp.f32_to_i32(x[i])
 
@@ -89,11 +90,11 @@ def _apply(fn_code, x, out):
 def _widen(fn_code, h, out):
     for i in range(h.size):
         if fn_code == 0:
-            out[i] = cp.f16_to_f32(h[i])
+            out[i] = fm.f16_to_f32(h[i])
         elif fn_code == 1:
-            out[i] = cp.f16_to_f32_soft(h[i])
+            out[i] = fm.f16_to_f32_soft(h[i])
         else:
-            out[i] = cp.bf16_to_f32(h[i])
+            out[i] = fm.bf16_to_f32(h[i])
 
 
 def _f16_probe_values():
@@ -157,7 +158,7 @@ def test_f32_to_bf16_against_nearest_even_oracle():
     out = np.empty(x.size, np.uint16)
     _apply(2, x, out)
     np.testing.assert_array_equal(out, _bf16_oracle(x))
-    np.testing.assert_array_equal(out, cp.np_f32_to_bf16_bits(x))
+    np.testing.assert_array_equal(out, fm.np_f32_to_bf16_bits(x))
 
 
 def test_bf16_to_f32_is_a_shift():

@@ -9,6 +9,7 @@ import pytest
 import ggml_oracle
 from kernels import copy as cp
 from kernels import softmax as sm
+from kernels import fmath as fm
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from rpcserver.ggml import GGMLOp, GGMLType
@@ -162,8 +163,8 @@ def test_v_expf_twins_agree_and_track_exp():
     rng = np.random.default_rng(6)
     x = np.concatenate([rng.uniform(-110, 90, 200_000), [-np.inf, 0.0, -0.0, 88.7, 89.0, -87.5, -103.5, -150.0]])
     x = x.astype(F32)
-    jit = _apply(sm.v_expf, x)
-    np.testing.assert_array_equal(jit.view(np.uint32), sm.np_v_expf(x).view(np.uint32))
+    jit = _apply(fm.v_expf, x)
+    np.testing.assert_array_equal(jit.view(np.uint32), fm.np_v_expf(x).view(np.uint32))
     exact = np.exp(x.astype(np.float64))
     normal = (x > -87) & (x < 88)
     np.testing.assert_allclose(jit[normal], exact[normal], rtol=3e-7)  # ggml's bound: 1.5 ulp
@@ -172,9 +173,9 @@ def test_v_expf_twins_agree_and_track_exp():
 
 @pytest.mark.parametrize("impl", ["hardware", "software"])
 def test_fp16_rounding_matches_numpy(impl):
-    if impl == "hardware" and not sm.HAS_F16C:
+    if impl == "hardware" and not fm.HAS_F16C:
         pytest.skip("no F16C on this CPU")
-    fn = sm._round_f16_hw if impl == "hardware" else sm._round_f16_sw
+    fn = fm._round_f16_hw if impl == "hardware" else fm._round_f16_sw
     rng = np.random.default_rng(7)
     bits = np.concatenate([rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32),
                            np.arange(0x33000000, 0x33800000, 97, dtype=np.uint32),  # around fp16 subnormals
@@ -189,9 +190,9 @@ def test_fp16_rounding_matches_numpy(impl):
 
 @pytest.mark.parametrize("impl", ["hardware", "software"])
 def test_fp16_widening_matches_numpy(impl):
-    if impl == "hardware" and not sm.HAS_F16C:
+    if impl == "hardware" and not fm.HAS_F16C:
         pytest.skip("no F16C on this CPU")
-    fn = sm._f16_to_f32_hw if impl == "hardware" else sm._f16_to_f32_sw
+    fn = fm._f16_to_f32_hw if impl == "hardware" else fm.f16_to_f32_soft
     h = np.arange(1 << 16, dtype=np.uint64).astype(np.uint16)
     got = _apply(fn, h)
     expect = h.view(np.float16).astype(F32)
@@ -202,9 +203,9 @@ def test_fp16_widening_matches_numpy(impl):
 
 @pytest.mark.parametrize("impl", ["hardware", "software"])
 def test_fp16_bits_round_trip(impl):
-    if impl == "hardware" and not sm.HAS_F16C:
+    if impl == "hardware" and not fm.HAS_F16C:
         pytest.skip("no F16C on this CPU")
-    fn = sm._f16_bits_hw if impl == "hardware" else sm._f16_bits_sw
+    fn = fm._f32_to_f16_hw if impl == "hardware" else fm.f32_to_f16_soft
     rng = np.random.default_rng(8)
     x = (rng.standard_normal(100_000) * 2.0 ** rng.uniform(-26, 17, 100_000)).astype(F32)
     with np.errstate(over="ignore"):
