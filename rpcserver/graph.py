@@ -15,7 +15,7 @@ import numpy as np
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
 from .ggml import VIEW_OPS, GGMLOp, GGMLType, type_traits
-from .memory import BufferTable, MemoryError_
+from .memory import BufferTable, AddressError
 from .protocol import GraphComputeRequest, RpcTensor
 
 load_all()
@@ -76,7 +76,7 @@ def _make_tensor(rec: RpcTensor, records, views, buffers: BufferTable) -> Tensor
         raise GraphError(f"tensor {label} has no buffer")
     try:
         buf, offset, size = buffers.locate(rec)
-    except MemoryError_ as exc:
+    except AddressError as exc:
         raise GraphError(str(exc)) from None
     itemsize = traits.type_size if not traits.is_quantized else 1
     if offset % itemsize or any(n % itemsize for n in rec.nb):

@@ -22,7 +22,7 @@ _ADDRESS_SPACE_START = 0x1000_0000
 _PAGE = 4096
 
 
-class MemoryError_(Exception):
+class AddressError(Exception):
     """An address or size the client sent does not fit its own buffers."""
 
 
@@ -48,7 +48,6 @@ class MemoryBudget:
         self.limit = limit  # None: the machine's physical memory
         self.used = 0
         self._lock = threading.Lock()
-        self._addresses = itertools.count(_ADDRESS_SPACE_START, _PAGE)
         self._next_address = _ADDRESS_SPACE_START
         self._handles = itertools.count(1)
 
@@ -111,7 +110,7 @@ class BufferTable:
     def get(self, handle: int) -> Buffer:
         buf = self.buffers.get(handle)
         if buf is None:
-            raise MemoryError_(f"buffer 0x{handle:x} is not one of this connection's")
+            raise AddressError(f"buffer 0x{handle:x} is not one of this connection's")
         return buf
 
     def free(self, handle: int) -> None:
@@ -132,14 +131,14 @@ class BufferTable:
         """(buffer, byte offset of the tensor's data in it, tensor byte size), all checked."""
         traits = type_traits(tensor.type)
         if traits is None or traits.block_size == 0:
-            raise MemoryError_(f"invalid tensor type {tensor.type}")
+            raise AddressError(f"invalid tensor type {tensor.type}")
         if tensor.ne[0] % traits.block_size:
-            raise MemoryError_(f"ne[0]={tensor.ne[0]} is not a multiple of the block size {traits.block_size}")
+            raise AddressError(f"ne[0]={tensor.ne[0]} is not a multiple of the block size {traits.block_size}")
         buf = self.get(tensor.buffer)
         size = nbytes(GGMLType(tensor.type), tensor.ne, tensor.nb)
         offset = tensor.data - buf.base
         if not (0 <= offset <= buf.size and size <= buf.size - offset):
-            raise MemoryError_(
+            raise AddressError(
                 f"tensor '{tensor.name}' data [0x{tensor.data:x}, +{size}) lies outside its buffer "
                 f"[0x{buf.base:x}, +{buf.size})"
             )
@@ -149,5 +148,5 @@ class BufferTable:
         """The bytes [offset, offset+size) of a tensor, checked against the tensor and its buffer."""
         buf, start, tensor_size = self.locate(tensor)
         if not (offset <= tensor_size and size <= tensor_size - offset):
-            raise MemoryError_(f"region (offset={offset}, size={size}) exceeds tensor '{tensor.name}' of {tensor_size} bytes")
+            raise AddressError(f"region (offset={offset}, size={size}) exceeds tensor '{tensor.name}' of {tensor_size} bytes")
         return buf.mem[start + offset : start + offset + size]

@@ -17,7 +17,7 @@ from . import protocol as p
 from .ggml import GGMLType, nbytes, type_traits
 from .graph import GraphError, Plan, build_plan, run_plan
 from .hashing import fnv1a64
-from .memory import ALIGNMENT, BufferTable, MemoryBudget, MemoryError_
+from .memory import ALIGNMENT, BufferTable, MemoryBudget, AddressError
 from .protocol import Command, ProtocolError
 
 log = logging.getLogger("rpcserver")
@@ -53,9 +53,7 @@ class Session:
     def handle(self, command: Command, request) -> bytes | None:
         try:
             return HANDLERS[command](self, request)
-        except MemoryError_ as exc:
-            raise ProtocolError(str(exc), command) from None
-        except GraphError as exc:
+        except (AddressError, GraphError) as exc:  # the peer's request was at fault
             raise ProtocolError(str(exc), command) from None
 
     # -- device queries --------------------------------------------------------------------------
