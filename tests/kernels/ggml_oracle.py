@@ -157,3 +157,19 @@ def our_bytes(t: Tensor) -> np.ndarray:
 needs_ggml = pytest.mark.skipif(
     not available() and os.environ.get("CI", "").lower() != "true", reason="pinned llama.cpp libraries not installed"
 )
+
+
+def assert_matches_ggml(build) -> None:
+    """Build one op with ggml's API (`build(graph) -> tensor`), compute it with ggml and with our
+    kernel on a mirror of the same node, and require identical result bytes."""
+    from kernels.registry import lookup
+
+    with Graph() as g:
+        out = build(g)
+        node = g.mirror(out)
+        g.compute(out)
+        expect = result_bytes(out)
+    kernel = lookup(node)
+    kernel.check(node)
+    kernel.forward(node)
+    np.testing.assert_array_equal(our_bytes(node.dst), expect)

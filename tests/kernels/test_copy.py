@@ -385,17 +385,6 @@ def test_set_rows_check_refusals():
 needs_ggml = ggml_oracle.needs_ggml
 
 
-def _against_ggml(build):
-    with ggml_oracle.Graph() as g:
-        out = build(g)
-        node = g.mirror(out)
-        g.compute(out)
-        expect = ggml_oracle.result_bytes(out)
-    kernel = lookup(node)
-    kernel.check(node)
-    kernel.forward(node)
-    np.testing.assert_array_equal(ggml_oracle.our_bytes(node.dst), expect)
-
 
 GGML_CPY_TYPES = [(s, d) for s in (T.F32, T.F16, T.BF16) for d in (T.F32, T.F16, T.BF16, T.I32)
                   if s == T.F32 or d != T.I32]
@@ -415,7 +404,7 @@ def test_cpy_bit_exact_with_ggml(src_type, dst_type):
         d = g.op("ggml_permute", g.new(dst_type, (12, 5, 6)), 1, 2, 0, 3)
         return g.op("ggml_cpy", g.op("ggml_permute", s, 2, 0, 1, 3), d)
 
-    _against_ggml(build)
+    ggml_oracle.assert_matches_ggml(build)
 
 
 @needs_ggml
@@ -431,4 +420,4 @@ def test_set_rows_bit_exact_with_ggml(vtype, dtype):
         idx = g.new(T.I64, (7, 2, 1), RNG.permutation(30)[:14].astype(np.int64))
         return g.op("ggml_set_rows", dst, vals, idx)
 
-    _against_ggml(build)
+    ggml_oracle.assert_matches_ggml(build)

@@ -380,17 +380,6 @@ def test_glu_check_refusals():
 needs_ggml = ggml_oracle.needs_ggml
 
 
-def _against_ggml(build):
-    with ggml_oracle.Graph() as g:
-        out = build(g)
-        node = g.mirror(out)
-        g.compute(out)
-        expect = ggml_oracle.result_bytes(out)
-    kernel = lookup(node)
-    kernel.check(node)
-    kernel.forward(node)
-    np.testing.assert_array_equal(ggml_oracle.our_bytes(node.dst).view(np.uint32), expect.view(np.uint32))
-
 
 def _probe(n, seed):
     x = (np.random.default_rng(seed).standard_normal(max(n, 20)) * 4).astype(np.float32)
@@ -409,7 +398,7 @@ def test_gelu_tables_equal_ggml_tables():
 @needs_ggml
 @pytest.mark.parametrize("op", [o for o in ew._UNARY_SUPPORTED], ids=lambda o: o.name)
 def test_unary_bit_exact_with_ggml(op):
-    _against_ggml(lambda g: g.op("ggml_unary", g.new(T.F32, (1543, 3), _probe(1543 * 3, 1)), int(op)))
+    ggml_oracle.assert_matches_ggml(lambda g: g.op("ggml_unary", g.new(T.F32, (1543, 3), _probe(1543 * 3, 1)), int(op)))
 
 
 @needs_ggml
@@ -418,23 +407,23 @@ def test_unary_bit_exact_with_ggml(op):
 def test_glu_bit_exact_with_ggml(op, form):
     x, y = _probe(1543 * 3, 2), _probe(1543 * 3, 3)
     if form == "split":
-        _against_ggml(lambda g: g.op("ggml_glu_split", g.new(T.F32, (1543, 3), x), g.new(T.F32, (1543, 3), y),
+        ggml_oracle.assert_matches_ggml(lambda g: g.op("ggml_glu_split", g.new(T.F32, (1543, 3), x), g.new(T.F32, (1543, 3), y),
                                      int(op)))
     else:
         swapped = form == "fused-swapped"
-        _against_ggml(lambda g: g.op("ggml_glu", g.new(T.F32, (1543, 3), x), int(op), swapped))
+        ggml_oracle.assert_matches_ggml(lambda g: g.op("ggml_glu", g.new(T.F32, (1543, 3), x), int(op), swapped))
 
 
 @needs_ggml
 @pytest.mark.parametrize("bias", [0.0, -1.3])
 def test_scale_bit_exact_with_ggml(bias):
-    _against_ggml(lambda g: g.op("ggml_scale_bias", g.new(T.F32, (1543, 3), _probe(1543 * 3, 4)), 0.37, bias))
+    ggml_oracle.assert_matches_ggml(lambda g: g.op("ggml_scale_bias", g.new(T.F32, (1543, 3), _probe(1543 * 3, 4)), 0.37, bias))
 
 
 @needs_ggml
 @pytest.mark.parametrize("name", ["ggml_add", "ggml_sub", "ggml_mul", "ggml_div"])
 def test_binary_bit_exact_with_ggml(name):
     a, b = _probe(12 * 5 * 6 * 2, 5), _probe(12, 6)[:12]
-    _against_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a), g.new(T.F32, (4, 1, 3, 1), b)))
-    _against_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a),
+    ggml_oracle.assert_matches_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a), g.new(T.F32, (4, 1, 3, 1), b)))
+    ggml_oracle.assert_matches_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a),
                                  g.op("ggml_transpose", g.new(T.F32, (5, 12, 6, 2), a))))
