@@ -26,11 +26,11 @@ class RpcClient:
             raise WorkerError(f"cannot connect to worker {endpoint}: {exc.strerror or exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = p.ResponseReader(MAX_RESPONSE)
-        hello = p.HelloResponse.decode(self.call(Command.HELLO, p.HelloRequest()))
-        self.version = (hello.major, hello.minor, hello.patch)
-        if hello.major != p.PROTOCOL_VERSION[0]:
+        reply = self.call(Command.HELLO, p.HelloRequest())
+        self.version = tuple(reply[:3])
+        if self.version[0] != p.PROTOCOL_VERSION[0] or len(reply) != p.HelloResponse.wire_size():
             self.close()
-            raise WorkerError(f"worker {endpoint} speaks RPC protocol {hello.major}.{hello.minor}.{hello.patch}, "
+            raise WorkerError(f"worker {endpoint} speaks RPC protocol {'.'.join(map(str, self.version))}, "
                               f"we speak {'.'.join(map(str, p.PROTOCOL_VERSION))}")
 
     def close(self) -> None:
@@ -84,8 +84,16 @@ class RpcClient:
     def free_buffer(self, handle: int) -> None:
         self.send(Command.FREE_BUFFER, p.BufferRequest(handle))
 
+    def buffer_clear(self, handle: int, value: int = 0) -> None:
+        self.send(Command.BUFFER_CLEAR, p.BufferClearRequest(handle, value))
+
     def set_tensor(self, tensor: p.RpcTensor, data: bytes, offset: int = 0) -> None:
         self.send(Command.SET_TENSOR, p.SetTensorRequest(tensor, 0, offset, memoryview(data)))
+
+    def set_tensor_hash(self, tensor: p.RpcTensor, digest: int, offset: int = 0) -> bool:
+        """True if the worker had bytes with this FNV-1a hash in its cache and wrote them to the tensor."""
+        reply = self.call(Command.SET_TENSOR_HASH, p.SetTensorHashRequest(tensor, offset, digest))
+        return p.U8Response.decode(reply).result == 1
 
     def get_tensor(self, tensor: p.RpcTensor, size: int, offset: int = 0) -> bytes:
         return self.call(Command.GET_TENSOR, p.GetTensorRequest(tensor, offset, size))

@@ -558,6 +558,9 @@ class FrameReader:
         self._have = 0
 
 
+MAX_HELLO_RESPONSE = 64
+
+
 class ResponseReader:
     """Client side: accumulates bytes and yields response payloads of the sizes the caller expects."""
 
@@ -574,7 +577,10 @@ class ResponseReader:
             return None
         (size,) = struct.unpack_from("<Q", self._buf)
         expected = COMMANDS[command].response
-        if expected is not bytes and size != expected.wire_size():
+        # a peer of another protocol version answers HELLO in its own layout: pass it on, the caller
+        # reads the version from the first three bytes and refuses the peer
+        other_hello = command == Command.HELLO and 3 <= size <= MAX_HELLO_RESPONSE
+        if expected is not bytes and size != expected.wire_size() and not other_hello:
             raise ProtocolError(f"response is {size} bytes, expected {expected.wire_size()}", command)
         if size > self._max_payload:
             raise ProtocolError(f"response of {size} bytes exceeds the limit of {self._max_payload}", command)
