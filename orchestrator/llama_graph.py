@@ -1,0 +1,160 @@
+"""The compute graph of one worker's share of a llama-family model, node for node as llama.cpp builds it.
+
+A worker owns a contiguous range of "blocks": 0..n_layer-1 are the repeating layers, block n_layer is
+the output head (final norm and the vocabulary projection). The token embeddings are looked up on the
+orchestrator, as llama.cpp keeps its input layer on the CPU. Matching llama.cpp's ops, types and
+shapes exactly is what makes the generated tokens identical to its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.ggml_graph import FLAG_INPUT, FLAG_OUTPUT, GGML_PREC_F32, Graph, Tensor, new_tensor
+from orchestrator.model import HParams
+from rpcserver.ggml import GGMLType, row_size
+
+OUTPUT_BLOCK_NAME = "output"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What makes two steps' graphs identical, so the second can be a GRAPH_RECOMPUTE."""
+
+    n_tokens: int
+    n_kv: int
+    n_outputs: int
+
+
+@dataclass
+class StageGraph:
+    graph: Graph
+    inputs: dict[str, Tensor]  # name -> input tensor the runner fills before each compute
+    output: Tensor  # the activation handed to the next stage, or the logits
+
+
+class LayerBuilder:
+    """Builds one stage's graph over weights and caches that already live on its worker."""
+
+    def __init__(self, hp: HParams, weights: dict[str, Tensor], kv: dict[int, tuple[Tensor, Tensor]],
+                 flash_attn: bool):
+        self.hp, self.w, self.kv, self.flash_attn = hp, weights, kv, flash_attn
+
+    def build(self, blocks: range, shape: Shape) -> StageGraph:
+        hp, g = self.hp, Graph()
+        n_tokens = shape.n_tokens
+        inputs: dict[str, Tensor] = {}
+        layers = [il for il in blocks if il < hp.n_layer]
+        # a stage holding only the output head receives the rows already picked by out_ids
+        n_rows = n_tokens if layers else shape.n_outputs
+        inputs["embd"] = new_tensor(GGMLType.F32, (hp.n_embd, n_rows), "inp_embd")
+        if layers:
+            inputs["pos"] = new_tensor(GGMLType.I32, (n_tokens,), "inp_pos")
+            inputs["k_idxs"] = new_tensor(GGMLType.I64, (n_tokens,), "attn_inp_k_idxs")
+            n_v_idxs = n_tokens if self.flash_attn else n_tokens * hp.n_embd_v_gqa
+            inputs["v_idxs"] = new_tensor(GGMLType.I64, (n_v_idxs,), "attn_inp_v_idxs")
+            mask_type = GGMLType.F16 if self.flash_attn else GGMLType.F32
+            inputs["kq_mask"] = new_tensor(mask_type, (shape.n_kv, n_tokens, 1, 1), "attn_inp_kq_mask")
+        if hp.n_layer - 1 in layers:
+            inputs["out_ids"] = new_tensor(GGMLType.I32, (shape.n_outputs,), "out_ids")
+
+        cur = inputs["embd"]
+        for il in layers:
+            cur = self._layer(g, il, cur, inputs, shape)
+        if hp.n_layer in blocks:
+            cur = self._norm(g, cur, self.w["output_norm.weight"], "result_norm")
+            cur = g.mul_mat(self._output_weight(), cur, "result_output")
+        for t in inputs.values():
+            t.flags |= FLAG_INPUT
+        cur.flags |= FLAG_OUTPUT
+        return StageGraph(g, inputs, cur)
+
+    def _output_weight(self) -> Tensor:
+        output = self.w.get("output.weight")
+        return output if output is not None else self.w["token_embd.weight"]
+
+    def _norm(self, g: Graph, x: Tensor, weight: Tensor, name: str) -> Tensor:
+        return g.mul(g.rms_norm(x, self.hp.rms_eps, "norm"), weight, name)
+
+    def _layer(self, g: Graph, il: int, inp: Tensor, inputs: dict[str, Tensor], shape: Shape) -> Tensor:
+        hp, w = self.hp, lambda role: self.w.get(f"blk.{il}.{role}")
+        n_tokens = shape.n_tokens
+        cur = self._norm(g, inp, w("attn_norm.weight"), f"attn_norm-{il}")
+
+        def projection(role: str, n_head: int, head_dim: int) -> Tensor:
+            t = g.mul_mat(w(f"{role}.weight"), cur, f"{role}-{il}")
+            if (bias := w(f"{role}.bias")) is not None:
+                t = g.add(t, bias, f"{role}_b-{il}")
+            return g.reshape(t, head_dim, n_head, n_tokens)
+
+        q = projection("attn_q", hp.n_head, hp.head_dim_k)
+        k = projection("attn_k", hp.n_head_kv, hp.head_dim_k)
+        v = projection("attn_v", hp.n_head_kv, hp.head_dim_v)
+        if (q_norm := w("attn_q_norm.weight")) is not None:
+            q = self._norm(g, q, q_norm, f"Qcur_normed-{il}")
+        if (k_norm := w("attn_k_norm.weight")) is not None:
+            k = self._norm(g, k, k_norm, f"Kcur_normed-{il}")
+        freq_factors = w("rope_freqs.weight")
+        q = self._rope(g, q, inputs["pos"], freq_factors, f"Qcur-{il}")
+        k = self._rope(g, k, inputs["pos"], freq_factors, f"Kcur-{il}")
+
+        cur = self._attention(g, il, q, k, v, inputs, shape)
+        cur = g.mul_mat(w("attn_output.weight"), cur, f"attn_out-{il}")
+        if (bias := w("attn_output.bias")) is not None:
+            cur = g.add(cur, bias, f"attn_out_b-{il}")
+        if il == hp.n_layer - 1:
+            cur = g.get_rows(cur, inputs["out_ids"])
+            inp = g.get_rows(inp, inputs["out_ids"])
+        ffn_inp = g.add(cur, inp, f"ffn_inp-{il}")
+
+        cur = self._norm(g, ffn_inp, w("ffn_norm.weight"), f"ffn_norm-{il}")
+        gate = g.mul_mat(w("ffn_gate.weight"), cur, f"ffn_gate-{il}")
+        up = g.mul_mat(w("ffn_up.weight"), cur, f"ffn_up-{il}")
+        cur = g.swiglu_split(gate, up, f"ffn_swiglu-{il}")
+        cur = g.mul_mat(w("ffn_down.weight"), cur, f"ffn_out-{il}")
+        return g.add(cur, ffn_inp, f"l_out-{il}")
+
+    def _rope(self, g: Graph, x: Tensor, pos: Tensor, freq_factors: Tensor | None, name: str) -> Tensor:
+        hp = self.hp
+        return g.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_mode, hp.n_ctx_orig, hp.rope_freq_base,
+                          hp.rope_freq_scale, hp.rope_ext_factor, 1.0, 32.0, 1.0, name)
+
+    def _attention(self, g: Graph, il: int, q: Tensor, k: Tensor, v: Tensor, inputs: dict[str, Tensor],
+                   shape: Shape) -> Tensor:
+        """llama.cpp's build_attn with a unified KV cache: store this batch's K/V, attend over n_kv cells."""
+        hp, (k_cache, v_cache) = self.hp, self.kv[il]
+        n_tokens, n_kv = shape.n_tokens, shape.n_kv
+        kv_size = k_cache.ne[1]
+        f16 = GGMLType.F16
+
+        g.set_rows(k_cache, g.view(k, (hp.n_embd_k_gqa, n_tokens), (k.nb[2],), 0), inputs["k_idxs"])
+        k_all = g.view(k_cache, (hp.head_dim_k, hp.n_head_kv, n_kv, 1),
+                       (row_size(f16, hp.head_dim_k), row_size(f16, hp.n_embd_k_gqa),
+                        row_size(f16, hp.n_embd_k_gqa * kv_size)), 0)
+        if self.flash_attn:
+            g.set_rows(v_cache, g.view(v, (hp.n_embd_v_gqa, n_tokens), (v.nb[2],), 0), inputs["v_idxs"])
+            v_all = g.view(v_cache, (hp.head_dim_v, hp.n_head_kv, n_kv, 1),
+                           (row_size(f16, hp.head_dim_v), row_size(f16, hp.n_embd_v_gqa),
+                            row_size(f16, hp.n_embd_v_gqa * kv_size)), 0)
+        else:  # the V cache is transposed: one set_rows row per element
+            v_rows = g.reshape(v, hp.n_embd_v_gqa, n_tokens)
+            g.set_rows(g.reshape(v_cache, 1, hp.n_embd_v_gqa * kv_size), g.reshape(v_rows, 1, hp.n_embd_v_gqa * n_tokens),
+                       inputs["v_idxs"])
+            v_all = g.view(v_cache, (n_kv, hp.n_head_kv, hp.head_dim_v, 1),
+                           (row_size(f16, kv_size * hp.head_dim_v), row_size(f16, kv_size),
+                            row_size(f16, kv_size * hp.n_embd_v_gqa)), 0)
+
+        q = g.view(q, q.ne, (q.nb[1], q.nb[2], q.nb[2] * q.ne[2]), 0)
+        q = g.permute(q, 0, 2, 1, 3)
+        k_all = g.permute(k_all, 0, 2, 1, 3)
+        v_all = g.permute(v_all, 0, 2, 1, 3)
+        mask = inputs["kq_mask"]
+        if self.flash_attn:
+            cur = g.flash_attn_ext(q, k_all, v_all, mask, self.hp.kq_scale)
+            return g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+        kq = g.mul_mat(k_all, q, f"kq-{il}")
+        kq.op_params = GGML_PREC_F32.to_bytes(4, "little")
+        kq = g.soft_max_ext(kq, mask, self.hp.kq_scale, 0.0, f"kq_soft_max-{il}")
+        kqv = g.mul_mat(v_all, kq, f"kqv-{il}")
+        cur = g.permute(kqv, 0, 2, 1, 3)
+        return g.cont(cur, (cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]))

@@ -1,0 +1,209 @@
+"""A GGUF model file, memory-mapped: hyper-parameters and weight tensors of the architectures we run.
+
+In scope: the llama family (llama 2/3, mistral, smollm, tinyllama all say "llama"), qwen2 and qwen3.
+Each architecture is a row of ARCHS: its rope mode and which optional tensors its layers carry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from rpcserver.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_TRAITS, GGMLType, nbytes, contiguous_strides
+
+
+class ModelError(Exception):
+    """The model file is missing, corrupt or of an architecture we do not run."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    rope_mode: int
+    qkv_bias: bool = False  # attn_q/k/v.bias exist (qwen2)
+    qk_norm: bool = False  # attn_q_norm / attn_k_norm per-head RMS norms (qwen3)
+
+
+ARCHS = {
+    "llama": Arch(ROPE_MODE_NORMAL),
+    "qwen2": Arch(ROPE_MODE_NEOX, qkv_bias=True),
+    "qwen3": Arch(ROPE_MODE_NEOX, qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class HParams:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_rot: int
+    n_vocab: int
+    n_ctx_train: int
+    n_ctx_orig: int
+    rms_eps: float
+    rope_freq_base: float
+    rope_freq_scale: float
+    rope_ext_factor: float
+    kq_scale: float
+
+    @property
+    def n_embd_k_gqa(self) -> int:
+        return self.head_dim_k * self.n_head_kv
+
+    @property
+    def n_embd_v_gqa(self) -> int:
+        return self.head_dim_v * self.n_head_kv
+
+    @property
+    def rope_mode(self) -> int:
+        return ARCHS[self.arch].rope_mode
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    name: str
+    type: GGMLType
+    ne: tuple[int, int, int, int]
+    data: np.ndarray  # uint8 view into the memory-mapped file
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.type, self.ne, contiguous_strides(self.type, self.ne))
+
+
+class ModelFile:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"model file not found: {self.path}")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as exc:  # gguf raises ValueError, struct errors, IndexError... on bad files
+            raise ModelError(f"{self.path} is not a valid GGUF file: {exc}") from None
+        self.arch_name = self.get("general.architecture", str)
+        if self.arch_name not in ARCHS:
+            raise ModelError(f"unsupported model architecture '{self.arch_name}' in {self.path.name}; "
+                             f"supported: {', '.join(ARCHS)}")
+        self.arch = ARCHS[self.arch_name]
+        self.weights = self._weights()
+        self.hparams = self._hparams()
+        self._check_tensors()
+
+    # -- metadata ----------------------------------------------------------------------------------
+
+    def get(self, key: str, kind=None, default=...):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is ...:
+                raise ModelError(f"{self.path.name}: missing metadata key '{key}'")
+            return default
+        value = field.contents()
+        if kind is not None and not isinstance(value, kind):
+            try:
+                value = kind(value)
+            except (TypeError, ValueError):
+                raise ModelError(f"{self.path.name}: metadata '{key}' is {value!r}, expected {kind.__name__}") from None
+        return value
+
+    def _hparams(self) -> HParams:
+        a = self.arch_name
+        n_embd = self.get(f"{a}.embedding_length", int)
+        n_head = self.get(f"{a}.attention.head_count", int)
+        if n_head <= 0 or n_embd % n_head:
+            raise ModelError(f"{self.path.name}: {n_head} heads do not divide embedding length {n_embd}")
+        head_dim_k = self.get(f"{a}.attention.key_length", int, n_embd // n_head)
+        head_dim_v = self.get(f"{a}.attention.value_length", int, n_embd // n_head)
+        n_ctx_train = self.get(f"{a}.context_length", int)
+        scaling = self.get(f"{a}.rope.scaling.type", str, "none")
+        factor = self.get(f"{a}.rope.scaling.factor", float, 0.0)
+        if scaling not in ("none", "linear", "yarn"):
+            raise ModelError(f"{self.path.name}: rope scaling '{scaling}' is not supported")
+        tok_embd = self.weights.get("token_embd.weight")
+        if tok_embd is None:
+            raise ModelError(f"{self.path.name}: no token_embd.weight tensor")
+        attn_scale = self.get(f"{a}.attention.scale", float, 0.0)
+        return HParams(
+            arch=a,
+            n_layer=self.get(f"{a}.block_count", int),
+            n_embd=n_embd,
+            n_ff=self.get(f"{a}.feed_forward_length", int),
+            n_head=n_head,
+            n_head_kv=self.get(f"{a}.attention.head_count_kv", int, n_head),
+            head_dim_k=head_dim_k,
+            head_dim_v=head_dim_v,
+            n_rot=self.get(f"{a}.rope.dimension_count", int, head_dim_k),
+            n_vocab=tok_embd.ne[1],
+            n_ctx_train=n_ctx_train,
+            n_ctx_orig=self.get(f"{a}.rope.scaling.original_context_length", int, n_ctx_train),
+            rms_eps=self.get(f"{a}.attention.layer_norm_rms_epsilon", float),
+            rope_freq_base=self.get(f"{a}.rope.freq_base", float, 10000.0),
+            rope_freq_scale=1.0 / factor if scaling != "none" and factor else 1.0,
+            rope_ext_factor=1.0 if scaling == "yarn" else 0.0,
+            kq_scale=attn_scale if attn_scale else 1.0 / math.sqrt(head_dim_k),
+        )
+
+    # -- tensors -----------------------------------------------------------------------------------
+
+    def _weights(self) -> dict[str, WeightInfo]:
+        weights = {}
+        for t in self.reader.tensors:
+            try:
+                type_ = GGMLType(int(t.tensor_type))
+            except ValueError:
+                raise ModelError(f"{self.path.name}: tensor {t.name} has unknown type {int(t.tensor_type)}") from None
+            ne = tuple(int(n) for n in t.shape) + (1,) * (4 - len(t.shape))
+            info = WeightInfo(t.name, type_, ne, np.empty(0, np.uint8))
+            start, size = int(t.data_offset), info.nbytes
+            if ne[0] % TYPE_TRAITS[type_].block_size or start + size > len(self.reader.data):
+                raise ModelError(f"{self.path.name}: tensor {t.name} is truncated or misshapen")
+            weights[t.name] = WeightInfo(t.name, type_, ne, self.reader.data[start:start + size])
+        return weights
+
+    def layer_tensor_names(self, il: int) -> dict[str, str]:
+        """role -> tensor name for layer il; optional ones only when present in the file."""
+        names = {role: f"blk.{il}.{role}.weight" for role in
+                 ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+        optional = [f"{r}.bias" for r in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        optional += ["attn_q_norm.weight", "attn_k_norm.weight", "rope_freqs.weight"]
+        for role in optional:
+            name = f"blk.{il}.{role}"
+            if name in self.weights:
+                names[role.replace(".weight", "")] = name
+        return names
+
+    def output_tensor_names(self) -> dict[str, str]:
+        output = "output.weight" if "output.weight" in self.weights else "token_embd.weight"
+        return {"output_norm": "output_norm.weight", "output": output}
+
+    def _check_tensors(self) -> None:
+        hp = self.hparams
+        missing = [n for il in range(hp.n_layer) for n in self.layer_tensor_names(il).values() if n not in self.weights]
+        missing += [n for n in self.output_tensor_names().values() if n not in self.weights]
+        if self.arch.qk_norm:
+            missing += [f"blk.{il}.attn_{x}_norm.weight" for il in range(hp.n_layer) for x in "qk"
+                        if f"blk.{il}.attn_{x}_norm.weight" not in self.weights]
+        if missing:
+            raise ModelError(f"{self.path.name}: missing tensors {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+    def token_embeddings(self, tokens: list[int]) -> np.ndarray:
+        """Rows of token_embd as float32 [n_tokens, n_embd], dequantized as ggml's get_rows does on the CPU."""
+        from kernels.quants import dequantize_rows  # noqa: PLC0415 - numpy-only path of the kernels package
+
+        w = self.weights["token_embd.weight"]
+        rows = w.data.reshape(w.ne[1], -1)[np.asarray(tokens, dtype=np.int64)]
+        return dequantize_rows(w.type, rows)
+
+    def layer_bytes(self, il: int) -> int:
+        return sum(self.weights[n].nbytes for n in self.layer_tensor_names(il).values())
+
+    def output_bytes(self) -> int:
+        return sum(self.weights[n].nbytes for n in self.output_tensor_names().values())

@@ -1,0 +1,247 @@
+"""Runs a model across workers: placement, weight upload, the KV cache, and one decode step at a time.
+
+A Pipeline owns one Stage per worker with blocks to run. Each decode step feeds every stage the same
+small inputs (positions, cache slots, attention mask), computes the stages in order and relays the
+activation from one stage's output to the next stage's input through the orchestrator
+(GET_TENSOR -> SET_TENSOR). `Pipeline.relay` is the one place a direct worker-to-worker push would
+replace. A stage whose graph shape did not change since its last step gets GRAPH_RECOMPUTE.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from orchestrator.client import RpcClient, WorkerError
+from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
+from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
+from orchestrator.model import ModelFile
+from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
+from orchestrator.planner import plan_memory
+from rpcserver.hashing import fnv1a64
+from rpcserver.ggml import GGMLType
+
+KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
+HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
+NEG_INF_F16 = np.float16(-np.inf)
+
+
+def _pad(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _align(n: int, alignment: int) -> int:
+    return _pad(n, alignment)
+
+
+def context_size(requested: int, n_ctx_train: int) -> int:
+    """The KV cache size llama.cpp uses: the model's training context when 0, padded to 256."""
+    return _pad(requested or n_ctx_train, KV_PAD)
+
+
+class Stage:
+    """One worker, the blocks it owns, and its three buffers: weights, KV cache, compute."""
+
+    def __init__(self, client: RpcClient, blocks: range, model: ModelFile, kv_size: int, flash_attn: bool):
+        self.client, self.blocks, self.model = client, blocks, model
+        self.endpoint = client.endpoint
+        self.alignment = client.alignment()
+        hp = model.hparams
+        self.weights: dict[str, Tensor] = {}
+        for il in blocks:
+            names = model.layer_tensor_names(il) if il < hp.n_layer else model.output_tensor_names()
+            for name in names.values():
+                info = model.weights[name]
+                self.weights[name] = new_tensor(info.type, info.ne, name)
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {
+            il: (new_tensor(GGMLType.F16, (hp.n_embd_k_gqa, kv_size, 1), f"cache_k_l{il}"),
+                 new_tensor(GGMLType.F16, (hp.n_embd_v_gqa, kv_size, 1), f"cache_v_l{il}"))
+            for il in blocks if il < hp.n_layer
+        }
+        self.builder = LayerBuilder(hp, self.weights, self.kv, flash_attn)
+        self.weight_bytes = self._layout(self.weights.values(), RemoteBuffer(0, 0, 0))
+        self.kv_bytes = self._layout([t for pair in self.kv.values() for t in pair], RemoteBuffer(0, 0, 0))
+        self.compute: RemoteBuffer | None = None
+        self.graph: StageGraph | None = None
+        self.shape: Shape | None = None
+
+    def _layout(self, tensors, buffer: RemoteBuffer) -> int:
+        offset = 0
+        for t in tensors:
+            t.place(buffer, offset)
+            offset += _align(t.nbytes, self.alignment)
+        return offset
+
+    def _allocate(self, size: int, what: str) -> RemoteBuffer:
+        try:
+            handle, base = self.client.alloc_buffer(max(size, 1))
+        except WorkerError as exc:
+            raise PlacementError(f"{exc} for its {what}") from None
+        return RemoteBuffer(handle, base, size)
+
+    def compute_bytes(self, shape: Shape) -> int:
+        sg = self.builder.build(self.blocks, shape)
+        return plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment).size
+
+    def allocate(self, compute_bytes: int) -> None:
+        self._layout(self.weights.values(), self._allocate(self.weight_bytes, "weights"))
+        kv = self._allocate(self.kv_bytes, "KV cache")
+        self._layout([t for pair in self.kv.values() for t in pair], kv)
+        self.client.buffer_clear(kv.handle, 0)  # empty cells must hold finite values (llama.cpp clears too)
+        self.compute = self._allocate(compute_bytes, "compute buffer")
+
+    def upload(self, progress: Callable[[int], None]) -> None:
+        for name, tensor in self.weights.items():
+            data = self.model.weights[name].data
+            wire = wire_tensor(tensor)
+            if not (data.nbytes > HASH_THRESHOLD and self.client.set_tensor_hash(wire, fnv1a64(data))):
+                self.client.set_tensor(wire, data)
+            progress(data.nbytes)
+
+    def run(self, shape: Shape, feed: dict[str, np.ndarray]) -> None:
+        """Sets the inputs and computes; reuses the worker's last graph when the shape is unchanged."""
+        if shape == self.shape:
+            self._set_inputs(feed)
+            self.client.graph_recompute()
+            return
+        sg = self.builder.build(self.blocks, shape)
+        plan = plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment)
+        if plan.size > self.compute.size:
+            self.client.free_buffer(self.compute.handle)
+            self.compute = self._allocate(plan.size, "compute buffer")
+        plan.bind(self.compute)
+        self.graph, self.shape = sg, shape
+        self._set_inputs(feed)
+        self.client.graph_compute(*sg.graph.serialize())
+
+    def _set_inputs(self, feed: dict[str, np.ndarray]) -> None:
+        for name, tensor in self.graph.inputs.items():
+            data = np.ascontiguousarray(feed[name])
+            assert data.nbytes == tensor.nbytes, (name, data.nbytes, tensor.nbytes)
+            self.client.set_tensor(wire_tensor(tensor), data)
+
+    def read_output(self) -> np.ndarray:
+        out = self.graph.output
+        return np.frombuffer(self.client.get_tensor(wire_tensor(out), out.nbytes), dtype=np.float32)
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    eval_tokens: int = 0
+    eval_seconds: float = 0.0
+
+
+class Pipeline:
+    def __init__(self, model: ModelFile, clients: list[RpcClient], *, n_ctx: int, n_batch: int, n_ubatch: int,
+                 flash_attn: bool, tensor_split: list[float] | None = None, log=print):
+        hp = model.hparams
+        self.model, self.log = model, log
+        self.n_ctx = context_size(n_ctx, hp.n_ctx_train)
+        self.n_batch = n_batch
+        self.n_ubatch = min(n_batch, n_ubatch)
+        self.flash_attn = flash_attn
+        self.n_past = 0
+        self.timings = Timings()
+
+        memory = [c.device_memory() for c in clients]
+        shares = tensor_split if tensor_split else [float(free) for free, _ in memory]
+        if len(shares) != len(clients):
+            raise PlacementError(f"--tensor-split has {len(shares)} values for {len(clients)} workers")
+        ranges = split_blocks(hp.n_layer, shares)
+        self.stages = [Stage(c, r, model, self.n_ctx, flash_attn) for c, r in zip(clients, ranges) if r]
+        worst = Shape(self.n_ubatch, self.n_ctx, 1)
+        plans = [StagePlan(s.endpoint, s.blocks, free, s.weight_bytes, s.kv_bytes, s.compute_bytes(worst))
+                 for s, (free, _) in zip(self.stages, [m for m, r in zip(memory, ranges) if r])]
+        log(f"placement of {hp.n_layer} layers + output over {len(clients)} worker(s), n_ctx = {self.n_ctx}:")
+        for plan in plans:
+            log("  " + plan.describe(hp.n_layer))
+        for c, r in zip(clients, ranges):
+            if not r:
+                log(f"  {c.endpoint:>21}: nothing (its share rounds to no layers)")
+        check_fit(plans)
+        self.plans = plans
+        for stage, plan in zip(self.stages, plans):
+            stage.allocate(plan.compute_bytes)
+
+    def upload(self) -> None:
+        total = sum(s.weight_bytes for s in self.stages)
+        done = 0
+        start = time.perf_counter()
+
+        def progress(n: int) -> None:
+            nonlocal done
+            done += n
+            bar = "#" * int(30 * done / total)
+            if total > 0 and done < total: return
+            print(f"\ruploading weights [{bar:30}] {done / (1 << 20):7.1f}/{total / (1 << 20):.1f} MiB",
+                  end="", file=sys.stderr, flush=True)
+
+        for stage in self.stages:
+            stage.upload(progress)
+        print(f"  ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+
+    # -- decoding ----------------------------------------------------------------------------------
+
+    def _inputs(self, n_tokens: int, n_kv: int) -> dict[str, np.ndarray]:
+        """The per-step inputs every stage shares: one sequence whose cell i holds position i."""
+        p0, hp = self.n_past, self.model.hparams
+        cells = np.arange(p0, p0 + n_tokens, dtype=np.int64)
+        if self.flash_attn:
+            v_idxs = cells
+        else:  # transposed V cache: element j of a cell's row lives at j * kv_size + cell
+            v_idxs = (np.arange(hp.n_embd_v_gqa, dtype=np.int64)[None, :] * self.n_ctx + cells[:, None]).reshape(-1)
+        visible = np.arange(n_kv)[None, :] <= cells[:, None]  # causal: cells up to the token's own
+        mask_type = np.float16 if self.flash_attn else np.float32
+        mask = np.where(visible, mask_type(0), mask_type(-np.inf)).astype(mask_type)
+        return {
+            "pos": cells.astype(np.int32),
+            "k_idxs": cells,
+            "v_idxs": v_idxs,
+            "kq_mask": mask,
+            "out_ids": np.array([n_tokens - 1], dtype=np.int32),
+        }
+
+    def decode(self, tokens: list[int]) -> np.ndarray:
+        """Appends tokens (one ubatch) to the sequence; returns the last token's logits."""
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise ValueError(f"context full: {self.n_past} + {n} tokens exceed n_ctx = {self.n_ctx}")
+        used = self.n_past + n
+        n_kv = min(self.n_ctx, max(KV_PAD, _pad(used, KV_PAD)))
+        shape = Shape(n, n_kv, 1)
+        feed = self._inputs(n, n_kv)
+        activation = self.model.token_embeddings(tokens)
+        for i, stage in enumerate(self.stages):
+            stage.run(shape, {**feed, "embd": activation})
+            activation = self.relay(stage, self.stages[i + 1] if i + 1 < len(self.stages) else None)
+        self.n_past = used
+        return activation
+
+    def relay(self, src: Stage, dst: Stage | None) -> np.ndarray:
+        """The activation leaving src, fetched through the orchestrator (dst then receives it as input)."""
+        return src.read_output()
+
+    def evaluate_prompt(self, tokens: list[int]) -> np.ndarray:
+        """The prompt in n_batch chunks of n_ubatch ubatches, as llama-completion feeds llama_decode."""
+        start = time.perf_counter()
+        logits = None
+        for b in range(0, len(tokens), self.n_batch):
+            chunk = tokens[b:b + self.n_batch]
+            for u in range(0, len(chunk), self.n_ubatch):
+                logits = self.decode(chunk[u:u + self.n_ubatch])
+        self.timings.prompt_tokens += len(tokens)
+        self.timings.prompt_seconds += time.perf_counter() - start
+        return logits
+
+    def evaluate_token(self, token: int) -> np.ndarray:
+        start = time.perf_counter()
+        logits = self.decode([token])
+        self.timings.eval_tokens += 1
+        self.timings.eval_seconds += time.perf_counter() - start
+        return logits
