@@ -1,0 +1,142 @@
+"""tools/make_model.py writes GGUF files that gguf-py reads back as planned and the pinned llama.cpp runs.
+
+The expected tensor list is spelled out here from the arguments alone (not taken from the tool), so a
+wrong name or shape in the tool shows up as a difference rather than being checked against itself.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+import gguf
+import numpy as np
+import pytest
+
+from tools.make_model import write_model
+
+from .conftest import CLIENT_THREADS, CPU_TIMEOUT
+
+pytestmark = pytest.mark.interop
+
+N_PREDICT = 16
+MIN_DISTINCT_TOKENS = 4
+
+# Per arch: the writer's arguments (qwen3 gets a head_dim unlike n_embd / n_head, as real Qwen3 has).
+MODELS = {
+    "llama": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=None, n_ff=512),
+    "qwen2": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=None, n_ff=512),
+    "qwen3": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=96, n_ff=384),
+}
+UNTIED_OUTPUT = {"qwen2"}          # writes output.weight; the others reuse token_embd
+QKV_BIAS = {"qwen2"}
+QK_NORM = {"qwen3"}
+PRE_TOKENIZER = {"llama": "smollm", "qwen2": "qwen2", "qwen3": "qwen2"}
+
+
+def expected_tensors(arch: str, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab):
+    """{name: (GGUF shape, is 2-D weight)} from llama.cpp's load_arch_tensors, written out by hand."""
+    hd = head_dim or n_embd // n_head
+    want = {"token_embd.weight": (n_embd, n_vocab), "output_norm.weight": (n_embd,)}
+    if arch in UNTIED_OUTPUT:
+        want["output.weight"] = (n_embd, n_vocab)
+    for i in range(n_layer):
+        blk = f"blk.{i}."
+        want.update({
+            blk + "attn_norm.weight": (n_embd,),
+            blk + "attn_q.weight": (n_embd, hd * n_head),
+            blk + "attn_k.weight": (n_embd, hd * n_head_kv),
+            blk + "attn_v.weight": (n_embd, hd * n_head_kv),
+            blk + "attn_output.weight": (hd * n_head, n_embd),
+            blk + "ffn_norm.weight": (n_embd,),
+            blk + "ffn_gate.weight": (n_embd, n_ff),
+            blk + "ffn_up.weight": (n_embd, n_ff),
+            blk + "ffn_down.weight": (n_ff, n_embd),
+        })
+        if arch in QKV_BIAS:
+            want.update({blk + "attn_q.bias": (hd * n_head,), blk + "attn_k.bias": (hd * n_head_kv,),
+                         blk + "attn_v.bias": (hd * n_head_kv,)})
+        if arch in QK_NORM:
+            want.update({blk + "attn_q_norm.weight": (hd,), blk + "attn_k_norm.weight": (hd,)})
+    return want
+
+
+def field_value(reader: gguf.GGUFReader, key: str):
+    field = reader.get_field(key)
+    assert field is not None, f"{key} missing"
+    return field.contents()
+
+
+@pytest.fixture(scope="module")
+def donor(model_path):
+    return gguf.GGUFReader(model_path)
+
+
+@pytest.fixture(scope="module")
+def models(model_path, tmp_path_factory):
+    """arch -> written file, made once per module and shared by the reader and llama.cpp tests."""
+    folder = tmp_path_factory.mktemp("random-models")
+    return {arch: write_model(folder / f"{arch}.gguf", arch, weight_type="Q8_0", seed=7, vocab_from=model_path,
+                              **args)
+            for arch, args in MODELS.items()}
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_gguf_round_trips_with_planned_tensors(models, donor, arch):
+    reader = gguf.GGUFReader(models[arch])
+    args = MODELS[arch]
+    n_vocab = len(field_value(donor, "tokenizer.ggml.tokens"))
+    want = expected_tensors(arch, n_vocab=n_vocab, **args)
+
+    got = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    assert got == want
+    for tensor in reader.tensors:
+        expected_type = gguf.GGMLQuantizationType.Q8_0 if len(want[tensor.name]) == 2 else gguf.GGMLQuantizationType.F32
+        assert tensor.tensor_type == expected_type, tensor.name
+        if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
+            assert np.isfinite(tensor.data).all(), tensor.name
+
+    head_dim = args["head_dim"] or args["n_embd"] // args["n_head"]
+    assert field_value(reader, "general.architecture") == arch
+    assert field_value(reader, f"{arch}.block_count") == args["n_layer"]
+    assert field_value(reader, f"{arch}.embedding_length") == args["n_embd"]
+    assert field_value(reader, f"{arch}.feed_forward_length") == args["n_ff"]
+    assert field_value(reader, f"{arch}.attention.head_count") == args["n_head"]
+    assert field_value(reader, f"{arch}.attention.head_count_kv") == args["n_head_kv"]
+    assert field_value(reader, f"{arch}.attention.key_length") == head_dim
+    assert field_value(reader, f"{arch}.attention.value_length") == head_dim
+    assert field_value(reader, f"{arch}.rope.dimension_count") == head_dim
+    assert field_value(reader, f"{arch}.context_length") > 0
+    assert field_value(reader, f"{arch}.rope.freq_base") > 0
+    assert 0 < field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon") < 1e-3
+
+    assert field_value(reader, "tokenizer.ggml.pre") == PRE_TOKENIZER[arch]
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                "tokenizer.chat_template"):
+        assert field_value(reader, key) == field_value(donor, key), key
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_llama_cpp_runs_the_model(llama, models, arch, tmp_path):
+    args = ["-m", models[arch], "-p", "Hello world", "-n", N_PREDICT, "--temp", 0, "--ignore-eos", "-no-cnv",
+            "--no-display-prompt", "-t", CLIENT_THREADS, "-c", 512, "-lv", 4]
+    done = llama("llama-completion", args, timeout=CPU_TIMEOUT)
+
+    assert re.search(rf"general\.architecture\s+str\s+=\s+{arch}\b", done.stderr), done.stderr[-3000:]
+    assert re.search(rf"print_info: arch\s+=\s+{arch}\b", done.stderr), done.stderr[-3000:]
+    head_dim = MODELS[arch]["head_dim"] or MODELS[arch]["n_embd"] // MODELS[arch]["n_head"]
+    assert re.search(rf"print_info: n_embd_head_k\s+=\s+{head_dim}\b", done.stderr), done.stderr[-3000:]
+
+    # Count distinct tokens with llama.cpp's own tokenizer: NaN logits or a collapsed model repeat one id.
+    text_file = tmp_path / "generated.txt"
+    text_file.write_text(done.stdout, encoding="utf-8")
+    tokenized = llama("llama-tokenize", ["-m", models[arch], "-f", text_file, "--ids", "--no-bos", "--log-disable"],
+                      timeout=CPU_TIMEOUT)
+    ids = ast.literal_eval(tokenized.stdout.strip().splitlines()[-1])
+    assert len(set(ids)) >= MIN_DISTINCT_TOKENS, f"generated {done.stdout!r} -> ids {ids}"
+
+
+def test_qwen2_refuses_a_head_dim_its_loader_cannot_take(model_path, tmp_path):
+    # llama.cpp's qwen2 loader sizes attn_q as n_embd x n_embd, so head_dim * n_head must equal n_embd.
+    with pytest.raises(ValueError, match="head_dim"):
+        write_model(tmp_path / "bad.gguf", "qwen2", head_dim=96, vocab_from=model_path)

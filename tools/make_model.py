@@ -1,0 +1,246 @@
+"""Write small random-weight GGUF models (llama, qwen2, qwen3) that the pinned llama.cpp loads and runs.
+
+The tests need models of architectures other than the SmolLM2 one that ships as a package; none can be
+downloaded, so we make them: the tokenizer is copied from the SmolLM2 GGUF and the weights are seeded
+random numbers, scaled so activations stay finite and greedy decoding does not collapse to one token.
+
+    python -m tools.make_model --arch qwen3 --head-dim 96 -o /tmp/qwen3.gguf
+
+Tensor names come from gguf-py's tables; shapes and optional tensors follow llama.cpp's
+load_arch_tensors for each architecture (src/models/{llama,qwen2,qwen3}.cpp).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType, LlamaFileType, MODEL_TENSOR
+
+CONTEXT_LENGTH = 4096
+ROPE_FREQ_BASE = 10000.0
+RMS_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What sets the architectures apart, as far as the file is concerned."""
+
+    pre_tokenizer: str       # tokenizer.ggml.pre; selects llama.cpp's pre-tokenizer regexes
+    qkv_bias: bool           # attn_{q,k,v}.bias (llama.cpp loads them as optional for every arch)
+    qk_norm: bool            # per-head RMS norms attn_{q,k}_norm of length head_dim (required by qwen3)
+    free_head_dim: bool      # q/output shapes use head_dim * n_head, so head_dim may differ from n_embd / n_head
+    tied_output: bool        # no output.weight: llama.cpp reuses token_embd (one tied and one untied arch)
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=True, tied_output=True),
+    "qwen2": ArchSpec(pre_tokenizer="qwen2", qkv_bias=True, qk_norm=False, free_head_dim=False, tied_output=False),
+    "qwen3": ArchSpec(pre_tokenizer="qwen2", qkv_bias=False, qk_norm=True, free_head_dim=True, tied_output=True),
+}
+
+WEIGHT_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "F32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "F16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "Q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "Q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+}
+
+# Copied from the vocabulary donor as they are (when present); the pre-tokenizer is set per arch instead.
+TOKENIZER_KEYS = (
+    gguf.Keys.Tokenizer.MODEL,
+    gguf.Keys.Tokenizer.LIST,
+    gguf.Keys.Tokenizer.TOKEN_TYPE,
+    gguf.Keys.Tokenizer.MERGES,
+    gguf.Keys.Tokenizer.BOS_ID,
+    gguf.Keys.Tokenizer.EOS_ID,
+    gguf.Keys.Tokenizer.UNK_ID,
+    gguf.Keys.Tokenizer.PAD_ID,
+    gguf.Keys.Tokenizer.ADD_BOS,
+    gguf.Keys.Tokenizer.ADD_PREFIX,
+    gguf.Keys.Tokenizer.CHAT_TEMPLATE,
+)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: `shape` in GGUF order (ne0 first, the row length), `kind` picks init and type."""
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "matrix" | "embedding" | "norm" | "bias"
+
+
+def tensor_name(tensor: MODEL_TENSOR, suffix: str, layer: int | None = None) -> str:
+    base = gguf.TENSOR_NAMES[tensor]
+    return f"{base.format(bid=layer) if layer is not None else base}.{suffix}"
+
+
+def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,
+                 n_ff: int, n_vocab: int) -> list[Tensor]:
+    """Every tensor of the model, with the shapes llama.cpp's load_arch_tensors checks."""
+    spec = ARCHS[arch]
+    n_q, n_kv = head_dim * n_head, head_dim * n_head_kv
+    T = MODEL_TENSOR
+    plan = [Tensor(tensor_name(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), "embedding"),
+            Tensor(tensor_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm")]
+    if not spec.tied_output:
+        plan.append(Tensor(tensor_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "matrix"))
+    for i in range(n_layer):
+        plan += [Tensor(tensor_name(T.ATTN_NORM, "weight", i), (n_embd,), "norm"),
+                 Tensor(tensor_name(T.ATTN_Q, "weight", i), (n_embd, n_q), "matrix"),
+                 Tensor(tensor_name(T.ATTN_K, "weight", i), (n_embd, n_kv), "matrix"),
+                 Tensor(tensor_name(T.ATTN_V, "weight", i), (n_embd, n_kv), "matrix")]
+        if spec.qkv_bias:
+            plan += [Tensor(tensor_name(T.ATTN_Q, "bias", i), (n_q,), "bias"),
+                     Tensor(tensor_name(T.ATTN_K, "bias", i), (n_kv,), "bias"),
+                     Tensor(tensor_name(T.ATTN_V, "bias", i), (n_kv,), "bias")]
+        if spec.qk_norm:
+            plan += [Tensor(tensor_name(T.ATTN_Q_NORM, "weight", i), (head_dim,), "norm"),
+                     Tensor(tensor_name(T.ATTN_K_NORM, "weight", i), (head_dim,), "norm")]
+        plan += [Tensor(tensor_name(T.ATTN_OUT, "weight", i), (n_q, n_embd), "matrix"),
+                 Tensor(tensor_name(T.FFN_NORM, "weight", i), (n_embd,), "norm"),
+                 Tensor(tensor_name(T.FFN_GATE, "weight", i), (n_embd, n_ff), "matrix"),
+                 Tensor(tensor_name(T.FFN_UP, "weight", i), (n_embd, n_ff), "matrix"),
+                 Tensor(tensor_name(T.FFN_DOWN, "weight", i), (n_ff, n_embd), "matrix")]
+    return plan
+
+
+def random_values(tensor: Tensor, rng: np.random.Generator) -> np.ndarray:
+    """float32 values in numpy order (reversed GGUF shape).
+
+    Matrices are N(0, 1/fan_in) so each projection keeps the scale of its RMS-normed input; embeddings are
+    small so the layers, not the current token alone, decide the next token (with a tied output an
+    embedding-dominated residual would just predict the token it was fed). Norm weights sit near 1.
+    """
+    shape = tensor.shape[::-1]
+    if tensor.kind == "matrix":
+        return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(tensor.shape[0]))
+    if tensor.kind == "embedding":
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    if tensor.kind == "norm":
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if tensor.kind == "bias":
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    raise ValueError(f"unknown tensor kind {tensor.kind!r}")
+
+
+@functools.lru_cache(maxsize=4)
+def read_tokenizer(vocab_from: Path) -> tuple[tuple[str, object, gguf.GGUFValueType], ...]:
+    """The donor's tokenizer keys as (key, value, type); cached because opening the GGUF takes seconds."""
+    reader = gguf.GGUFReader(vocab_from)
+    return tuple((key, field.contents(), field.types[0])
+                 for key in TOKENIZER_KEYS if (field := reader.get_field(key)) is not None)
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, vocab_from: Path) -> int:
+    """Copy the donor's tokenizer keys into `writer`; returns the vocabulary size."""
+    n_vocab = 0
+    for key, value, value_type in read_tokenizer(Path(vocab_from).resolve()):
+        if value_type == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, value_type)
+        if key == gguf.Keys.Tokenizer.LIST:
+            n_vocab = len(value)
+    if not n_vocab:
+        raise ValueError(f"{vocab_from} has no {gguf.Keys.Tokenizer.LIST}")
+    return n_vocab
+
+
+def check_arguments(arch: str, n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
+                    qtype: GGMLQuantizationType) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r}; expected one of {sorted(ARCHS)}")
+    if n_head % n_head_kv:
+        raise ValueError(f"n_head={n_head} must be a multiple of n_head_kv={n_head_kv}")
+    if not ARCHS[arch].free_head_dim and head_dim * n_head != n_embd:
+        raise ValueError(f"{arch} needs head_dim * n_head == n_embd (got {head_dim} * {n_head} != {n_embd})")
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be even for RoPE")
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    for what, row in (("n_embd", n_embd), ("head_dim * n_head", head_dim * n_head), ("n_ff", n_ff)):
+        if row % block:
+            raise ValueError(f"{what}={row} is not a multiple of the {qtype.name} block size {block}")
+
+
+def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head: int = 4, n_head_kv: int = 2,
+                head_dim: int | None = None, n_ff: int = 512, weight_type: str = "Q8_0", seed: int = 0,
+                vocab_from: Path) -> Path:
+    """Write a random-weight `arch` model to `path`; 2-D weights (token_embd too) in `weight_type`."""
+    path = Path(path)
+    head_dim = head_dim if head_dim is not None else n_embd // n_head
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight_type {weight_type!r}; expected one of {sorted(WEIGHT_TYPES)}")
+    qtype, file_type = WEIGHT_TYPES[weight_type]
+    check_arguments(arch, n_embd, n_head, n_head_kv, head_dim, n_ff, qtype)
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"random {arch}")
+    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(ROPE_FREQ_BASE)
+    writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    n_vocab = copy_tokenizer(writer, vocab_from)
+    writer.add_tokenizer_pre(ARCHS[arch].pre_tokenizer)
+    writer.add_vocab_size(n_vocab)
+
+    rng = np.random.default_rng(seed)
+    plan = plan_tensors(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                        head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab)
+    for tensor in plan:
+        values = random_values(tensor, rng)
+        if len(tensor.shape) == 1:  # norms and biases stay F32, as llama.cpp's converters write them
+            writer.add_tensor(tensor.name, values)
+        else:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def default_vocab_source() -> Path:
+    from tools import reference  # noqa: PLC0415 - only the CLI needs the installed test model
+
+    return reference.model_path()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    parser.add_argument("-o", "--output", required=True, type=Path)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-head-kv", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=None, help="default n_embd / n_head")
+    parser.add_argument("--n-ff", type=int, default=512)
+    parser.add_argument("--weight-type", default="Q8_0", choices=sorted(WEIGHT_TYPES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-from", type=Path, default=None, help="GGUF to copy the tokenizer from "
+                        "(default: the installed SmolLM2 test model)")
+    args = parser.parse_args(argv)
+    written = write_model(args.output, args.arch, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                          n_head_kv=args.n_head_kv, head_dim=args.head_dim, n_ff=args.n_ff,
+                          weight_type=args.weight_type, seed=args.seed,
+                          vocab_from=args.vocab_from or default_vocab_source())
+    print(written)
+
+
+if __name__ == "__main__":
+    main()
