@@ -1,0 +1,137 @@
+"""The orchestrator's answer to bad input: one clear line on stderr, a non-zero exit, no traceback."""
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from tools import reference
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def orchestrator(*args, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "orchestrator", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+
+
+def assert_clean_failure(done: subprocess.CompletedProcess, *needles: str) -> None:
+    assert done.returncode != 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), done.stderr
+    for needle in needles:
+        assert needle in last, f"{needle!r} not in {last!r}"
+
+
+@pytest.fixture(scope="module")
+def model():
+    try:
+        return reference.model_path()
+    except reference.ReferenceMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def small_worker(tmp_path_factory):
+    """One of our workers with 64 MiB: too little for SmolLM2's 92 MiB of weights."""
+    w = reference.start_worker("ours", tmp_path_factory.mktemp("small"), mem_mib=64, timeout=300)
+    yield w
+    w.stop()
+
+
+def test_unreachable_worker(model):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = orchestrator("--rpc", f"127.0.0.1:{port}", "-m", model, "-p", "hi", "-n", 1)
+    assert_clean_failure(done, f"127.0.0.1:{port}", "cannot connect")
+
+
+def test_malformed_endpoint(model):
+    assert_clean_failure(orchestrator("--rpc", "localhost", "-m", model, "-p", "hi"), "localhost", "host:port")
+
+
+def test_worker_speaking_another_protocol_version(model):
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_hello():
+        conn, _ = server.accept()
+        with conn:
+            command, size = struct.unpack("<BQ", conn.recv(9))
+            conn.sendall(struct.pack("<Q", 3) + bytes([3, 1, 0]))  # HELLO reply: version 3.1.0
+            conn.recv(1)
+
+    threading.Thread(target=answer_hello, daemon=True).start()
+    try:
+        done = orchestrator("--rpc", f"127.0.0.1:{port}", "-m", model, "-p", "hi", "-n", 1)
+    finally:
+        server.close()
+    assert_clean_failure(done, f"127.0.0.1:{port}", "3.1.0")
+
+
+def test_model_too_large_for_the_workers(model, small_worker):
+    done = orchestrator("--rpc", small_worker.address, "-m", model, "-p", "hi", "-n", 1)
+    assert_clean_failure(done, "does not fit", small_worker.address)
+    assert small_worker.alive()
+
+
+def test_missing_model(tmp_path):
+    assert_clean_failure(orchestrator("--rpc", "127.0.0.1:1", "-m", tmp_path / "nope.gguf", "-p", "hi"), "not found")
+
+
+def test_corrupt_model(tmp_path, model):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(Path(model).read_bytes()[:4096])  # a valid header, then nothing
+    assert_clean_failure(orchestrator("--rpc", "127.0.0.1:1", "-m", bad, "-p", "hi"), "bad.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 100)
+    assert_clean_failure(orchestrator("--rpc", "127.0.0.1:1", "-m", junk, "-p", "hi"), "junk.gguf")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_clean_failure(orchestrator("--rpc", "127.0.0.1:1", "-m", path, "-p", "hi"), "unsupported", "gpt2")
+
+
+def test_prompt_longer_than_the_context(model, small_worker):
+    prompt = "word " * 400
+    done = orchestrator("--rpc", small_worker.address, "-m", model, "-p", prompt, "-c", 256, "-n", 1)
+    assert_clean_failure(done, "prompt is too long", "max 252")
+
+
+def test_worker_lost_mid_generation(model, tmp_path):
+    """Killing a worker while tokens stream out ends the run with an error naming that worker."""
+    workers = [reference.start_worker("ours", tmp_path, timeout=300) for _ in range(2)]
+    try:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        rpc = ",".join(w.address for w in workers)
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--rpc", rpc, "-m", str(model), "-p", "Once",
+                                 "-n", "4000", "--ignore-eos", "--temp", "0", "-c", "4096"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
+        proc.stdout.read(40)  # the prompt echo and a few generated tokens
+        workers[1].stop()
+        out, err = proc.communicate(timeout=120)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+        assert_clean_failure(done, workers[1].address)
+        assert workers[0].alive()
+    finally:
+        for w in workers:
+            w.stop()

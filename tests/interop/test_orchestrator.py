@@ -1,0 +1,167 @@
+"""Our orchestrator against llama.cpp: the same text as llama-completion on its own CPU backend.
+
+The orchestrator runs on two workers: two of llama.cpp's ggml-rpc-server, two of ours, and one of
+each. The models: SmolLM2 (llama architecture) and random-weight qwen2/qwen3 files written by
+tools/make_model.py. Placement is checked against llama.cpp's own layer assignment log.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import CLIENT_THREADS, CPU_TIMEOUT, REPO_ROOT, RPC_TIMEOUT, ClientFailed, reference, text_diff
+from .test_completion import PROMPTS
+
+pytestmark = pytest.mark.interop
+
+N_PREDICT = 64
+WORKER_SETS = {"reference+reference": ("reference", "reference"), "ours+ours": ("ours", "ours"),
+               "ours+reference": ("ours", "reference")}
+
+
+def start_workers(kinds, log_dir, mem_mib=(None, None)):
+    workers = []
+    try:
+        for kind, mem in zip(kinds, mem_mib):
+            workers.append(reference.start_worker(kind, log_dir, threads=CLIENT_THREADS, mem_mib=mem))
+    except reference.WorkerFailed as exc:
+        for w in workers:
+            w.stop()
+        pytest.fail(str(exc), pytrace=False)
+    return workers
+
+
+def stop_workers(workers) -> None:
+    dead = [w for w in workers if not w.alive()]
+    for w in workers:
+        w.stop()
+    if dead:
+        pytest.fail("a worker died during the module.\n" + "\n".join(w.describe() for w in dead), pytrace=False)
+
+
+@pytest.fixture(scope="module", params=list(WORKER_SETS))
+def worker_pair(request, bin_dir, tmp_path_factory):
+    workers = start_workers(WORKER_SETS[request.param], tmp_path_factory.mktemp(request.param))
+    yield workers
+    stop_workers(workers)
+
+
+def run_orchestrator(args, workers=(), timeout=RPC_TIMEOUT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "orchestrator", *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise ClientFailed(f"orchestrator timed out after {timeout:.0f}s\n{(exc.stderr or b'')[-3000:].decode()}"
+                           + "".join(w.describe() for w in workers)) from None
+    done.stdout = done.stdout.decode("utf-8", "replace")
+    done.stderr = done.stderr.decode("utf-8", "replace")
+    if done.returncode != 0:
+        raise ClientFailed(f"orchestrator exited with {done.returncode}\ncommand: {' '.join(cmd)}\n"
+                           f"stderr:\n{done.stderr[-3000:]}\n" + "".join(w.describe() for w in workers))
+    return done
+
+
+def generation_args(model, prompt_id: str) -> list:
+    args = ["-m", model, "-p", PROMPTS[prompt_id], "-n", N_PREDICT, "--temp", 0, "--ignore-eos"]
+    return args + (["-b", 64] if prompt_id == "long" else [])
+
+
+@pytest.fixture(scope="session")
+def cpu_text(llama):
+    cache: dict[tuple, str] = {}
+
+    def baseline(args: list) -> str:
+        key = tuple(map(str, args))
+        if key not in cache:
+            cache[key] = llama("llama-completion", [*args, "-no-cnv", "-t", CLIENT_THREADS], timeout=CPU_TIMEOUT).stdout
+        return cache[key]
+
+    return baseline
+
+
+@pytest.mark.parametrize("prompt_id", list(PROMPTS))
+def test_same_text_as_llama_completion(model_path, worker_pair, cpu_text, prompt_id):
+    args = generation_args(model_path, prompt_id)
+    expected = cpu_text(args)
+    assert expected.strip(), "llama-completion produced no text"
+    done = run_orchestrator(["--rpc", ",".join(w.address for w in worker_pair), *args], worker_pair)
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")
+
+
+def test_seeded_sampling_like_llama_completion(model_path, worker_pair, cpu_text):
+    """Same logits bit for bit and the same sampler chain and RNG: the same random text for a seed."""
+    args = ["-m", model_path, "-p", PROMPTS["fact"], "-n", N_PREDICT, "--temp", 0.9, "--seed", 1234,
+            "--repeat-penalty", 1.1, "--top-k", 50]
+    expected = cpu_text(args)
+    done = run_orchestrator(["--rpc", ",".join(w.address for w in worker_pair), *args], worker_pair)
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")
+
+
+# -- other architectures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_pair(bin_dir, tmp_path_factory):
+    workers = start_workers(("ours", "reference"), tmp_path_factory.mktemp("mixed"))
+    yield workers
+    stop_workers(workers)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_synthetic_architecture(model_path, mixed_pair, cpu_text, tmp_path, arch):
+    from tools.make_model import write_model  # noqa: PLC0415
+
+    model = write_model(tmp_path / f"{arch}.gguf", arch, vocab_from=model_path, seed=3)
+    args = ["-m", model, "-p", PROMPTS["list"], "-n", N_PREDICT, "--temp", 0, "--ignore-eos"]
+    expected = cpu_text(args)
+    done = run_orchestrator(["--rpc", ",".join(w.address for w in mixed_pair), *args], mixed_pair)
+    assert f"({arch}," in done.stderr
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")
+
+
+# -- placement -------------------------------------------------------------------------------------------
+
+LLAMA_ASSIGN_RE = re.compile(r"layer\s+(\d+) assigned to device RPC(\d+)")
+OUR_PLAN_RE = re.compile(r"^\s*(\S+): layers\s+(\d+)-\s*(\d+)( \+ output)?", re.M)
+
+
+def llama_assignment(stderr: str) -> dict[int, int]:
+    return {int(layer): int(dev) for layer, dev in LLAMA_ASSIGN_RE.findall(stderr)}
+
+
+def our_assignment(stderr: str, endpoints: list[str]) -> dict[int, int]:
+    owner = {}
+    for endpoint, first, last, output in OUR_PLAN_RE.findall(stderr):
+        for il in range(int(first), int(last) + 1):
+            owner[il] = endpoints.index(endpoint)
+        if output:
+            owner[int(last) + 1] = endpoints.index(endpoint)
+    return owner
+
+
+@pytest.fixture(scope="module")
+def unequal_pair(bin_dir, tmp_path_factory):
+    workers = start_workers(("ours", "ours"), tmp_path_factory.mktemp("unequal"), mem_mib=(300, 900))
+    yield workers
+    stop_workers(workers)
+
+
+@pytest.mark.parametrize("split", [None, "1,3", "2,1"])
+def test_layers_split_like_llama_cpp(llama, model_path, unequal_pair, split):
+    """Layers in proportion to free memory (300 vs 900 MiB) or to --tensor-split, exactly as llama.cpp assigns them."""
+    endpoints = [w.address for w in unequal_pair]
+    extra = ["-ts", split] if split else []
+    common = ["-m", model_path, "-p", "Hi", "-n", 1, "--rpc", ",".join(endpoints), *extra]
+    theirs = llama("llama-completion", [*common, "-no-cnv", "-t", CLIENT_THREADS, "-fit", "off", "-ngl", 99, "-v"],
+                   timeout=RPC_TIMEOUT, worker=unequal_pair[0])
+    expected = llama_assignment(theirs.stderr)
+    assert len(expected) == 31, theirs.stderr[-2000:]
+    ours = our_assignment(run_orchestrator(common, unequal_pair).stderr, endpoints)
+    assert ours == expected
+    if split is None:
+        assert sum(1 for d in expected.values() if d == 1) > sum(1 for d in expected.values() if d == 0)
