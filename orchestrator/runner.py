@@ -170,17 +170,18 @@ class Pipeline:
             stage.allocate(plan.compute_bytes)
 
     def upload(self) -> None:
-        total = sum(s.weight_bytes for s in self.stages)
-        done = 0
+        total = max(sum(s.weight_bytes for s in self.stages), 1)
+        done, shown = 0, -1
         start = time.perf_counter()
 
         def progress(n: int) -> None:
-            nonlocal done
+            nonlocal done, shown
             done += n
-            bar = "#" * int(30 * done / total)
-            if total > 0 and done < total: return
-            print(f"\ruploading weights [{bar:30}] {done / (1 << 20):7.1f}/{total / (1 << 20):.1f} MiB",
-                  end="", file=sys.stderr, flush=True)
+            percent = 100 * done // total
+            if percent != shown:  # redraw once per percent, not once per tensor
+                shown = percent
+                print(f"\ruploading weights [{'#' * (percent * 30 // 100):30}] {percent:3d}% "
+                      f"{done / (1 << 20):7.1f}/{total / (1 << 20):.1f} MiB", end="", file=sys.stderr, flush=True)
 
         for stage in self.stages:
             stage.upload(progress)
