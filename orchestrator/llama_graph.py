@@ -14,9 +14,6 @@ from orchestrator.ggml_graph import FLAG_INPUT, FLAG_OUTPUT, GGML_PREC_F32, Grap
 from orchestrator.model import HParams
 from rpcserver.ggml import GGMLType, row_size
 
-OUTPUT_BLOCK_NAME = "output"
-
-
 @dataclass(frozen=True)
 class Shape:
     """What makes two steps' graphs identical, so the second can be a GRAPH_RECOMPUTE."""
@@ -64,6 +61,8 @@ class LayerBuilder:
         if hp.n_layer in blocks:
             cur = self._norm(g, cur, self.w["output_norm.weight"], "result_norm")
             cur = g.mul_mat(self._output_weight(), cur, "result_output")
+            if (bias := self.w.get("output.bias")) is not None:  # qwen2 may carry one
+                cur = g.add(cur, bias, "result_output_b")
         for t in inputs.values():
             t.flags |= FLAG_INPUT
         cur.flags |= FLAG_OUTPUT

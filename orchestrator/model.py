@@ -181,7 +181,10 @@ class ModelFile:
 
     def output_tensor_names(self) -> dict[str, str]:
         output = "output.weight" if "output.weight" in self.weights else "token_embd.weight"
-        return {"output_norm": "output_norm.weight", "output": output}
+        names = {"output_norm": "output_norm.weight", "output": output}
+        if "output.bias" in self.weights:
+            names["output_bias"] = "output.bias"
+        return names
 
     def _check_tensors(self) -> None:
         hp = self.hparams

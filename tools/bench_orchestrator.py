@@ -10,7 +10,6 @@ median per-token decode time and prompt time of each, with the ratio ours/llama.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
