@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import gguf
+from gguf_vocab import write_vocab_gguf
 import pytest
 
 from orchestrator.tokenizer import Vocab, codepoint_flag
@@ -148,26 +149,6 @@ def _smollm_fields(model_path: Path, keep: int = 12000) -> dict:
     return {"tokens": tokens, "types": field["tokenizer.ggml.token_type"].contents()[:keep], "merges": merges}
 
 
-def _write(path: Path, *, model: str, tokens, types, merges=None, scores=None, pre=None, extra=()) -> Path:
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tokenizer_model(model)
-    if pre is not None:
-        writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    if merges is not None:
-        writer.add_token_merges(merges)
-    if scores is not None:
-        writer.add_token_scores(scores)
-    for method, value in extra:
-        getattr(writer, method)(value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def _extra_merges() -> list[tuple[str, str]]:
     """Merges SmolLM2 lacks (it never sees them: its pre-tokenizer isolates digits) that make the other
     pre-tokenizers' choices visible: multi-digit numbers, upper-case contractions, punctuation + newline."""
@@ -193,7 +174,7 @@ def _bpe_variant(pre, extra=(), retype=None):
                 tokens.append(merged)
                 types.append(1)
                 merges.append(f"{left} {right}".encode())
-        return _write(folder / f"bpe-{pre}.gguf", model="gpt2", pre=pre, tokens=tokens, types=types,
+        return write_vocab_gguf(folder / f"bpe-{pre}.gguf", model="gpt2", pre=pre, tokens=tokens, types=types,
                       merges=merges, extra=(("add_bos_token_id", 1), ("add_eos_token_id", 2), *extra))
     return build
 
@@ -222,7 +203,7 @@ def _spm_variant(name: str, extra=()):
                 tokens.append(piece)
                 types.append(1)
         scores = [-float(i // 3) for i in range(len(tokens))]  # ties on purpose
-        return _write(folder / f"{name}.gguf", model="llama", tokens=tokens, types=types, scores=scores,
+        return write_vocab_gguf(folder / f"{name}.gguf", model="llama", tokens=tokens, types=types, scores=scores,
                       extra=extra)
     return build
 

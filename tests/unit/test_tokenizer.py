@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+from gguf_vocab import write_vocab_gguf
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,25 +26,8 @@ def gpt2_byte_chars() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def write_vocab(path: Path, *, model: str = "gpt2", pre: str | None = "smollm", tokens=None, types=None,
-                merges=None, scores=None, extra=()) -> Vocab:
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tokenizer_model(model)
-    if pre is not None:
-        writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    if merges is not None:
-        writer.add_token_merges(merges)
-    if scores is not None:
-        writer.add_token_scores(scores)
-    for method, *args in extra:
-        getattr(writer, method)(*args)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Vocab.from_gguf(gguf.GGUFReader(path))
+def write_vocab(path: Path, *, model: str = "gpt2", pre: str | None = "smollm", **fields) -> Vocab:
+    return Vocab.from_gguf(gguf.GGUFReader(write_vocab_gguf(path, model=model, pre=pre, **fields)))
 
 
 def bpe_vocab(path: Path, pre: str | None = "smollm", **kwargs) -> Vocab:
