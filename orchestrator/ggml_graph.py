@@ -19,6 +19,7 @@ import numpy as np
 
 from rpcserver import protocol as p
 from rpcserver.ggml import (
+    FLAG_COMPUTE,
     MAX_DIMS,
     MAX_OP_PARAMS,
     VIEW_OPS,
@@ -30,11 +31,6 @@ from rpcserver.ggml import (
 )
 
 GGML_PREC_F32 = 10
-
-# ggml_tensor.flags; ggml-cpu skips nodes without COMPUTE (ggml_build_forward_expand sets it)
-FLAG_INPUT = 1
-FLAG_OUTPUT = 2
-FLAG_COMPUTE = 16
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.ggml_graph import FLAG_INPUT, FLAG_OUTPUT, GGML_PREC_F32, Graph, Tensor, new_tensor
+from orchestrator.ggml_graph import GGML_PREC_F32, Graph, Tensor, new_tensor
 from orchestrator.model import HParams
-from rpcserver.ggml import GGMLType, row_size
+from rpcserver.ggml import FLAG_INPUT, FLAG_OUTPUT, GGMLType, row_size
 
 @dataclass(frozen=True)
 class Shape:

@@ -154,6 +154,12 @@ GGMLUnaryOp = enum.IntEnum("GGMLUnaryOp", [(name, i) for i, name in enumerate(
 GGMLGluOp = enum.IntEnum("GGMLGluOp", [(name, i) for i, name in enumerate(
     "REGLU GEGLU SWIGLU SWIGLU_OAI GEGLU_ERF GEGLU_QUICK SWIGLU_CLAMP".split())])
 
+# ggml_tensor.flags bits; ggml-cpu runs only nodes marked COMPUTE (ggml_build_forward_expand marks them,
+# so the branches ggml_build_forward_select leaves out arrive unmarked and are skipped)
+FLAG_INPUT = 1
+FLAG_OUTPUT = 2
+FLAG_COMPUTE = 16
+
 # ops that only reinterpret their source's memory: nothing to compute
 VIEW_OPS = frozenset({GGMLOp.NONE, GGMLOp.RESHAPE, GGMLOp.VIEW, GGMLOp.PERMUTE, GGMLOp.TRANSPOSE})
 

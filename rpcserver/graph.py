@@ -14,7 +14,7 @@ import numpy as np
 
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
-from .ggml import VIEW_OPS, GGMLOp, GGMLType, type_traits
+from .ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, GGMLType, type_traits
 from .memory import BufferTable, AddressError
 from .protocol import GraphComputeRequest, RpcTensor
 
@@ -111,8 +111,8 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable) -> Plan:
             op = GGMLOp(rec.op)
         except ValueError:
             raise GraphError(f"node {_tensor_label(rec)} has unknown op {rec.op}") from None
-        if op in VIEW_OPS:
-            continue  # the view's memory was validated; nothing to compute
+        if op in VIEW_OPS or not rec.flags & FLAG_COMPUTE:
+            continue  # memory validated above; a view or an unselected branch computes nothing
         src = [views[s] if s else None for s in rec.src]
         while src and src[-1] is None:
             src.pop()

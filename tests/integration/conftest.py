@@ -5,7 +5,7 @@ import pytest
 
 from orchestrator.client import RpcClient
 from rpcserver import protocol as p
-from rpcserver.ggml import GGMLOp, GGMLType, contiguous_strides, nbytes
+from rpcserver.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
 from tools import reference
 
 
@@ -55,7 +55,7 @@ class GraphBuilder:
         t = p.RpcTensor(id=next(self._ids), type=int(type_), buffer=self.handle, ne=ne, nb=nb, op=int(op),
                         op_params=bytes(params).ljust(64, b"\0"), src=tuple(s.id for s in src),
                         view_src=view_of.id if view_of is not None else 0, view_offs=view_offs,
-                        data=addr, name=name)
+                        data=addr, name=name, flags=FLAG_COMPUTE if op != GGMLOp.NONE else 0)
         self.tensors[t.id] = t
         if data is not None:
             self.client.set_tensor(t, np.ascontiguousarray(data).tobytes())

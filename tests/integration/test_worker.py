@@ -117,3 +117,27 @@ def test_extension_probe_answers_with_our_magic(connect):
     c = connect()
     r = p.ExtHelloResponse.decode(c.call(Command.EXT_HELLO))
     assert r.magic == p.EXT_MAGIC
+
+
+def test_nodes_without_the_compute_flag_are_skipped_as_by_ggml(connect, tmp_path):
+    """llama.cpp sends the branches ggml_build_forward_select did not pick unflagged; ggml-cpu skips them.
+    The same graph on llama.cpp's own worker is the oracle."""
+    from tools import reference
+
+    def run(client):
+        g = GraphBuilder(client)
+        x = np.arange(16, dtype=np.float32)
+        a = g.tensor(GGMLType.F32, (16,), data=x)
+        skipped = g.tensor(GGMLType.F32, (16,), op=GGMLOp.ADD, src=(a, a), data=np.full(16, 7, np.float32))
+        skipped.flags = 0  # as llama.cpp sends an unselected branch
+        ran = g.tensor(GGMLType.F32, (16,), op=GGMLOp.MUL, src=(a, a))
+        g.compute(skipped, ran)
+        return g.read(skipped, np.float32), g.read(ran, np.float32)
+
+    ours = run(connect())
+    with reference.start_worker("reference", tmp_path) as ref_worker:
+        with RpcClient(ref_worker.address) as ref_client:
+            theirs = run(ref_client)
+    assert np.array_equal(theirs[0], np.full(16, 7, np.float32)), "the oracle computed an unflagged node"
+    for o, t in zip(ours, theirs):
+        assert np.array_equal(o, t)
