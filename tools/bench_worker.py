@@ -1,68 +1,138 @@
 """Benchmark our worker against llama.cpp's ggml-rpc-server, side by side in one run.
 
-    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL]
+    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...]
 
-Starts both workers, runs `llama-bench --rpc` against each (alternating, -r repetitions each), and
-prints prompt-processing (pp) and generation (tg) tokens/s with the ratio ours/reference.
+For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
+TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize):
+  * llama-bench --rpc against each worker (alternating, -r repetitions): pp and tg tokens/s;
+  * load time: llama-completion -n 1 through each worker, its "load time" (mostly weight upload);
+  * peak RSS of each worker process (VmHWM) after all of the above;
+  * time to first token of a fresh worker: from starting the worker process to the end of a
+    one-token llama-completion through it (our JIT warm-up included).
+Ratios are ours/reference; only ratios measured side by side in one run mean anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import reference  # noqa: E402
 
+KINDS = ("reference", "ours")
+CACHE = Path.home() / ".cache" / "pyrpc-llama"
+# about 1.1B parameters: 16 layers of 2048 wide with an 8192 FFN, plus a 49152-token vocabulary
+SYNTHETIC_1B = dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192)
+LOAD_TIME_RE = re.compile(r"load time =\s*([\d.]+) ms")
+
+
+def run(cmd: list[str], what: str, worker=None) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, env=reference.llama_env(), capture_output=True, text=True, timeout=3600,
+                         stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed ({out.returncode}):\n{out.stderr[-3000:]}\n"
+                           + (worker.describe() if worker else ""))
+    return out
+
 
 def llama_bench(worker, model: Path, n_prompt: int, n_gen: int, threads: int) -> dict[str, float]:
     cmd = [str(reference.binary("llama-bench")), "-m", str(model), "--rpc", worker.address, "-ngl", "99",
            "-p", str(n_prompt), "-n", str(n_gen), "-r", "1", "-t", str(threads), "-o", "json"]
-    out = subprocess.run(cmd, env=reference.llama_env(), capture_output=True, text=True, timeout=3600,
-                         stdin=subprocess.DEVNULL)
-    if out.returncode != 0:
-        raise RuntimeError(f"llama-bench failed ({out.returncode}):\n{out.stderr[-3000:]}\n{worker.describe()}")
     results = {}
-    for row in json.loads(out.stdout):
+    for row in json.loads(run(cmd, "llama-bench", worker).stdout):
         kind = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
         results[kind] = float(row["avg_ts"])
     return results
 
 
+def one_token(worker, model: Path, threads: int) -> float:
+    """llama-completion's own "load time" (ms) for one token through the worker."""
+    cmd = [str(reference.binary("llama-completion")), "-m", str(model), "--rpc", worker.address, "-ngl", "99",
+           "-p", "Hello", "-n", "1", "-no-cnv", "-t", str(threads), "-fit", "off"]
+    match = LOAD_TIME_RE.search(run(cmd, "llama-completion", worker).stderr)
+    return float(match.group(1)) if match else float("nan")
+
+
+def peak_rss_mib(worker) -> float:
+    status = Path(f"/proc/{worker.proc.pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s*(\d+) kB", status).group(1)) / 1024
+
+
+def synthetic_model(weight_type: str) -> Path:
+    """A ~1B random llama in weight_type, made once and cached."""
+    from tools.make_model import write_model  # noqa: PLC0415
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"synthetic-1b-{weight_type}.gguf"
+    if path.is_file():
+        return path
+    base_type = "Q8_0" if weight_type == "Q4_K_M" else weight_type
+    base = CACHE / f"synthetic-1b-{base_type}.gguf"
+    if not base.is_file():
+        print(f"writing {base} (once)...", file=sys.stderr, flush=True)
+        write_model(base.with_suffix(".tmp"), "llama", weight_type=base_type, vocab_from=reference.model_path(),
+                    **SYNTHETIC_1B)
+        base.with_suffix(".tmp").rename(base)
+    if weight_type == "Q4_K_M":
+        run([str(reference.binary("llama-quantize")), "--allow-requantize", str(base), str(path), "Q4_K_M"],
+            "llama-quantize")
+    return path
+
+
+def bench_model(model: Path, args, logs: Path) -> None:
+    samples: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
+    workers = {kind: reference.start_worker(kind, logs, threads=args.threads, timeout=600) for kind in KINDS}
+    try:
+        for rep in range(args.repetitions):
+            for kind, worker in workers.items():
+                for test, ts in llama_bench(worker, model, args.n_prompt, args.n_gen, args.threads).items():
+                    samples[kind].setdefault(test, []).append(ts)
+                    print(f"rep {rep + 1} {kind:9} {test:6} {ts:8.2f} t/s", file=sys.stderr, flush=True)
+        for kind, worker in workers.items():
+            samples[kind]["load ms"] = [one_token(worker, model, args.threads)]
+            samples[kind]["peak RSS MiB"] = [peak_rss_mib(worker)]
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    for kind in KINDS:  # a fresh worker each: start-up, JIT warm-up, upload, one token
+        start = time.perf_counter()
+        with reference.start_worker(kind, logs, threads=args.threads, timeout=600) as worker:
+            one_token(worker, model, args.threads)
+        samples[kind]["first token s"] = [time.perf_counter() - start]
+
+    print(f"\nmodel: {model.name}, threads: {args.threads}, repetitions: {args.repetitions}")
+    print("| test | reference | ours | ours/reference |")
+    print("|---|---|---|---|")
+    for test in samples["reference"]:
+        ref = statistics.median(samples["reference"][test])
+        ours = statistics.median(samples["ours"][test])
+        label = f"{test} t/s" if test[:2] in ("pp", "tg") else test
+        print(f"| {label} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("-m", "--model", action="append", default=[], help="GGUF file (repeatable)")
+    ap.add_argument("--synthetic", action="append", default=[], choices=["Q4_0", "Q8_0", "Q4_K_M"],
+                    help="also bench a ~1B random llama in this type (repeatable)")
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    model = Path(args.model) if args.model else reference.model_path()
-    samples: dict[str, dict[str, list[float]]] = {"reference": {}, "ours": {}}
+    models = [Path(m) for m in args.model] or ([] if args.synthetic else [reference.model_path()])
+    models += [synthetic_model(t) for t in args.synthetic]
     with tempfile.TemporaryDirectory() as logs:
-        workers = {kind: reference.start_worker(kind, Path(logs), threads=args.threads, timeout=600)
-                   for kind in samples}
-        try:
-            for rep in range(args.repetitions):
-                for kind, worker in workers.items():
-                    for test, ts in llama_bench(worker, model, args.n_prompt, args.n_gen, args.threads).items():
-                        samples[kind].setdefault(test, []).append(ts)
-                        print(f"rep {rep + 1} {kind:9} {test:6} {ts:8.2f} t/s", file=sys.stderr, flush=True)
-        finally:
-            for worker in workers.values():
-                worker.stop()
-    print(f"model: {model.name}, threads: {args.threads}, repetitions: {args.repetitions}")
-    print(f"| test | reference t/s | ours t/s | ours/reference |")
-    print(f"|---|---|---|---|")
-    for test in samples["reference"]:
-        ref = statistics.median(samples["reference"][test])
-        ours = statistics.median(samples["ours"][test])
-        print(f"| {test} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |")
+        for model in models:
+            bench_model(model, args, Path(logs))
     return 0
 
 
