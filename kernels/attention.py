@@ -1,7 +1,7 @@
 """FLASH_ATTN_EXT: softmax(scale * Q K^T + slope * mask) V per head, with GQA, softcap, ALiBi and sinks.
 
-q [DK, n_q, n_head, n_seq] F32; k [DK, n_kv, n_head_kv, n_seq] and v [DV, n_kv, n_head_kv, n_seq] F16 or
-F32 (usually strided views of the KV cache); mask F16 [>= n_kv, >= n_q, *, *]; sinks F32 [n_head].
+q [DK, n_q, n_head, n_seq] F32; k [DK, n_kv, n_head_kv, n_seq] and v [DV, n_kv, n_head_kv, n_seq] F16, F32
+or a quantized KV-cache type (usually strided views of the KV cache); mask F16 [>= n_kv, >= n_q, *, *]; sinks F32 [n_head].
 dst F32 [DV, n_head, n_q, n_seq]: the result is stored permuted, query rows outermost.
 op_params: [0] scale, [1] max_bias, [2] logit_softcap (float32), [3] precision (0 or 10: both F32).
 
@@ -14,6 +14,9 @@ we follow the one it would take, to the last bit of an AVX2+FMA build:
   softmax uses ggml's vector exp, F32 accumulator;
 - split KV, for one decoded token over n_kv >= 512: each of ggml's threads takes a slice of the cache
   and the partial results are merged, so the result depends on ggml's thread count (SPLIT_KV_THREADS).
+A quantized K or V always takes the per-row path: Q is quantized to K's vec_dot_type (q8_0/q8_1) and
+K.Q is that type's integer block dot product (quants.ROW_DOT); V rows are dequantized and accumulated
+in F32.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from numba import prange
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .copy import parallel_worthwhile
-from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, register
 from .fmath import fma32, round_f16
+from .kv_quants import dequantize_iq4_nl_reference
+from .node import InvalidNode, Node, Tensor
+from .quants import QK, ROW_DOT, dequantize_rows, quantize_q8_ref, quantize_q8_rows, unpack_blocks
+from .registry import OpKernel, register
 from .softmax import NEG_INF, alibi_slope, vec_soft_max, widen_f16
 
 F32 = np.float32
@@ -87,6 +92,44 @@ def _lane_dots(kt2, q, b0, b1, f16, lanes, scores):
                 scores[j] = s
 
 
+@numba.njit(inline="always", **_jit)
+def _accumulate(scores, b0, b1, v2, mrow, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
+    """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
+    scores[0 : b1-b0]; updates vkq in place and returns the new (M, S)."""
+    dv = vkq.shape[0]
+    for ic in range(b0, b1):
+        mv = slope * mrow[ic] if has_mask else F32(0.0)
+        if mv == NEG_INF:
+            continue
+        s = scores[ic - b0] * scale
+        if softcap != F32(0.0):
+            s = softcap * math.tanh(s)
+        s = s + mv
+        ms = F32(1.0)
+        vs = F32(1.0)
+        if s > M:
+            Mold = M
+            M = s
+            ms = math.exp(Mold - M)
+            for d in range(dv):
+                vkq[d] = vkq[d] * ms
+            if f16_v:
+                for d in range(dv):
+                    vkq[d] = round_f16(vkq[d])
+        else:
+            vs = math.exp(s - M)
+        # ggml_vec_mad_*: FMA in blocks of 32 and (contracted) leftovers alike
+        vrow = v2[ic]
+        if f16_v:
+            for d in range(dv):
+                vkq[d] = round_f16(fma32(vrow[d], vs, vkq[d]))
+        else:
+            for d in range(dv):
+                vkq[d] = fma32(vrow[d], vs, vkq[d])
+        S = fma32(S, ms, vs)
+    return M, S
+
+
 @numba.njit(**_jit)
 def _row_one_chunk(qrow, kt2, v2, mrow, has_mask, slope, scale, softcap, ic0, ic1, f16_k, f16_v, vkq):
     """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
@@ -96,7 +139,6 @@ def _row_one_chunk(qrow, kt2, v2, mrow, has_mask, slope, scale, softcap, ic0, ic
     accumulator in F16.
     """
     dk = qrow.shape[0]
-    dv = vkq.shape[0]
     q = np.empty(dk, F32)
     for i in range(dk):
         q[i] = round_f16(qrow[i]) if f16_k else qrow[i]
@@ -108,36 +150,7 @@ def _row_one_chunk(qrow, kt2, v2, mrow, has_mask, slope, scale, softcap, ic0, ic
     for b0 in range(ic0, ic1, BLOCK_KV):
         b1 = min(b0 + BLOCK_KV, ic1)
         _lane_dots(kt2, q, b0, b1, f16_k, lanes, scores)
-        for ic in range(b0, b1):
-            mv = slope * mrow[ic] if has_mask else F32(0.0)
-            if mv == NEG_INF:
-                continue
-            s = scores[ic - b0] * scale
-            if softcap != F32(0.0):
-                s = softcap * math.tanh(s)
-            s = s + mv
-            ms = F32(1.0)
-            vs = F32(1.0)
-            if s > M:
-                Mold = M
-                M = s
-                ms = math.exp(Mold - M)
-                for d in range(dv):
-                    vkq[d] = vkq[d] * ms
-                if f16_v:
-                    for d in range(dv):
-                        vkq[d] = round_f16(vkq[d])
-            else:
-                vs = math.exp(s - M)
-            # ggml_vec_mad_*: FMA in blocks of 32 and (contracted) leftovers alike
-            vrow = v2[ic]
-            if f16_v:
-                for d in range(dv):
-                    vkq[d] = round_f16(fma32(vrow[d], vs, vkq[d]))
-            else:
-                for d in range(dv):
-                    vkq[d] = fma32(vrow[d], vs, vkq[d])
-            S = fma32(S, ms, vs)
+        M, S = _accumulate(scores, b0, b1, v2, mrow, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
     return M, S
 
 
@@ -189,6 +202,81 @@ def _fa_one_chunk(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, s
     else:
         for r in range(n_rows):
             _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out)
+
+
+# --- quantized K: Q goes to K's vec_dot_type (q8_0 or q8_1) and K.Q is ggml_vec_dot_<K>_q8_* ---------
+
+QUANT_K_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0)
+Q8_1_DOTTED = (GGMLType.Q4_1, GGMLType.Q5_1)  # the _1 formats, dotted with q8_1 (carrying d*sum)
+(_dot_q4_0, _), (_dot_q4_1, _), (_dot_q5_0, _), (_dot_q5_1, _), (_dot_q8_0, _) = (
+    ROW_DOT[t] for t in QUANT_K_TYPES)
+
+
+@numba.njit(inline="always", **_jit)
+def _k_dot(kind, kmem, off, nblk, yq, yd, ys, col):
+    """ggml's vec_dot of the K row at byte `off` of kmem with quantized query row `col`."""
+    if kind == 2:
+        return _dot_q4_0(kmem, off, nblk, yq, yd, ys, col)[0]
+    if kind == 3:
+        return _dot_q4_1(kmem, off, nblk, yq, yd, ys, col)[0]
+    if kind == 6:
+        return _dot_q5_0(kmem, off, nblk, yq, yd, ys, col)[0]
+    if kind == 7:
+        return _dot_q5_1(kmem, off, nblk, yq, yd, ys, col)[0]
+    return _dot_q8_0(kmem, off, nblk, yq, yd, ys, col)[0]
+
+
+@numba.njit(**_jit)
+def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks, scale,
+                      max_bias, softcap, f16_v, out):
+    """_one_chunk_row for a quantized K: kgeom = (byte offset, nb1, nb2, nb3, n_kv, ne2, ne3, blocks per row)."""
+    n_seq, n_head, n_q = q_shape[0], q_shape[1], q_shape[2]
+    koff, nb1, nb2, nb3, n_kv, ne2, ne3, nblk = kgeom
+    iq3, iq2, iq1 = _row_index(r, n_q, n_head)
+    slope = alibi_slope(max_bias, n_head, iq2)
+    base = koff + (iq2 // (n_head // ne2)) * nb2 + (iq3 // (n_seq // ne3)) * nb3
+    v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
+    mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
+    vkq = np.zeros(v.shape[3], F32)
+    scores = np.empty(BLOCK_KV, F32)
+    S = F32(0.0)
+    M = NEG_INF
+    for b0 in range(0, n_kv, BLOCK_KV):
+        b1 = min(b0 + BLOCK_KV, n_kv)
+        for ic in range(b0, b1):
+            scores[ic - b0] = _k_dot(kind, kmem, base + ic * nb1, nblk, yq, yd, ys, r)
+        M, S = _accumulate(scores, b0, b1, v2, mrow, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
+    if has_sinks:
+        M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
+    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
+    for d in range(vkq.shape[0]):
+        out[iq3, iq1, iq2, d] = vkq[d] * inv
+
+
+@numba.njit(parallel=True, **_jit)
+def _fa_one_chunk_qk(kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks, scale, max_bias,
+                     softcap, f16_v, out, parallel):
+    n_rows = q_shape[0] * q_shape[1] * q_shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks,
+                              scale, max_bias, softcap, f16_v, out)
+    else:
+        for r in range(n_rows):
+            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks,
+                              scale, max_bias, softcap, f16_v, out)
+
+
+def _quantized_query(q: np.ndarray, k_type: GGMLType):
+    """Q rows (n_seq, n_head, n_q, DK) as K's vec_dot_type wants them: flat qs, d and s (d again if q8_0)."""
+    rows = np.ascontiguousarray(q, F32).reshape(-1, q.shape[-1])
+    qs = np.empty(rows.shape, np.int8)
+    d = np.empty((rows.shape[0], rows.shape[1] // QK), F32)
+    with_sum = k_type in Q8_1_DOTTED
+    s = np.empty_like(d) if with_sum else d
+    if rows.size:
+        quantize_q8_rows(rows, qs, d, s, with_sum)
+    return qs.reshape(-1), d.reshape(-1), s.reshape(-1)
 
 
 @numba.njit(**_jit)
@@ -342,6 +430,8 @@ class _Parts:
 
     def path(self) -> str:
         q, k, v = self.q, self.k, self.v
+        if k.type not in FLOAT_KV_TYPES or v.type not in FLOAT_KV_TYPES:  # quantized K or V: per row only
+            return "one_chunk"
         if k.type == v.type and q.ne[1] == 1 and q.ne[3] == 1 and k.ne[1] >= SPLIT_KV_MIN:
             return "split"
         if k.type == v.type and q.ne[1] >= TILE_Q:
@@ -349,11 +439,28 @@ class _Parts:
         return "one_chunk"
 
 
+FLOAT_KV_TYPES = (GGMLType.F16, GGMLType.F32)
+K_TYPES = FLOAT_KV_TYPES + QUANT_K_TYPES
+V_TYPES = K_TYPES + (GGMLType.IQ4_NL,)  # V is only dequantized (to_float): no vec_dot needed
+
+
+def _dequantized(t: Tensor) -> np.ndarray:
+    """A quantized tensor as float32 (ne3, ne2, ne1, ne0): ggml's to_float, row by row."""
+    if t.type == GGMLType.IQ4_NL:
+        tt = TYPE_TRAITS[t.type]
+        blocks = np.ascontiguousarray(t.rows()).reshape(-1, tt.type_size)
+        return dequantize_iq4_nl_reference(blocks).reshape(t.ne[3], t.ne[2], t.ne[1], t.ne[0])
+    return dequantize_rows(t.type, t.rows())
+
+
 def _f32(t: Tensor, transpose: bool = False) -> np.ndarray:
-    """A tensor's values as a contiguous float32 array (F16 widens exactly), optionally with its two
-    inner axes swapped."""
+    """A tensor's values as a contiguous float32 array (F16 widens exactly, quantized types dequantize
+    as ggml's to_float), optionally with its two inner axes swapped."""
     if t.type == GGMLType.F16:
         return widen_f16(t, transpose)
+    if t.is_quantized:
+        a = _dequantized(t)
+        return np.ascontiguousarray(a.transpose(0, 1, 3, 2) if transpose else a)
     a = t.array()
     return np.ascontiguousarray(a.transpose(0, 1, 3, 2) if transpose else a, dtype=F32)
 
@@ -364,11 +471,11 @@ def check_flash_attn_ext(node: Node) -> None:
     mask, sinks, dst = p.mask, p.sinks, node.dst
     if q.type != GGMLType.F32:
         raise InvalidNode("FLASH_ATTN_EXT: q must be F32")
-    for name, t in (("k", k), ("v", v)):
-        if TYPE_TRAITS[t.type].is_quantized:
-            raise InvalidNode(f"FLASH_ATTN_EXT: quantized {name} ({t.type.name}) is not supported yet")
-        if t.type not in (GGMLType.F16, GGMLType.F32):
-            raise InvalidNode(f"FLASH_ATTN_EXT: {name} must be F16 or F32, got {t.type.name}")
+    for name, t, allowed in (("k", k, K_TYPES), ("v", v, V_TYPES)):
+        if t.type not in allowed:
+            raise InvalidNode(f"FLASH_ATTN_EXT: {name} of type {t.type.name} is not supported")
+        if t.ne[0] % TYPE_TRAITS[t.type].block_size:
+            raise InvalidNode(f"FLASH_ATTN_EXT: {name} rows of {t.ne[0]} are not whole {t.type.name} blocks")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.nb[0] != TYPE_TRAITS[t.type].type_size:
             raise InvalidNode(f"FLASH_ATTN_EXT: rows of {name} must be contiguous")
@@ -394,13 +501,17 @@ def check_flash_attn_ext(node: Node) -> None:
 
 def forward_flash_attn_ext(node: Node) -> None:
     p = _Parts(node)
-    kt, v = _f32(p.k, transpose=True), _f32(p.v)
+    v = _f32(p.v)
     mask = _f32(p.mask) if p.mask is not None else np.zeros((1, 1, 1, 1), F32)
     sinks = p.sinks.array()[0, 0, 0] if p.sinks is not None else np.zeros(1, F32)
     common = (mask, p.mask is not None, sinks, p.sinks is not None, p.scale, p.max_bias, p.softcap)
     out = node.dst.array()  # (n_seq, n_q, n_head, DV)
     q = p.q.array()
     f16_k, f16_v = p.k.type == GGMLType.F16, p.v.type == GGMLType.F16
+    if p.k.is_quantized:
+        _forward_quantized_k(p, q, v, common, f16_v, out)
+        return
+    kt = _f32(p.k, transpose=True)
     parallel = parallel_worthwhile(q.shape[0] * q.shape[1] * q.shape[2] * kt.shape[3], cost=q.shape[3] + v.shape[3])
     path = p.path()
     if path == "split":
@@ -411,23 +522,51 @@ def forward_flash_attn_ext(node: Node) -> None:
         _fa_one_chunk(q, kt, v, *common, f16_k, f16_v, out, parallel)
 
 
+def _forward_quantized_k(p: _Parts, q: np.ndarray, v: np.ndarray, common, f16_v: bool, out: np.ndarray) -> None:
+    k = p.k
+    yq, yd, ys = _quantized_query(q, k.type)
+    kgeom = np.array([k.offset, k.nb[1], k.nb[2], k.nb[3], k.ne[1], k.ne[2], k.ne[3], k.ne[0] // QK], np.int64)
+    q_shape = np.array(q.shape[:3], np.int64)
+    parallel = parallel_worthwhile(q.shape[0] * q.shape[1] * q.shape[2] * k.ne[1], cost=q.shape[3] + v.shape[3])
+    _fa_one_chunk_qk(int(k.type), k.mem, kgeom, yq, yd, ys, q_shape, v, *common, f16_v, out, parallel)
+
+
+def _reference_scores(p: _Parts, q: np.ndarray) -> np.ndarray:
+    """The raw K.Q products ggml forms, in float64, (n_seq, n_head_kv, n_q_rows..): for a quantized K,
+    of the q8 query (d*qs per block, plus m*s per block for the _1 formats); otherwise of the float
+    values, with Q rounded to F16 where ggml's F16 vec_dot does so."""
+    n_head = q.shape[1]
+    if not p.k.is_quantized:
+        if p.k.type == GGMLType.F16 and p.path() != "tiled":
+            q = q.astype(np.float16).astype(np.float64)
+        k = np.repeat(p.k.array().astype(np.float64), n_head // p.k.ne[2], axis=1)
+        return np.einsum("shqd,shkd->shqk", q, k)
+    dk, nb, tt = q.shape[3], q.shape[3] // QK, TYPE_TRAITS[p.k.type]
+    qs, qd, qsum = quantize_q8_ref(q.reshape(-1, dk).astype(F32), with_sum=p.k.type in Q8_1_DOTTED)
+    qv = (qs.reshape(-1, nb, QK).astype(np.float64) * qd[:, :, None]).reshape(q.shape)
+    kq, kd, km = unpack_blocks(p.k.type, np.ascontiguousarray(p.k.rows()).reshape(-1, tt.type_size))
+    kshape = (p.k.ne[3], p.k.ne[2], p.k.ne[1])
+    kv = np.repeat((kq.astype(np.float64) * kd[:, None]).reshape(*kshape, dk), n_head // p.k.ne[2], axis=1)
+    s = np.einsum("shqd,shkd->shqk", qv, kv)
+    if km is not None:  # the minimum's share: m_k * (d_q * sum(qs)) per block, that sum kept as fp16
+        kmin = np.repeat(km.astype(np.float64).reshape(*kshape, nb), n_head // p.k.ne[2], axis=1)
+        s = s + np.einsum("shqb,shkb->shqk", qsum.astype(np.float64).reshape(*q.shape[:3], nb), kmin)
+    return s
+
+
 def reference_flash_attn_ext(node: Node) -> None:
     """numpy twin: plain softmax(scale*QK^T + slope*mask)V in float64 from the values ggml multiplies
     (Q rounded to F16 on the F16-K paths that do so); agrees with the kernels to float32 rounding."""
     p = _Parts(node)
     q = p.q.array().astype(np.float64)
-    if p.k.type == GGMLType.F16 and p.path() != "tiled":
-        q = q.astype(np.float16).astype(np.float64)
-    k = p.k.array().astype(np.float64)
-    v = p.v.array().astype(np.float64)
+    v = (_dequantized(p.v) if p.v.is_quantized else p.v.array()).astype(np.float64)
     n_head = q.shape[1]
-    k = np.repeat(k, n_head // k.shape[1], axis=1)
     v = np.repeat(v, n_head // v.shape[1], axis=1)
-    s = np.einsum("shqd,shkd->shqk", q, k) * np.float64(p.scale)
+    s = _reference_scores(p, q) * np.float64(p.scale)
     if p.softcap != 0:
         s = np.float64(p.softcap) * np.tanh(s)
     if p.mask is not None:
-        m = p.mask.array()[..., : q.shape[2], : k.shape[2]].astype(np.float64)
+        m = p.mask.array()[..., : q.shape[2], : p.k.ne[1]].astype(np.float64)
         m = np.tile(m, (q.shape[0] // m.shape[0], n_head // m.shape[1], 1, 1))
         slopes = np.array([alibi_slope(p.max_bias, n_head, h) for h in range(n_head)], np.float64)
         s = s + slopes[None, :, None, None] * m

@@ -2,7 +2,8 @@
 
 ggml's copy semantics (ops.cpp `ggml_compute_forward_dup*`): the source is read in row-major order of
 its own shape and the destination is filled in row-major order of *its* shape; only the element counts
-must agree. Conversions go through f32, as ggml's `type_conversion_table` does.
+must agree. Conversions go through f32, as ggml's `type_conversion_table` does. Into a quantized
+type (a quantized KV cache), each source row is quantized whole by kernels/kv_quants.py.
 
 The scalar F16/BF16 conversions it uses live in kernels/fmath.py (re-exported here).
 """
@@ -26,27 +27,11 @@ from .fmath import (
     np_f32_to_bf16_bits,
     np_f32_to_f16_bits,
 )
+from .kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
+from .kv_quants import np_trunc_i32 as np_f32_to_i32  # noqa: F401  (float32 -> int32 as x86 casts)
+from .kv_quants import trunc_i32 as f32_to_i32
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
-
-# ---------------------------------------------------------------------------------------------
-# float32 -> int32 (the F16/BF16 conversions live in fmath.py)
-
-
-@numba.njit(inline="always", **JIT)
-def f32_to_i32(value):
-    """C float->int32 on x86 (cvttss2si): truncate; NaN and out-of-range give INT32_MIN."""
-    v = np.float32(value)
-    if v >= np.float32(-2147483648.0) and v < np.float32(2147483648.0):
-        return np.int32(v)
-    return np.int32(-2147483648)
-
-
-def np_f32_to_i32(values: np.ndarray) -> np.ndarray:
-    v = np.asarray(values, dtype=np.float32)
-    ok = (v >= -2147483648.0) & (v < 2147483648.0)
-    return np.where(ok, np.trunc(np.where(ok, v, 0)).astype(np.int64), -2147483648).astype(np.int32)
-
 
 # ---------------------------------------------------------------------------------------------
 # storage kinds: how a kernel reads/writes the elements of an array
@@ -174,7 +159,11 @@ def widen_f32(t: Tensor) -> np.ndarray:
 
 def copy_tensor(src: Tensor, dst: Tensor) -> None:
     """ggml_compute_forward_dup: fill dst from src in row-major order, converting the type if needed."""
-    if src.type != dst.type:
+    if _quantizing(src, dst):
+        if _nelements(src):
+            values = widen_f32(src).reshape(-1, src.ne[0])
+            _write_contiguous(dst, quantize_rows(dst.type, values, parallel_worthwhile(values.size, cost=8)))
+    elif src.type != dst.type:
         _copy_arrays(storage(src), storage(dst), KINDS[src.type], KINDS[dst.type])
     elif not TYPE_TRAITS[src.type].is_quantized:
         _copy_arrays(raw_storage(src), raw_storage(dst), KIND_RAW, KIND_RAW)
@@ -198,12 +187,38 @@ def _nelements(t: Tensor) -> int:
     return t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
 
 
+# ggml_compute_forward_dup_to_q: float rows quantized by the destination type's from_float
+_QUANTIZING_SOURCES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+
+def _quantizing(src: Tensor, dst: Tensor) -> bool:
+    return src.type != dst.type and dst.type in KV_QUANT_TYPES
+
+
+def _write_contiguous(dst: Tensor, rows: np.ndarray) -> None:
+    """Quantized rows, in row-major order, into a contiguous destination's bytes."""
+    flat = rows.reshape(-1)
+    dst.mem[dst.offset : dst.offset + flat.size] = flat
+
+
+def _check_quantizing_copy(node: Node, src: Tensor, dst: Tensor) -> None:
+    if src.type not in _QUANTIZING_SOURCES:
+        raise InvalidNode(f"{node.op.name}: no conversion {src.type.name} -> {dst.type.name}")
+    # ggml quantizes whole source rows straight into consecutive destination blocks
+    if not dst.is_contiguous():
+        raise InvalidNode(f"{node.op.name}: quantizing copy needs a contiguous destination")
+    if src.nb[0] != TYPE_TRAITS[src.type].type_size or src.ne[0] % TYPE_TRAITS[dst.type].block_size:
+        raise InvalidNode(f"{node.op.name}: quantizing copy needs contiguous source rows of whole blocks")
+
+
 def _check_dup(node: Node) -> None:
     (src,) = node.srcs(1)
     dst = node.dst
     if _nelements(src) != _nelements(dst):
         raise InvalidNode(f"{node.op.name}: {_nelements(src)} source elements into {_nelements(dst)}")
-    if src.type != dst.type and (src.type, dst.type) not in _CONVERSIONS:
+    if _quantizing(src, dst):
+        _check_quantizing_copy(node, src, dst)
+    elif src.type != dst.type and (src.type, dst.type) not in _CONVERSIONS:
         raise InvalidNode(f"{node.op.name}: no conversion {src.type.name} -> {dst.type.name}")
     if src.type == dst.type and TYPE_TRAITS[src.type].is_quantized:
         # blocks are moved whole, so each side's rows must consist of whole blocks
@@ -229,6 +244,11 @@ def _forward_dup(node: Node) -> None:
 
 def reference_copy_array(src: Tensor, dst: Tensor) -> None:
     """numpy twin of copy_tensor."""
+    if _quantizing(src, dst):
+        if _nelements(src):
+            values = to_f32_reference(src).reshape(-1, src.ne[0])
+            _write_contiguous(dst, quantize_rows_reference(dst.type, values))
+        return
     if src.type == dst.type:
         s, d = (src.rows(), dst.rows()) if src.is_quantized else (raw_storage(src), raw_storage(dst))
         d[...] = s.reshape(d.shape)  # reshape reads src row-major; assignment writes dst row-major
@@ -269,7 +289,7 @@ for _op in (GGMLOp.DUP, GGMLOp.CPY, GGMLOp.CONT):
 # sources: src0 = values (F32/F16), src1 = row indices (I64/I32), src2 = the destination tensor;
 # the node's result is a view of that destination, so it is what we write.
 
-_SET_ROWS_DST = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+_SET_ROWS_DST = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, *KV_QUANT_TYPES)
 
 
 def _check_set_rows(node: Node) -> None:
@@ -288,6 +308,8 @@ def _check_set_rows(node: Node) -> None:
     ve, ie, de = values.ne, index.ne, dst.ne
     if de[0] != ve[0] or de[2] != ve[2] or de[3] != ve[3]:
         raise InvalidNode(f"SET_ROWS: destination {de} and values {ve} disagree outside dim 1")
+    if de[0] % TYPE_TRAITS[dst.type].block_size:
+        raise InvalidNode(f"SET_ROWS: {de[0]} elements are not whole {dst.type.name} blocks")
     if ie[0] != ve[1]:
         raise InvalidNode(f"SET_ROWS: {ie[0]} indices for {ve[1]} value rows")
     if ie[3] != 1 or ie[1] == 0 or ie[2] == 0 or ve[2] % ie[1] != 0 or ve[3] % ie[2] != 0:
@@ -333,7 +355,12 @@ def _forward_set_rows(node: Node) -> None:
     values, dst = node.src[0], node.dst
     idx = node.src[1].array()
     parallel = parallel_worthwhile(_nelements(values))
-    if not _set_rows(storage(values), idx, storage(dst), KINDS[values.type], KINDS[dst.type], parallel):
+    if dst.is_quantized:  # quantize every value row first (ggml's from_float), then scatter bytes
+        rows = quantize_rows(dst.type, widen_f32(values), parallel_worthwhile(_nelements(values), cost=8))
+        done = _set_rows(rows, idx, dst.rows(), KIND_RAW, KIND_RAW, parallel)
+    else:
+        done = _set_rows(storage(values), idx, storage(dst), KINDS[values.type], KINDS[dst.type], parallel)
+    if not done:
         raise InvalidNode(f"SET_ROWS: row index out of range [0, {dst.ne[1]})")
 
 
@@ -342,8 +369,10 @@ def _reference_set_rows(node: Node) -> None:
     idx = node.src[1].array()
     if idx.size and (idx.min() < 0 or idx.max() >= dst.ne[1]):
         raise InvalidNode(f"SET_ROWS: row index out of range [0, {dst.ne[1]})")
-    converted = from_f32_reference(to_f32_reference(values), dst.type)  # F16 -> F32 -> F16 is exact
-    out = storage(dst)
+    if dst.is_quantized:
+        converted, out = quantize_rows_reference(dst.type, to_f32_reference(values)), dst.rows()
+    else:  # F16 -> F32 -> F16 is exact
+        converted, out = from_f32_reference(to_f32_reference(values), dst.type), storage(dst)
     for i3 in range(values.ne[3]):
         for i2 in range(values.ne[2]):
             for i1, row in enumerate(idx[0, i3 % idx.shape[1], i2 % idx.shape[2], :]):

@@ -8,6 +8,7 @@ from gguf.quants import GGMLQuantizationType, dequantize, quantize
 import ggml_oracle
 from kernels import copy as cp
 from kernels import fmath as fm
+from kernels import kv_quants as kvq
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
@@ -282,7 +283,16 @@ def test_copy_check_refusals():
     _refuses(Node(GGMLOp.CPY, Tensor.new(T.F32, (8, 5)), (f32, Tensor.new(T.F32, (8, 5)))), "elements")
     i32, q8 = Tensor.new(T.I32, (8, 4)), Tensor.new(T.Q8_0, (32, 1))
     _refuses(Node(GGMLOp.CPY, i32, (Tensor.new(T.F16, (8, 4)), i32)), "conversion")
-    _refuses(Node(GGMLOp.CPY, q8, (Tensor.new(T.F32, (32, 1)), q8)), "conversion")
+    _refuses(Node(GGMLOp.CPY, q8, (Tensor.new(T.I32, (32, 1)), q8)), "conversion")
+    q4k = Tensor.new(T.Q4_K, (256, 1))
+    _refuses(Node(GGMLOp.CPY, q4k, (Tensor.new(T.F32, (256, 1)), q4k)), "conversion")
+    _refuses(Node(GGMLOp.CPY, q8, (Tensor.new(T.F32, (16, 2)), q8)), "whole blocks")
+    q8_64 = Tensor.new(T.Q8_0, (64, 1))
+    _refuses(Node(GGMLOp.CPY, q8_64, (permuted(Tensor.new(T.F32, (2, 32)), (1, 0, 2, 3)), q8_64)), "source rows")
+    q8_rows = Tensor.new(T.Q8_0, (32, 4))
+    every_other = Tensor(T.Q8_0, (32, 2, 1, 1), (34, 68, 136, 136), q8_rows.mem, 0)
+    _refuses(Node(GGMLOp.CPY, every_other, (Tensor.new(T.F32, (32, 2)), every_other)), "contiguous destination")
+    _refuses(Node(GGMLOp.CONT, q8, (Tensor.new(T.F32, (32, 1)),)), "type")
     _refuses(Node(GGMLOp.CPY, Tensor.new(T.F16, (8, 4)), (f32, Tensor.new(T.F32, (8, 4)))), "view of its destination")
     _refuses(Node(GGMLOp.DUP, Tensor.new(T.F16, (8, 4)), (f32,)), "type")
     _refuses(Node(GGMLOp.CONT, Tensor.new(T.F32, (8, 4)), ()), "sources")
@@ -365,7 +375,8 @@ def test_set_rows_check_refusals():
     lookup(node()).check(node())
     _refuses(node(vt=T.BF16), "values must be")
     _refuses(node(it=T.F32), "indices must be")
-    _refuses(node(dt=T.Q8_0), "not supported")
+    _refuses(node(dt=T.Q4_K), "not supported")
+    _refuses(node(dt=T.Q8_0), "whole Q8_0 blocks")
     _refuses(node(d_ne=(9, 10, 2, 1)), "disagree")
     _refuses(node(d_ne=(8, 10, 3, 1)), "disagree")
     _refuses(node(i_ne=(4, 2, 1, 1)), "indices for")
@@ -419,5 +430,122 @@ def test_set_rows_bit_exact_with_ggml(vtype, dtype):
             g.compute(vals)
         idx = g.new(T.I64, (7, 2, 1), RNG.permutation(30)[:14].astype(np.int64))
         return g.op("ggml_set_rows", dst, vals, idx)
+
+    ggml_oracle.assert_matches_ggml(build)
+
+
+# --- into quantized KV-cache types (-ctk / -ctv) ------------------------------------------------
+
+KV_TYPES = kvq.KV_QUANT_TYPES
+
+
+def _edge_rows(k=64):
+    """Rows that stress the quantizers' tie breaking and guards: zeros, constants, repeated extremes,
+    values on rounding boundaries, tiny and huge magnitudes. Rows 0 and 5 hold blocks so small that
+    ggml's IQ4_NL leaves their codes as stale stack bytes (they decode to zero whatever they are)."""
+    rng = np.random.default_rng(99)
+    rows = [np.zeros(k), np.full(k, 0.75), np.full(k, -3.0), np.tile([1.0, -1.0], k // 2),
+            np.linspace(-8, 8, k), np.linspace(-1, 1, k) * 1e-20, rng.standard_normal(k) * 1e4,
+            np.where(np.arange(k) % 7 == 0, -5.0, 5.0), (np.arange(k) - 31.5) / 4]
+    return np.array(rows + list(rng.standard_normal((40, k)) * 2), dtype=np.float32)
+
+
+@pytest.mark.parametrize("qtype", KV_TYPES, ids=lambda t: t.name)
+def test_kv_quantizer_jit_matches_reference(qtype):
+    x = _edge_rows()
+    expect = kvq.quantize_rows_reference(qtype, x)
+    np.testing.assert_array_equal(kvq.quantize_rows(qtype, x), expect)
+    np.testing.assert_array_equal(kvq.quantize_rows(qtype, x, parallel=True), expect)
+
+
+@pytest.mark.parametrize("qtype", [t for t in KV_TYPES if t != T.IQ4_NL], ids=lambda t: t.name)
+def test_kv_quantizer_reference_matches_gguf(qtype):
+    """gguf-py's quantizers are an independent transcription of ggml's reference quantizers (and of
+    its q8_0, whose rounding agrees with the AVX2 version on these inputs)."""
+    x = _edge_rows()[1:]  # gguf's all-zero Q4/Q5 blocks differ only in codes that decode to zero
+    expect = quantize(x, GGMLQuantizationType(int(qtype)))
+    np.testing.assert_array_equal(kvq.quantize_rows_reference(qtype, x), expect)
+
+
+def test_iq4_nl_reference_decodes_close_to_its_input():
+    """No gguf quantizer for IQ4_NL: check the codes via gguf's dequantizer instead."""
+    x = _edge_rows()[6:]
+    q = kvq.quantize_rows_reference(T.IQ4_NL, x)
+    back = dequantize(q, GGMLQuantizationType.IQ4_NL)
+    err = np.abs(back - x).max(axis=1) / np.abs(x).max(axis=1)
+    assert err.max() < 0.15  # half the widest gap of the 16-value grid, relative to the block maximum
+    np.testing.assert_array_equal(kvq.dequantize_iq4_nl_reference(q.reshape(-1, 18)).reshape(back.shape), back)
+
+
+@pytest.mark.parametrize("layout", ["same", "permuted-src-view", "reshape"])
+@pytest.mark.parametrize("src_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", KV_TYPES, ids=lambda t: t.name)
+def test_cpy_into_quantized_forward_matches_reference(qtype, src_type, layout, drivers):
+    src_ne, dst_ne, src_axes = {"same": ((64, 5, 3, 2), (64, 5, 3, 2), None),
+                                "permuted-src-view": ((64, 3, 5, 2), (64, 5, 3, 2), (0, 2, 1, 3)),
+                                "reshape": ((32, 4, 3, 1), (128, 3, 1, 1), None)}[layout]
+    base_ne = tuple(src_ne[i] for i in np.argsort(src_axes)) if src_axes else src_ne
+    build = lambda: _copy_node(GGMLOp.CPY, src_type, qtype, base_ne, dst_ne, src_axes)  # noqa: E731
+    ours, ref = run_both(build)
+    np.testing.assert_array_equal(dst_bytes(ours), dst_bytes(ref))
+
+
+@pytest.mark.parametrize("shape", ["decode", "bcast-dim3"])
+@pytest.mark.parametrize("vtype", [T.F32, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", KV_TYPES, ids=lambda t: t.name)
+def test_set_rows_into_quantized_forward_matches_reference(qtype, vtype, shape, drivers):
+    v_ne, i_ne, n_rows = {"decode": ((192, 1, 1, 1), (1, 1, 1, 1), 64),
+                          "bcast-dim3": ((64, 5, 2, 6), (5, 2, 3, 1), 30)}[shape]
+    ours, ref = run_both(lambda: _set_rows_node(vtype, T.I64, qtype, v_ne, i_ne, n_rows))
+    np.testing.assert_array_equal(dst_bytes(ours), dst_bytes(ref))
+
+
+def test_set_rows_into_quantized_reference_against_row_quantizer():
+    """Each written row is exactly the quantized value row; untouched rows keep their bytes."""
+    node = _set_rows_node(T.F32, T.I32, T.Q4_0, (64, 5, 2, 1), (5, 1, 1, 1), 12, seed=4)
+    before = node.dst.rows().copy()
+    lookup(node).reference(node)
+    values, idx, rows = node.src[0].array(), node.src[1].array(), node.dst.rows()
+    expect = before.copy()
+    for i2 in range(2):
+        for i in range(5):
+            expect[0, i2, idx[0, 0, 0, i]] = kvq.quantize_rows_reference(T.Q4_0, values[0, i2, i][None])[0]
+    np.testing.assert_array_equal(rows, expect)
+
+
+@needs_ggml
+@pytest.mark.parametrize("vtype", [T.F32, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", KV_TYPES, ids=lambda t: t.name)
+def test_set_rows_into_quantized_bit_exact_with_ggml(qtype, vtype):
+    x = (RNG.standard_normal(64 * 7 * 8) * 10).astype(np.float32)
+    x[:64] = _edge_rows()[4]
+
+    def build(g):
+        dst = g.new(qtype, (64, 30, 4, 2))
+        vals = g.new(T.F32, (64, 7, 4, 2), x)
+        if vtype == T.F16:
+            vals = g.op("ggml_cast", vals, int(T.F16))
+            g.compute(vals)
+        idx = g.new(T.I64, (7, 2, 1), RNG.permutation(30)[:14].astype(np.int64))
+        return g.op("ggml_set_rows", dst, vals, idx)
+
+    ggml_oracle.assert_matches_ggml(build)
+
+
+@needs_ggml
+@pytest.mark.parametrize("src_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", KV_TYPES, ids=lambda t: t.name)
+def test_cpy_into_quantized_bit_exact_with_ggml(qtype, src_type):
+    rows = _edge_rows(32)
+    if qtype == T.IQ4_NL:
+        rows = np.delete(rows, [0, 5], axis=0)
+    x = np.concatenate([rows, -rows])[:60].reshape(-1) * np.float32(3)
+
+    def build(g):
+        s = g.new(T.F32, (32, 5, 4, 3), x)
+        if src_type != T.F32:
+            s = g.op("ggml_cast", s, int(src_type))
+            g.compute(s)
+        return g.op("ggml_cpy", g.op("ggml_permute", s, 0, 2, 1, 3), g.new(qtype, (64, 5, 6)))
 
     ggml_oracle.assert_matches_ggml(build)
