@@ -2,7 +2,8 @@
 
 ggml_get_rows: src0 (ne00, ne01, ne02, ne03), indices src1 I32 (ne10, ne11, ne12, 1) with
 ne02 == ne11 and ne03 == ne12; dst (ne00, ne10, ne11, ne12) is F32, or I32 when src0 is I32 (a plain
-copy). Rows are dequantized like ggml's to_float (float32 q * d (+ m), no fma).
+copy). Rows are dequantized like ggml's to_float (float32 q * d (+ m), no fma); the K-quant and IQ4
+formats through kernels.kquants' decoded form, which keeps ggml's (d*S)*q - dmin*M order.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import numpy as np
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from . import quants
+from . import kquants, quants
+from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import bf16_to_f32, f16_to_f32
 from .quants import LOAD_WEIGHT, QK, QUANT_TYPES
 from .registry import OpKernel, register
 
 PLAIN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32)
-SOURCE_TYPES = PLAIN_TYPES + QUANT_TYPES
+SOURCE_TYPES = PLAIN_TYPES + QUANT_TYPES + KQUANT_TYPES
 
 
 def check(node: Node) -> None:
@@ -105,6 +107,21 @@ def _get_rows_quant(kind, mem, off, nb01, nb02, nb03, nblk, idx, out):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
+def _get_rows_kquant(kind, has_min, block_bytes, qb, mem, off, nb01, nb02, nb03, nblk, idx, out):
+    ne12, ne11, ne10 = idx.shape
+    for r in numba.prange(ne12 * ne11 * ne10):
+        i12, i11, i10 = r // (ne11 * ne10), (r // ne10) % ne11, r % ne10
+        row = off + idx[i12, i11, i10] * nb01 + i11 * nb02 + i12 * nb03
+        q = np.empty(nblk * qb, np.int8)
+        s = np.empty(nblk * qb // kquants.GROUP, np.int32)
+        m = np.empty_like(s)
+        d = np.empty(nblk, np.float32)
+        dmin = np.empty_like(d)
+        kquants.decode_row(kind, mem, row, nblk, block_bytes, qb, q, s, m, d, dmin)
+        kquants.dequantize_decoded(has_min, nblk, qb, q, s, m, d, dmin, out[i12, i11, i10])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
 def _get_rows_plain(kind, src, idx, out):
     """src: (ne03, ne02, ne01, ne00) view, F16/BF16 as their uint16 bits; kind 0 copies as is."""
     ne12, ne11, ne10 = idx.shape
@@ -131,6 +148,11 @@ def forward(node: Node) -> None:
     if src0.type in QUANT_TYPES:
         _get_rows_quant(int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
                         src0.ne[0] // QK, idx, out)
+        return
+    if src0.type in KQUANT_TYPES:
+        tt = TYPE_TRAITS[src0.type]
+        _get_rows_kquant(int(src0.type), kquants.HAS_MIN[src0.type], tt.type_size, tt.block_size, src0.mem,
+                         src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[0] // tt.block_size, idx, out)
         return
     kind = {GGMLType.F16: 1, GGMLType.BF16: 2}.get(src0.type, 0)
     src = src0.array()

@@ -9,6 +9,9 @@ bit-identical to the reference worker:
   * float weights: when llamafile's tinyBLAS takes the batch (>= 2 columns, rows % 4 == 0, and for
     F32 a contiguous src1) each dot keeps 8 fma lanes (k mod 8); otherwise ggml_vec_dot_<f16|bf16|f32>
     keeps 32 lanes over 32-element steps, with its own reduction tree and tail handling.
+K-quant and IQ4 weights (kernels.kquants) take the same route through Q8_K (Q8_0 for IQ4_NL)
+activations and integer block sums; their float reduction order differs from ggml's AVX2 code, so
+they agree to rounding rather than bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import numpy as np
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from . import quants
+from . import kquants, quants
+from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32
 from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT
@@ -27,7 +31,7 @@ from .registry import OpKernel, register
 T = GGMLType
 # ggml-cpu's type_traits_cpu[w].vec_dot_type: the format src1 is converted to before the dots
 VEC_DOT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1,
-                T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0}
+                T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, **kquants.VEC_DOT_TYPE}
 WEIGHT_TYPES = tuple(VEC_DOT_TYPE)
 HINT_SRC0_IS_HADAMARD = 1  # op_params[1]: ggml-cpu would run a Walsh-Hadamard transform instead
 ROWS_PER_TASK = 16  # weight rows kept hot in cache while all activation columns stream past
@@ -139,6 +143,38 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, y
                 out[i13, i12, i, ir] = _dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _mul_mat_kquant(kind, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ybs,
+                    out):
+    """Like _mul_mat_quant; the task's weight rows have their scales decoded once, their quants
+    on the fly in every dot (kquants.dot_row)."""
+    ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
+    r2, r3 = ne12 // ne02, ne13 // ne03
+    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    ngroups = nblk * qb // kquants.GROUP
+    for task in numba.prange(ne13 * ne12 * nchunk):
+        chunk = task % nchunk
+        i12 = (task // nchunk) % ne12
+        i13 = task // (nchunk * ne12)
+        base = off + (i12 // r2) * nb02 + (i13 // r3) * nb03
+        col0 = (i13 * ne12 + i12) * ne11
+        lo = chunk * ROWS_PER_TASK
+        hi = min(ne01, lo + ROWS_PER_TASK)
+        s = np.zeros((ROWS_PER_TASK, ngroups), np.int32)
+        m = np.zeros_like(s)
+        d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
+        dmin = np.zeros_like(d)
+        if kind != kquants.IQ4_NL_KIND:  # IQ4_NL's dot reads its one scale per block directly
+            for ir in range(lo, hi):
+                kquants.decode_row_scales(kind, w, base + ir * nb01, nblk, block_bytes, qb, s[ir - lo], m[ir - lo],
+                                          d[ir - lo], dmin[ir - lo])
+        for i11 in range(ne11):  # every activation row meets the task's weight rows while they are hot
+            for ir in range(lo, hi):
+                out[i13, i12, i11, ir] = kquants.dot_row(kind, has_min, w, base + ir * nb01, nblk, block_bytes, qb,
+                                                         s[ir - lo], m[ir - lo], d[ir - lo], dmin[ir - lo], yq, yd,
+                                                         ybs, col0 + i11)
+
+
 (_f32_load, _f16_load, _bf16_load) = (LOAD_WEIGHT[t] for t in FLOAT_TYPES)
 (_f32_tiny, _f32_vec), (_f16_tiny, _f16_vec), (_bf16_tiny, _bf16_vec) = (FLOAT_LANES[t] for t in FLOAT_TYPES)
 
@@ -248,6 +284,13 @@ def forward(node: Node) -> None:
         return
     ne10 = src1.ne[0]
     xs = np.ascontiguousarray(x, np.float32).reshape(-1, ne10)
+    if src0.type in KQUANT_TYPES:
+        tt = TYPE_TRAITS[src0.type]
+        yq, yd, ybs = kquants.quantize_activations(src0.type, xs)
+        _mul_mat_kquant(int(src0.type), kquants.HAS_MIN[src0.type], tt.type_size, tt.block_size, src0.mem,
+                        src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3],
+                        ne10 // tt.block_size, yq.reshape(-1), yd, ybs, out)
+        return
     qs = np.empty(xs.shape, np.int8)
     d = np.empty((xs.shape[0], ne10 // QK), np.float32)
     with_sum = VEC_DOT_TYPE[src0.type] == GGMLType.Q8_1
@@ -350,6 +393,8 @@ def reference(node: Node) -> None:
             rows = src0.rows()[i13 // (ne13 // ne03), i12 // (ne12 // ne02)]
             if src0.type in QUANT_TYPES:
                 out[i13, i12] = _slice_quant(src0.type, rows, x[i13, i12]).T
+            elif src0.type in KQUANT_TYPES:
+                out[i13, i12] = kquants.dot_ref(src0.type, rows, np.ascontiguousarray(x[i13, i12], np.float32)).T
             else:
                 w = quants.dequantize_rows(src0.type, rows)
                 out[i13, i12] = _slice_float(src0.type, w, _activations(src0.type, x[i13, i12]), tiny).T

@@ -480,6 +480,12 @@ def planned_cases():
 
 # Cases our worker refuses (it closes the connection on an op or type it does not implement).
 IMPLEMENTED_PLANNED = {"CONCAT-F32-dim1", "REPEAT-F32", "ARGMAX-F32"}
+# quantized KV cache: SET_ROWS/CPY into every PLANNED_KV_TYPES type, FLASH_ATTN_EXT reading them
+IMPLEMENTED_PLANNED |= {f"SET_ROWS-F32-{kt.name}-I64" for kt in PLANNED_KV_TYPES}
+IMPLEMENTED_PLANNED |= {"CPY-F32-Q8_0", "FLASH_ATTN_EXT-Q8_0-kv37-q7", "FLASH_ATTN_EXT-Q4_0-kv37-q7"}
+# K-quant and IQ4 weights: MUL_MAT and GET_ROWS of every PLANNED_WEIGHT_TYPES type
+IMPLEMENTED_PLANNED |= {f"{op}-{wt.name}" + ("-n7" if op == "MUL_MAT" else "") for wt in PLANNED_WEIGHT_TYPES
+                        for op in ("MUL_MAT", "GET_ROWS")}
 UNSUPPORTED = {case.id: "issue 4: not implemented by our worker yet" for case in planned_cases()
                if case.id not in IMPLEMENTED_PLANNED}
 

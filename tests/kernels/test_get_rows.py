@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import get_rows, quants
+from kernels import get_rows, kquants, quants
 from kernels.node import InvalidNode, Node, Tensor
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 
 T = GGMLType
-SOURCES = list(get_rows.SOURCE_TYPES)
+# the K-quant and IQ4 formats (256-element blocks, no gguf-py quantizer) have tests/kernels/test_kquants.py
+SOURCES = [t for t in get_rows.SOURCE_TYPES if t not in kquants.KQUANT_TYPES]
 
 
 def source_bytes(rng, type_, ne0, nrows):
@@ -72,7 +73,7 @@ def run(fn, node):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda s, i, d: (Tensor.new(T.Q4_K, (256, 4)), i, d), "source type"),
+    (lambda s, i, d: (Tensor.new(T.IQ2_XXS, (256, 4)), i, d), "source type"),
     (lambda s, i, d: (s, Tensor.new(T.I64, i.ne), d), "I32"),
     (lambda s, i, d: (s, i, Tensor.new(T.F16, d.ne)), "dst must be F32"),
     (lambda s, i, d: (s, Tensor.new(T.I32, (3, 2)), Tensor.new(T.F32, (64, 3, 2))), "index shape"),

@@ -84,7 +84,7 @@ def test_check_accepts_real_shapes():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda w, x, d: (Tensor.new(T.Q4_K, (64, 4)), x, d), "weight type"),
+    (lambda w, x, d: (Tensor.new(T.IQ2_XXS, (256, 4)), x, d), "weight type"),
     (lambda w, x, d: (w, Tensor.new(T.F16, x.ne), d), "src1 and dst"),
     (lambda w, x, d: (w, activations(np.random.default_rng(0), (32, 3)), d), "row lengths"),
     (lambda w, x, d: (w, x, Tensor.new(T.F32, (3, 4, 1, 1))), "dst shape"),

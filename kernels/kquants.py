@@ -1,0 +1,532 @@
+"""K-quant and IQ4 block formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): numpy reference
+unpackers and dequantizers, the Q8_K activation quantizer, and their numba twins.
+
+Every format here unpacks to the same shape, which is what lets one dequantizer and one dot product
+serve all seven: per block of QB elements (256, or 32 for IQ4_NL) integer quants q, a scale d and a
+minimum scale dmin (float32), and per group of 16 elements an integer scale S and minimum M. A value
+is then (d*S)*q - dmin*M in float32 — exactly the operation order of ggml's dequantize_row_* (see
+ggml-quants.c), so GET_ROWS is bit-identical. MUL_MAT follows ggml's vec_dot_<w>_q8_K: activations
+become Q8_K (Q8_0 for IQ4_NL), then per block d_y * (d * sum_g S_g <q, y>_g - dmin * sum_g M_g bsum_g)
+with integer inner sums. Only the float reduction order differs from ggml's AVX2 code, so results
+agree to rounding (issue 4 accepts a normalized-error bound for these types).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from rpcserver.ggml import TYPE_TRAITS, GGMLType
+
+from . import quants
+from .quants import HAS_AVX2, LOAD_WEIGHT, _byte_ptr, _elem_ptr, _lanes, _llvm_fn, _vec
+
+T = GGMLType
+QK_K = 256  # elements per super-block
+GROUP = 16  # elements sharing one integer scale (and minimum) in the unpacked form
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+# type -> (elements per block, has a minimum, activation format of ggml-cpu's vec_dot_type)
+FORMATS = {
+    T.Q2_K: (QK_K, True, T.Q8_K),
+    T.Q3_K: (QK_K, False, T.Q8_K),
+    T.Q4_K: (QK_K, True, T.Q8_K),
+    T.Q5_K: (QK_K, True, T.Q8_K),
+    T.Q6_K: (QK_K, False, T.Q8_K),
+    T.IQ4_NL: (32, False, T.Q8_0),
+    T.IQ4_XS: (QK_K, False, T.Q8_K),
+}
+KQUANT_TYPES = tuple(FORMATS)
+IQ4_NL_KIND = int(T.IQ4_NL)  # the one 32-element format, special-cased inside the kernels
+HAS_MIN = {t: f[1] for t, f in FORMATS.items()}
+VEC_DOT_TYPE = {t: f[2] for t, f in FORMATS.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy reference unpackers: (n, type_size) uint8 -> q (n, QB) int32, S and M (n, QB/16) int32,
+# d and dmin (n,) float32. Element e of a 256-block is written e = 128n + 32j + 16h + l where the
+# formats interleave (n half, j quarter of the half, h which 16, l position).
+
+
+def _f16(b, at):
+    return b[:, at : at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _scale_min_k4(sc):
+    """Q4_K/Q5_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit minimums (get_scale_min_k4)."""
+    sc = sc.astype(np.int32)
+    lo, mid, hi = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scales = np.concatenate([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], axis=1)
+    mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return np.repeat(scales, 2, axis=1), np.repeat(mins, 2, axis=1)  # per 32 -> per 16
+
+
+def _crumbs(qs, n_halves=2):
+    """2-bit fields of Q2_K/Q3_K: qs (n, 64) -> (n, 256) in element order 128n + 32j + 16h + l."""
+    q = qs.astype(np.int32).reshape(-1, n_halves, 1, 32)  # (blk, n, -, 16h + l)
+    shifts = (2 * np.arange(4)).reshape(1, 1, 4, 1)
+    return ((q >> shifts) & 3).reshape(-1, 128 * n_halves)
+
+
+def _unpack_q2_k(b):
+    sc = b[:, 0:16].astype(np.int32)
+    return _crumbs(b[:, 16:80]), sc & 0xF, sc >> 4, _f16(b, 80), _f16(b, 82)
+
+
+def _unpack_q3_k(b):
+    hm = b[:, 0:32].astype(np.int32)  # bit 4n + j of byte 16h + l is the high bit of element e
+    bit = (np.arange(2).reshape(2, 1, 1) * 4 + np.arange(4).reshape(1, 4, 1))  # (n, j, 1)
+    high = (hm[:, None, None, :] >> bit[None]) & 1  # (blk, n, j, 32)
+    q = _crumbs(b[:, 32:96]) - 4 * (1 - high.reshape(-1, QK_K))
+    s = b[:, 96:108].astype(np.int32)
+    k = np.arange(16)
+    low = (s[:, k % 8] >> (4 * (k // 8))) & 0xF
+    top = (s[:, 8 + k % 4] >> (2 * (k // 4))) & 3
+    return q, (low | (top << 4)) - 32, None, _f16(b, 108), np.zeros(len(b), np.float32)
+
+
+def _nibble_pairs(qs, width):
+    """qs (n, width*k) -> (n, 2*width*k): each run of `width` bytes gives its low nibbles, then its
+    high nibbles (the order of Q4_K/Q5_K with width 32, IQ4_NL/IQ4_XS with width 16)."""
+    q = qs.astype(np.int32).reshape(len(qs), -1, 1, width)
+    return np.concatenate([q & 0xF, q >> 4], axis=2).reshape(len(qs), -1)
+
+
+def _unpack_q4_k(b):
+    s, m = _scale_min_k4(b[:, 4:16])
+    return _nibble_pairs(b[:, 16:144], 32), s, m, _f16(b, 0), _f16(b, 2)
+
+
+def _unpack_q5_k(b):
+    s, m = _scale_min_k4(b[:, 4:16])
+    qh = b[:, 16:48].astype(np.int32)  # bit i of byte l is the fifth bit of element 32i + l
+    high = (qh[:, None, :] >> np.arange(8).reshape(1, 8, 1)) & 1
+    q = _nibble_pairs(b[:, 48:176], 32) | (high.reshape(-1, QK_K) << 4)
+    return q, s, m, _f16(b, 0), _f16(b, 2)
+
+
+def _unpack_q6_k(b):
+    ql = b[:, 0:128].astype(np.int32).reshape(-1, 2, 2, 32)  # (blk, n, k&1, l)
+    qh = b[:, 128:192].astype(np.int32).reshape(-1, 2, 1, 32)  # (blk, n, -, l)
+    low = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
+    high = (qh >> (2 * np.arange(4)).reshape(1, 1, 4, 1)) & 3
+    q = (low | (high << 4)).reshape(-1, QK_K) - 32
+    return q, b[:, 192:208].view(np.int8).astype(np.int32), None, _f16(b, 208), np.zeros(len(b), np.float32)
+
+
+def _unpack_iq4_nl(b):
+    q = KVALUES_IQ4NL[_nibble_pairs(b[:, 2:18], 16)].astype(np.int32)
+    return q, np.ones((len(b), 2), np.int32), None, _f16(b, 0), np.zeros(len(b), np.float32)
+
+
+def _unpack_iq4_xs(b):
+    ib = np.arange(8)
+    high = (b[:, 2:4].copy().view("<u2").astype(np.int32) >> (2 * ib)) & 3
+    low = (b[:, 4 + ib // 2].astype(np.int32) >> (4 * (ib % 2))) & 0xF
+    q = KVALUES_IQ4NL[_nibble_pairs(b[:, 8:136], 16)].astype(np.int32)
+    return q, np.repeat((low | (high << 4)) - 32, 2, axis=1), None, _f16(b, 0), np.zeros(len(b), np.float32)
+
+
+UNPACK = {T.Q2_K: _unpack_q2_k, T.Q3_K: _unpack_q3_k, T.Q4_K: _unpack_q4_k, T.Q5_K: _unpack_q5_k,
+          T.Q6_K: _unpack_q6_k, T.IQ4_NL: _unpack_iq4_nl, T.IQ4_XS: _unpack_iq4_xs}
+
+
+def unpack_blocks(type_: GGMLType, blocks: np.ndarray):
+    """(n, type_size) uint8 -> q (n, QB), S (n, QB/16), M (n, QB/16) or None, d (n,), dmin (n,)."""
+    return UNPACK[type_](np.ascontiguousarray(blocks))
+
+
+def _dequantize_blocks(type_):
+    def dequantize(b):
+        q, s, m, d, dmin = unpack_blocks(type_, b)
+        scale = np.repeat(d[:, None] * s.astype(np.float32), GROUP, axis=1)  # float32 d * S, as ggml
+        y = scale * q.astype(np.float32)
+        if m is None:
+            return y
+        return y - np.repeat(dmin[:, None] * m.astype(np.float32), GROUP, axis=1)
+
+    return dequantize
+
+
+DEQUANTIZE = {t: _dequantize_blocks(t) for t in KQUANT_TYPES}
+quants.DEQUANTIZE.update(DEQUANTIZE)  # quants.dequantize_rows serves every block format
+
+
+# ----------------------------------------------------------------------------------------------
+# Q8_K activations (quantize_row_q8_K_ref): per 256 values iscale = -127/max (max: the value of
+# largest magnitude), q = min(127, round-half-even(iscale*x)), d = 1/iscale, bsums per 16
+
+
+def quantize_q8_k_ref(x: np.ndarray):
+    """x (rows, k) float32 -> qs (rows, k) int8, d (rows, k/256) float32, bsums (rows, k/16) int32."""
+    rows = x.shape[0]
+    xb = np.asarray(x, np.float32).reshape(rows, -1, QK_K)
+    pick = np.abs(xb).argmax(axis=2)  # first of the largest magnitudes, as ggml's strict '>'
+    vmax = np.take_along_axis(xb, pick[..., None], axis=2)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(vmax != 0, np.float32(-127) / vmax, np.float32(0)).astype(np.float32)
+    q = np.minimum(np.rint(xb * iscale[..., None]), 127).astype(np.int8)
+    with np.errstate(divide="ignore"):
+        d = np.where(iscale != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+    bsums = q.reshape(rows, -1, GROUP).sum(axis=2, dtype=np.int32)
+    return q.reshape(rows, -1), d, bsums
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def quantize_q8_k_rows(x, qs, d, bsums):
+    """Numba twin of quantize_q8_k_ref, writing into qs, d and bsums."""
+    rows, k = x.shape
+    for r in numba.prange(rows):
+        for b in range(k // QK_K):
+            o = b * QK_K
+            amax = np.float32(0)
+            vmax = np.float32(0)
+            for j in range(QK_K):
+                ax = abs(x[r, o + j])
+                if ax > amax:
+                    amax = ax
+                    vmax = x[r, o + j]
+            if amax == 0:
+                d[r, b] = 0
+                for j in range(QK_K):
+                    qs[r, o + j] = 0
+                for g in range(QK_K // GROUP):
+                    bsums[r, b * (QK_K // GROUP) + g] = 0
+                continue
+            iscale = np.float32(-127) / vmax
+            for g in range(QK_K // GROUP):
+                total = 0
+                for j in range(o + g * GROUP, o + (g + 1) * GROUP):
+                    v = min(np.int32(127), np.int32(np.rint(iscale * x[r, j])))
+                    qs[r, j] = v
+                    total += v
+                bsums[r, b * (QK_K // GROUP) + g] = total
+            d[r, b] = np.float32(1) / iscale
+
+
+def quantize_activations(type_: GGMLType, x: np.ndarray):
+    """f32 rows (rows, k) -> the weights' vec_dot format, unpacked: qs int8 (rows, k), d float32
+    (rows, k/QB), bsums int32 (rows, k/16) (zeros for Q8_0, whose formats have no minimum)."""
+    rows, k = x.shape
+    qs = np.empty((rows, k), np.int8)
+    if VEC_DOT_TYPE[type_] == T.Q8_0:
+        d = np.empty((rows, k // 32), np.float32)
+        quants.quantize_q8_rows(x, qs, d, d, False)
+        return qs, d, np.zeros((rows, k // GROUP), np.int32)
+    d = np.empty((rows, k // QK_K), np.float32)
+    bsums = np.empty((rows, k // GROUP), np.int32)
+    quantize_q8_k_rows(x, qs, d, bsums)
+    return qs, d, bsums
+
+
+def quantize_activations_ref(type_: GGMLType, x: np.ndarray):
+    if VEC_DOT_TYPE[type_] == T.Q8_0:
+        qs, d, _ = quants.quantize_q8_ref(x, False)
+        return qs, d.reshape(x.shape[0], -1), np.zeros((x.shape[0], x.shape[1] // GROUP), np.int32)
+    return quantize_q8_k_ref(x)
+
+
+def dot_ref(type_: GGMLType, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """rows (R, row_bytes) weights . x (C, K) f32 activations -> (R, C), the arithmetic of the
+    numba kernel: integer group sums, float32 accumulation block by block."""
+    qb = FORMATS[type_][0]
+    n_rows, nb = len(rows), x.shape[1] // qb
+    q, s, m, d, dmin = unpack_blocks(type_, rows.reshape(-1, TYPE_TRAITS[type_].type_size))
+    yq, yd, bsums = quantize_activations_ref(type_, x)
+    groups = np.einsum("rgj,cgj->rcg", q.reshape(n_rows, -1, GROUP).astype(np.int64),
+                       yq.reshape(len(x), -1, GROUP).astype(np.int64))  # (R, C, K/16)
+    per_block = qb // GROUP
+    sumi = (groups * s.reshape(n_rows, 1, -1)).reshape(n_rows, len(x), nb, per_block).sum(axis=3)
+    if m is not None:
+        summ = (m.reshape(n_rows, 1, -1) * bsums[None]).reshape(n_rows, len(x), nb, per_block).sum(axis=3)
+    else:
+        summ = np.zeros_like(sumi)
+    d, dmin = d.reshape(n_rows, 1, nb), dmin.reshape(n_rows, 1, nb)
+    inner = d * sumi.astype(np.float32) - dmin * summ.astype(np.float32)  # float32, (R, C, nb)
+    acc = np.zeros((n_rows, len(x)), np.float32)
+    for b in range(nb):
+        acc = acc + yd[None, :, b] * inner[:, :, b]
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------
+# numba: decode one row into the unpacked form, then dequantize it or dot it with activations
+
+_f16_load = LOAD_WEIGHT[T.F16]
+_KV = KVALUES_IQ4NL.astype(np.int32)
+
+
+@numba.njit(nogil=True, inline="always")
+def _scale_min(j, mem, p):
+    """get_scale_min_k4 on the 12 scale bytes at p."""
+    if j < 4:
+        return np.int32(mem[p + j] & 63), np.int32(mem[p + j + 4] & 63)
+    sc = (mem[p + j + 4] & 0xF) | ((mem[p + j - 4] >> 6) << 4)
+    mn = (mem[p + j + 4] >> 4) | ((mem[p + j] >> 6) << 4)
+    return np.int32(sc), np.int32(mn)
+
+
+@numba.njit(nogil=True, inline="always")
+def _decode_scales(kind, mem, p, s, m, g0):
+    """The block at byte p: group scales/minimums into s[g0:], m[g0:]; returns (d, dmin)."""
+    if kind == 12 or kind == 13:  # Q4_K, Q5_K: six-bit scales and minimums per 32
+        for i in range(8):
+            sc, mn = _scale_min(i, mem, p + 4)
+            s[g0 + 2 * i] = sc
+            s[g0 + 2 * i + 1] = sc
+            m[g0 + 2 * i] = mn
+            m[g0 + 2 * i + 1] = mn
+        return _f16_load(mem, p), _f16_load(mem, p + 2)
+    if kind == 14:  # Q6_K: int8 scales per 16
+        for g in range(16):
+            s[g0 + g] = np.int32(np.int8(mem[p + 192 + g]))
+            m[g0 + g] = 0
+        return _f16_load(mem, p + 208), np.float32(0)
+    if kind == 10:  # Q2_K: 4-bit scale and minimum per 16
+        for g in range(16):
+            sc = mem[p + g]
+            s[g0 + g] = np.int32(sc & 0xF)
+            m[g0 + g] = np.int32(sc >> 4)
+        return _f16_load(mem, p + 80), _f16_load(mem, p + 82)
+    if kind == 11:  # Q3_K: six-bit scales per 16, split over 12 bytes, offset by 32
+        for k in range(16):
+            low = (mem[p + 96 + k % 8] >> (4 * (k // 8))) & 0xF
+            top = (mem[p + 96 + 8 + k % 4] >> (2 * (k // 4))) & 3
+            s[g0 + k] = np.int32(low | (top << 4)) - 32
+            m[g0 + k] = 0
+        return _f16_load(mem, p + 108), np.float32(0)
+    if kind == 20:  # IQ4_NL: 32 elements, one scale
+        s[g0] = 1
+        s[g0 + 1] = 1
+        m[g0] = 0
+        m[g0 + 1] = 0
+        return _f16_load(mem, p), np.float32(0)
+    high = np.int32(mem[p + 2]) | (np.int32(mem[p + 3]) << 8)  # IQ4_XS
+    for ib in range(8):
+        ls = ((np.int32(mem[p + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((high >> (2 * ib)) & 3) << 4)
+        s[g0 + 2 * ib] = ls - 32
+        s[g0 + 2 * ib + 1] = ls - 32
+        m[g0 + 2 * ib] = 0
+        m[g0 + 2 * ib + 1] = 0
+    return _f16_load(mem, p), np.float32(0)
+
+
+def _chunk_layout(type_: GGMLType, c: int):
+    """Where the 32 quants of chunk c (elements 32c..32c+31) of a 256-block live, relative to the
+    block: bytes at a shifted right by sa, masked with ma, OR'ed with ((bytes at b) >> sb) & mb
+    shifted left by hs, minus bias. Q3_K's "subtract 4 unless the hmask bit is set" is
+    (low | bit << 2) - 4. Every row keeps sa + bits(ma) <= 8, sb + bits(mb) <= 8, mb << hs < 256."""
+    n, k = c // 4, c % 4
+    return {
+        T.Q2_K: (16 + 32 * n, 2 * k, 3, 0, 0, 0, 0, 0),
+        T.Q3_K: (32 + 32 * n, 2 * k, 3, 0, 4 * n + k, 1, 2, 4),
+        T.Q4_K: (16 + 32 * (c // 2), 4 * (c % 2), 15, 0, 0, 0, 0, 0),
+        T.Q5_K: (48 + 32 * (c // 2), 4 * (c % 2), 15, 16, c, 1, 4, 0),
+        T.Q6_K: (64 * n + 32 * (k & 1), 4 * (k >> 1), 15, 128 + 32 * n, 2 * k, 3, 4, 32),
+    }[type_]
+
+
+BIT_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # 2- to 6-bit fields; the IQ4s index a table
+# _chunk_layout as one array for numba: [type number - 10, chunk] -> the 8 fields
+_CHUNKS = np.array([[_chunk_layout(t, c) for c in range(8)] for t in BIT_TYPES], np.int64)
+
+
+@numba.njit(nogil=True)
+def _decode_quants(kind, mem, p, q, e0):
+    """The block at byte p: its integer quants into q[e0:] (what the vector chunk sums see)."""
+    if kind == 20 or kind == 23:  # IQ4: runs of 16 bytes, low nibbles then high, through the table
+        base = p + 2 if kind == 20 else p + 8
+        for r in range((32 if kind == 20 else QK_K) // 32):
+            for l in range(16):
+                byte = mem[base + 16 * r + l]
+                q[e0 + 32 * r + l] = _KV[byte & 0xF]
+                q[e0 + 32 * r + 16 + l] = _KV[byte >> 4]
+        return
+    for c in range(QK_K // 32):
+        a, sa, ma, b, sb, mb, hs, bias = _CHUNKS[kind - 10, c]
+        for l in range(32):
+            v = ((np.int32(mem[p + a + l]) >> sa) & ma) | (((np.int32(mem[p + b + l]) >> sb) & mb) << hs)
+            q[e0 + 32 * c + l] = v - bias
+
+
+@numba.njit(nogil=True)
+def decode_row_scales(kind, mem, off, nblk, block_bytes, qb, s, m, d, dmin):
+    for b in range(nblk):
+        d[b], dmin[b] = _decode_scales(kind, mem, off + b * block_bytes, s, m, b * (qb // GROUP))
+
+
+@numba.njit(nogil=True)
+def decode_row(kind, mem, off, nblk, block_bytes, qb, q, s, m, d, dmin):
+    decode_row_scales(kind, mem, off, nblk, block_bytes, qb, s, m, d, dmin)
+    for b in range(nblk):
+        _decode_quants(kind, mem, off + b * block_bytes, q, b * qb)
+
+
+@numba.njit(nogil=True)
+def dequantize_decoded(has_min, nblk, qb, q, s, m, d, dmin, out):
+    """(d*S)*q - dmin*M in float32, ggml's order."""
+    for b in range(nblk):
+        for g in range(qb // GROUP):
+            gi = b * (qb // GROUP) + g
+            scale = d[b] * np.float32(s[gi])
+            low = dmin[b] * np.float32(m[gi])
+            for j in range(gi * GROUP, (gi + 1) * GROUP):
+                v = scale * np.float32(q[j])
+                out[j] = v - low if has_min else v
+
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V32 = _vec(_I8, 32)
+
+
+def _load_y(context, builder, yt, y, yoff):
+    return builder.load(builder.bitcast(_elem_ptr(context, builder, yt, y, yoff), _V32.as_pointer()), align=1)
+
+
+def _shift_bytes(builder, v, amount, left=False):
+    """Shift every byte of a <32 x i8> by a constant. x86 has no byte shifts, so shift 16-bit lanes;
+    bits crossing into the neighbouring byte are masked off afterwards (see _chunk_layout)."""
+    if amount == 0:
+        return v
+    lanes = builder.bitcast(v, _vec(_I16, 16))
+    count = ir.Constant(_vec(_I16, 16), [amount] * 16)
+    return builder.bitcast(builder.shl(lanes, count) if left else builder.lshr(lanes, count), _V32)
+
+
+def _bytes(value):
+    return ir.Constant(_V32, [value] * 32)
+
+
+def _iq4_quants(builder, raw):
+    """16 IQ4 bytes -> 32 kvalues_iq4nl entries (low nibbles, then high nibbles)."""
+    v16 = _vec(_I8, 16)
+    lo = builder.and_(raw, ir.Constant(v16, [15] * 16))
+    hi = builder.lshr(raw, ir.Constant(v16, [4] * 16))
+    idx = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+    table = [int(v) for v in KVALUES_IQ4NL]
+    if HAS_AVX2:  # one byte shuffle per 128-bit half, the table repeated in both halves
+        pshufb = _llvm_fn(builder, "llvm.x86.avx2.pshuf.b", _V32, [_V32, _V32])
+        return builder.call(pshufb, [ir.Constant(_V32, table * 2), idx])
+    q = _bytes(0)
+    for i, v in enumerate(table):
+        q = builder.select(builder.icmp_unsigned("==", idx, _bytes(i)), _bytes(v), q)
+    return q
+
+
+def _scaled_lanes(builder, q, y, scales):
+    """<32 x i8> q . y -> <8 x i32> whose lanes 0-3 carry scales[0] * (the first 16 products) and
+    4-7 scales[1] * (the last 16). On AVX2 the scales ride in the 16-bit multiply-add that ggml uses
+    to widen pairs (all scales fit in 16 bits), saving a 32-bit vector multiply."""
+    if not HAS_AVX2:
+        spread = builder.shuffle_vector(scales, scales, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
+        return builder.mul(_lanes(builder, q, y), spread)
+    v16 = _vec(_I16, 16)
+    psign = _llvm_fn(builder, "llvm.x86.avx2.psign.b", _V32, [_V32, _V32])
+    maddubs = _llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32, _V32])
+    madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16, v16])
+    pairs = builder.call(maddubs, [builder.call(psign, [q, q]), builder.call(psign, [y, q])])
+    narrow = builder.trunc(scales, _vec(_I16, 2))
+    spread = builder.shuffle_vector(narrow, narrow, ir.Constant(_vec(_I32, 16), [0] * 8 + [1] * 8))
+    return builder.call(madd, [pairs, spread])
+
+
+def _make_block_sumi(type_: GGMLType):
+    """Intrinsic sumi(w, p, s, soff, y, yoff) -> int32: sum over the 16 groups of a 256-block at
+    byte p of w of S[g] * <q, y>_g, with S from s[soff:] and the activations y[yoff:]. The chunk
+    layout is unrolled at compile time, so shifts and offsets are constants; products stay in
+    vector lanes (kernels.quants' lane dot) and are reduced once per block."""
+
+    @intrinsic
+    def sumi(typingctx, w, p, s, soff, y, yoff):
+        sig = types.int32(w, types.int64, s, types.int64, y, types.int64)
+
+        def codegen(context, builder, signature, args):
+            w_, p_, s_, soff_, y_, yoff_ = args
+            wt, _, st, _, yt, _ = signature.args
+            at = lambda off, ty: builder.load(_byte_ptr(context, builder, wt, w_, builder.add(  # noqa: E731
+                p_, ir.Constant(p_.type, off)), ty), align=1)
+            acc = ir.Constant(_vec(_I32, 8), [0] * 8)
+            for c in range(QK_K // 32):
+                if type_ == T.IQ4_XS:
+                    q = _iq4_quants(builder, at(8 + 16 * c, _vec(_I8, 16)))
+                else:
+                    a, sa, ma, b, sb, mb, hs, bias = _chunk_layout(type_, c)
+                    q = builder.and_(_shift_bytes(builder, at(a, _V32), sa), _bytes(ma))
+                    if mb:
+                        high = builder.and_(_shift_bytes(builder, at(b, _V32), sb), _bytes(mb))
+                        q = builder.or_(q, _shift_bytes(builder, high, hs, left=True))
+                    if bias:
+                        q = builder.sub(q, _bytes(bias))
+                yv = _load_y(context, builder, yt, y_, builder.add(yoff_, ir.Constant(yoff_.type, 32 * c)))
+                sp = builder.bitcast(_elem_ptr(context, builder, st, s_, builder.add(soff_, ir.Constant(
+                    soff_.type, 2 * c))), _vec(_I32, 2).as_pointer())
+                sv = builder.load(sp, align=4)  # the scales of groups 2c and 2c+1
+                acc = builder.add(acc, _scaled_lanes(builder, q, yv, sv))
+            e = [builder.extract_element(acc, ir.Constant(_I32, i)) for i in range(8)]
+            return builder.add(builder.add(builder.add(e[0], e[1]), builder.add(e[2], e[3])),
+                               builder.add(builder.add(e[4], e[5]), builder.add(e[6], e[7])))
+
+        return sig, codegen
+
+    return sumi
+
+
+@intrinsic
+def _iq4_nl_sumi(typingctx, w, p, y, yoff):
+    """One IQ4_NL block at byte p of w . y[yoff:yoff+32] as an int32 (its scale S is 1)."""
+    sig = types.int32(w, types.int64, y, types.int64)
+
+    def codegen(context, builder, signature, args):
+        w_, p_, y_, yoff_ = args
+        raw = builder.load(_byte_ptr(context, builder, signature.args[0], w_, builder.add(
+            p_, ir.Constant(p_.type, 2)), _vec(_I8, 16)), align=1)
+        lanes = _lanes(builder, _iq4_quants(builder, raw), _load_y(context, builder, signature.args[2], y_, yoff_))
+        e = [builder.extract_element(lanes, ir.Constant(_I32, i)) for i in range(8)]
+        return builder.add(builder.add(builder.add(e[0], e[1]), builder.add(e[2], e[3])),
+                           builder.add(builder.add(e[4], e[5]), builder.add(e[6], e[7])))
+
+    return sig, codegen
+
+
+_q2k_sumi, _q3k_sumi, _q4k_sumi, _q5k_sumi, _q6k_sumi, _iq4xs_sumi = (
+    _make_block_sumi(t) for t in BIT_TYPES + (T.IQ4_XS,))
+
+
+@numba.njit(nogil=True, inline="always")
+def _block_sumi(kind, w, p, s, soff, y, yoff):
+    if kind == 10:
+        return _q2k_sumi(w, p, s, soff, y, yoff)
+    if kind == 11:
+        return _q3k_sumi(w, p, s, soff, y, yoff)
+    if kind == 12:
+        return _q4k_sumi(w, p, s, soff, y, yoff)
+    if kind == 13:
+        return _q5k_sumi(w, p, s, soff, y, yoff)
+    if kind == 14:
+        return _q6k_sumi(w, p, s, soff, y, yoff)
+    return _iq4xs_sumi(w, p, s, soff, y, yoff)
+
+
+@numba.njit(nogil=True)
+def dot_row(kind, has_min, w, off, nblk, block_bytes, qb, s, m, d, dmin, yq, yd, ybs, col):
+    """Weight row at byte off of w (its scales already in s, m, d, dmin unless IQ4_NL) . activation row `col`
+    (yq int8 flat (C*K,), yd (C, K/qb), ybs (C, K/16)); quants are decoded on the fly."""
+    acc = np.float32(0)
+    per_block = qb // GROUP
+    k = nblk * qb
+    for blk in range(nblk):
+        p = off + blk * block_bytes
+        yoff = col * k + blk * qb
+        if kind == IQ4_NL_KIND:  # one scale, no minimum: skip the decoded scales (a row has many such blocks)
+            acc += yd[col, blk] * (_f16_load(w, p) * np.float32(_iq4_nl_sumi(w, p, yq, yoff)))
+            continue
+        sumi = _block_sumi(kind, w, p, s, blk * per_block, yq, yoff)
+        summ = np.int32(0)
+        if has_min:
+            for g in range(blk * per_block, (blk + 1) * per_block):
+                summ += m[g] * ybs[col, g]
+        acc += yd[col, blk] * (d[blk] * np.float32(sumi) - dmin[blk] * np.float32(summ))
+    return acc
