@@ -2,8 +2,8 @@
 
 Every case is sent to both workers over TCP; the reference's result is the oracle. Copies, row
 gathers and conversions must match byte for byte, computed ops within test-backend-ops' NMSE
-bounds (see tests/interop/differential.py). Cases our worker cannot run yet are listed in
-UNSUPPORTED and expected to fail strictly, so they turn into errors the day support lands.
+bounds (see tests/interop/differential.py). A case our worker cannot run yet goes in UNSUPPORTED,
+expected to fail strictly, so it turns into an error the day support lands.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ T = GGMLType
 F32, F16, BF16, I32, I64 = T.F32, T.F16, T.BF16, T.I32, T.I64
 LEGACY_QUANTS = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 WEIGHT_TYPES = (F32, F16, BF16) + LEGACY_QUANTS
-# issue 4's further weight and KV-cache types; our worker refuses them for now (see UNSUPPORTED)
-PLANNED_WEIGHT_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
-PLANNED_KV_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL)
+# super-block (K-quant, IQ4) weights and the quantized KV-cache types
+SUPER_WEIGHT_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
+KV_QUANT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL)
 
 K_LEGACY = 96  # three 32-element blocks
 K_SUPER = 256  # one K-quant super-block
@@ -450,20 +450,26 @@ def graph_cases():
                 _kq_softmax_kqv, d.NMSE_MUL_MAT)
 
 
-# --- what issue 4 adds: refused by our worker today ----------------------------------------------
+# --- K-quant/IQ4 weights, quantized KV caches, shape ops ----------------------------------------------
 
 def _cpy_into_quantized(g, t):
     return d.cpy(g, t["src"], t["dst"])
 
 
-def planned_cases():
-    for wt in PLANNED_WEIGHT_TYPES:
+def issue4_cases():
+    for wt in SUPER_WEIGHT_TYPES:
         yield _case(f"MUL_MAT-{wt.name}-n7", [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, 7))],
                     _mul_mat, d.NMSE_MUL_MAT)
-    for st in PLANNED_WEIGHT_TYPES:
+        yield _case(f"MUL_MAT-{wt.name}-n1", [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, 1))],
+                    _mul_mat, d.NMSE_MUL_MAT)
+        yield _case(f"MUL_MAT-{wt.name}-broadcast23", [Leaf("w", wt, (K_SUPER, ROWS, 2, 1)),
+                                                       Leaf("x", F32, (K_SUPER, 3, 4, 2))], _mul_mat, d.NMSE_MUL_MAT)
+        yield _case(f"MUL_MAT-{wt.name}-permuted-x", [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, 2, 5))],
+                    _mul_mat_permuted_x, d.NMSE_MUL_MAT)
+    for st in SUPER_WEIGHT_TYPES:
         yield _case(f"GET_ROWS-{st.name}", [Leaf("a", st, (K_SUPER, 10)), Leaf("idx", I32, (9,), d.indices(10))],
                     _get_rows, None)
-    for kt in PLANNED_KV_TYPES:
+    for kt in KV_QUANT_TYPES:
         yield _set_rows_case(kt, I64, nmse=_quantized_store_nmse(kt, 64 * 12 * 2))
     yield _case("CPY-F32-Q8_0", [Leaf("src", F32, (64, 5, 3), d.uniform(-1, 1)), Leaf("dst", T.Q8_0, (64, 5, 3))],
                 _cpy_into_quantized, _quantized_store_nmse(T.Q8_0, 64 * 15))
@@ -478,20 +484,12 @@ def planned_cases():
     yield _case("ARGMAX-F32", [Leaf("a", F32, (37, 9))], lambda g, t: d.argmax(g, t["a"]), None)
 
 
-# Cases our worker refuses (it closes the connection on an op or type it does not implement).
-IMPLEMENTED_PLANNED = {"CONCAT-F32-dim1", "REPEAT-F32", "ARGMAX-F32"}
-# quantized KV cache: SET_ROWS/CPY into every PLANNED_KV_TYPES type, FLASH_ATTN_EXT reading them
-IMPLEMENTED_PLANNED |= {f"SET_ROWS-F32-{kt.name}-I64" for kt in PLANNED_KV_TYPES}
-IMPLEMENTED_PLANNED |= {"CPY-F32-Q8_0", "FLASH_ATTN_EXT-Q8_0-kv37-q7", "FLASH_ATTN_EXT-Q4_0-kv37-q7"}
-# K-quant and IQ4 weights: MUL_MAT and GET_ROWS of every PLANNED_WEIGHT_TYPES type
-IMPLEMENTED_PLANNED |= {f"{op}-{wt.name}" + ("-n7" if op == "MUL_MAT" else "") for wt in PLANNED_WEIGHT_TYPES
-                        for op in ("MUL_MAT", "GET_ROWS")}
-UNSUPPORTED = {case.id: "issue 4: not implemented by our worker yet" for case in planned_cases()
-               if case.id not in IMPLEMENTED_PLANNED}
+# Cases our worker refuses (it closes the connection on an op or type it does not implement): none today.
+UNSUPPORTED: dict[str, str] = {}
 
 CASES = [*mul_mat_cases(), *get_rows_cases(), *set_rows_cases(), *copy_cases(), *binary_cases(),
          *elementwise_cases(), *rope_cases(), *soft_max_cases(), *flash_attn_cases(), *large_cases(), *graph_cases(),
-         *planned_cases()]
+         *issue4_cases()]
 
 
 def _param(case: Case):
