@@ -42,10 +42,11 @@ def check(node: Node) -> None:
     dst = node.dst
     if src0.type not in WEIGHT_TYPES:
         raise InvalidNode(f"MUL_MAT: unsupported weight type {src0.type.name}")
+    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
+        check_fwht(node)
+        return
     if src1.type != GGMLType.F32 or dst.type != GGMLType.F32:
         raise InvalidNode("MUL_MAT: src1 and dst must be F32")
-    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
-        raise InvalidNode("MUL_MAT: the Hadamard-transform hint is not supported")
     ne0, ne1 = src0.ne, src1.ne
     if ne0[0] != ne1[0]:
         raise InvalidNode(f"MUL_MAT: row lengths differ ({ne0[0]} vs {ne1[0]})")
@@ -63,6 +64,67 @@ def check(node: Node) -> None:
     nb = dst.nb
     if 0 not in dst.ne and not (nb[0] == 4 and nb[0] <= nb[1] <= nb[2] <= nb[3]):
         raise InvalidNode("MUL_MAT: dst must have contiguous rows and non-decreasing strides")
+
+
+# ----------------------------------------------------------------------------------------------
+# the Hadamard hint: src0 is a normalized Hadamard matrix (llama.cpp's KV-cache rotation for quantized
+# caches), and ggml-cpu replaces the product by a fast Walsh-Hadamard transform of each src1 row
+# (ggml_compute_forward_fwht): scale by 1/sqrt(n) first, then butterflies u+v, u-v in float32.
+
+
+def check_fwht(node: Node) -> None:
+    src0, src1 = node.srcs(2)
+    dst = node.dst
+    n = src1.ne[0]
+    if src0.type != GGMLType.F32 or dst.type != GGMLType.F32 or src1.type not in (GGMLType.F32, GGMLType.F16):
+        raise InvalidNode("MUL_MAT (Hadamard): src0 and dst must be F32, src1 F32 or F16")
+    if n <= 0 or n & (n - 1) or src0.ne[0] != n or src0.ne[1] != n:
+        raise InvalidNode(f"MUL_MAT (Hadamard): rows of {n} are not a power of two matching src0 {src0.ne}")
+    if dst.ne != (n, src1.ne[1], src1.ne[2], src1.ne[3]):
+        raise InvalidNode(f"MUL_MAT (Hadamard): dst shape {dst.ne} is not {(n, *src1.ne[1:])}")
+    if src1.nb[0] != TYPE_TRAITS[src1.type].type_size or dst.nb[0] != 4:
+        raise InvalidNode("MUL_MAT (Hadamard): rows of src1 and dst must be contiguous")
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _fwht_rows(rows, scale):
+    n = rows.shape[1]
+    for r in numba.prange(rows.shape[0]):
+        row = rows[r]
+        for j in range(n):
+            row[j] = row[j] * scale
+        length = 1
+        while length < n:
+            for i in range(0, n, 2 * length):
+                for j in range(i, i + length):
+                    u, v = row[j], row[j + length]
+                    row[j] = u + v
+                    row[j + length] = u - v
+            length *= 2
+
+
+def _fwht_scale(n: int) -> np.float32:
+    return np.float32(1) / np.sqrt(np.float32(n))  # 1.0f / sqrtf((float)n)
+
+
+def forward_fwht(node: Node) -> None:
+    x = node.src[1].array()
+    rows = np.array(x, dtype=np.float32).reshape(-1, x.shape[-1])  # a copy: F16 widens exactly
+    _fwht_rows(rows, _fwht_scale(x.shape[-1]))
+    node.dst.array()[...] = rows.reshape(x.shape)
+
+
+def reference_fwht(node: Node) -> None:
+    x = node.src[1].array()
+    n = x.shape[-1]
+    y = x.astype(np.float32) * _fwht_scale(n)
+    length = 1
+    while length < n:
+        pairs = y.reshape(*y.shape[:-1], n // (2 * length), 2, length)
+        u, v = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+        pairs[..., 0, :], pairs[..., 1, :] = u + v, u - v
+        length *= 2
+    node.dst.array()[...] = y
 
 
 def _tinyblas_takes(node: Node) -> bool:
@@ -275,6 +337,9 @@ def forward(node: Node) -> None:
     dst = node.dst
     if 0 in src0.ne or 0 in dst.ne:
         return
+    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
+        forward_fwht(node)
+        return
     x = src1.array()
     out = dst.array()
     if src0.type in FLOAT_TYPES:
@@ -382,6 +447,9 @@ def _slice_float(type_, w, x, tiny):
 def reference(node: Node) -> None:
     src0, src1 = node.src[:2]
     if 0 in src0.ne or 0 in node.dst.ne:
+        return
+    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
+        reference_fwht(node)
         return
     out = node.dst.array()
     x = src1.array()

@@ -40,9 +40,9 @@ def corpus_text() -> str:
     return "\n\n".join(docs)
 
 
-def perplexity_args(model_path, text_file, flash_attn: str) -> list[str]:
+def perplexity_args(model_path, text_file, flash_attn: str, cache_type: str) -> list[str]:
     return ["-m", model_path, "-f", text_file, "-c", N_CTX, "-b", N_CTX, "--chunks", N_CHUNKS,
-            "-t", CLIENT_THREADS, "-fa", flash_attn, "-fit", "off", "-lv", 4]
+            "-t", CLIENT_THREADS, "-fa", flash_attn, "-ctk", cache_type, "-ctv", cache_type, "-fit", "off", "-lv", 4]
 
 
 @pytest.fixture(scope="session")
@@ -54,17 +54,18 @@ def text_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cpu_logits(llama, model_path, text_file, tmp_path_factory):
-    """CPU-backend logits saved with --kl-divergence-base, once per flash-attn setting."""
-    cache: dict[str, Path] = {}
+    """CPU-backend logits saved with --kl-divergence-base, once per (flash-attn, KV cache type)."""
+    cache: dict[tuple[str, str], Path] = {}
 
-    def base(flash_attn: str) -> Path:
-        if flash_attn not in cache:
-            path = tmp_path_factory.mktemp("perplexity") / f"cpu-fa-{flash_attn}.kld"
-            args = perplexity_args(model_path, text_file, flash_attn) + ["-ngl", 0, "--kl-divergence-base", path]
+    def base(flash_attn: str, cache_type: str) -> Path:
+        key = (flash_attn, cache_type)
+        if key not in cache:
+            path = tmp_path_factory.mktemp("perplexity") / f"cpu-fa-{flash_attn}-{cache_type}.kld"
+            args = perplexity_args(model_path, text_file, *key) + ["-ngl", 0, "--kl-divergence-base", path]
             llama("llama-perplexity", args, timeout=CPU_TIMEOUT)
             assert path.is_file() and path.stat().st_size > 0, f"llama-perplexity wrote no logits to {path}"
-            cache[flash_attn] = path
-        return cache[flash_attn]
+            cache[key] = path
+        return cache[key]
 
     return base
 
@@ -75,10 +76,11 @@ def parse_statistic(pattern: re.Pattern, output: str, what: str) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize("flash_attn", ["on", "off"])
-def test_kl_divergence_against_cpu(llama, model_path, worker, text_file, cpu_logits, flash_attn):
-    base = cpu_logits(flash_attn)
-    args = perplexity_args(model_path, text_file, flash_attn) + [
+# a quantized V cache needs flash attention; q8_0 / q4_0 are what `-ctk/-ctv` users pick
+@pytest.mark.parametrize("flash_attn,cache_type", [("on", "f16"), ("off", "f16"), ("on", "q8_0"), ("on", "q4_0")])
+def test_kl_divergence_against_cpu(llama, model_path, worker, text_file, cpu_logits, flash_attn, cache_type):
+    base = cpu_logits(flash_attn, cache_type)
+    args = perplexity_args(model_path, text_file, flash_attn, cache_type) + [
         "--rpc", worker.address, "-ngl", 99, "--kl-divergence-base", base, "--kl-divergence"]
     done = llama("llama-perplexity", args, timeout=RPC_TIMEOUT, worker=worker)
     assert_fully_offloaded(done.stderr)

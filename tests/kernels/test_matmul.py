@@ -303,3 +303,56 @@ def test_float_tails_bit_exact_with_ggml(type_, ne00):
             theirs = ggml_oracle.result_bytes(out)
         matmul.forward(node)
         np.testing.assert_array_equal(ggml_oracle.our_bytes(node.dst).view(np.float32), theirs.view(np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# the Hadamard hint (quantized KV caches): a fast Walsh-Hadamard transform instead of the product
+
+
+def _hadamard(n: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(np.float32(n))).astype(np.float32)
+
+
+@needs_ggml
+@pytest.mark.parametrize("src_type", [T.F32, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,ne11,ne12", [(64, 1, 1), (128, 5, 3), (256, 2, 1)])
+def test_hadamard_hint_bit_exact_with_ggml(src_type, n, ne11, ne12):
+    rng = np.random.default_rng(n * 31 + ne11)
+    x = rng.standard_normal(n * ne11 * ne12).astype(np.float32)
+    with ggml_oracle.Graph() as g:
+        h = g.new(T.F32, (n, n), _hadamard(n))
+        b = g.new(src_type, (n, ne11, ne12), x.astype(np.float16) if src_type == T.F16 else x)
+        out = g.op("ggml_mul_mat", h, b)
+        g._base.ggml_mul_mat_set_hint(out, matmul.HINT_SRC0_IS_HADAMARD)
+        node = g.mirror(out)
+        g.compute(out, n_threads=2)
+        theirs = ggml_oracle.result_bytes(out).view(np.float32)
+    before = ggml_oracle.our_bytes(node.src[1]).copy()
+    matmul.check(node)
+    matmul.forward(node)
+    np.testing.assert_array_equal(ggml_oracle.our_bytes(node.dst).view(np.float32), theirs)
+    np.testing.assert_array_equal(ggml_oracle.our_bytes(node.src[1]), before)  # the input is left alone
+    run(matmul.reference, node)
+    np.testing.assert_array_equal(ggml_oracle.our_bytes(node.dst).view(np.float32), theirs)
+    # and it is the product it stands for, up to rounding
+    expect = x.reshape(ne12, ne11, n).astype(np.float64) @ _hadamard(n).astype(np.float64).T
+    got = ggml_oracle.our_bytes(node.dst).view(np.float32).reshape(ne12, ne11, n)
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 if src_type == T.F32 else 1e-2)
+
+
+def test_hadamard_hint_refuses_what_ggml_cannot_transform():
+    def node(n_rows, weight_type=T.F32, ne00=None):
+        ne00 = ne00 or n_rows
+        w = Tensor.new(weight_type, (ne00, ne00, 1, 1))
+        x = Tensor.new(T.F32, (n_rows, 2, 1, 1))
+        params = np.zeros(16, np.int32)
+        params[1] = matmul.HINT_SRC0_IS_HADAMARD
+        return Node(GGMLOp.MUL_MAT, Tensor.new(T.F32, (ne00, 2, 1, 1)), [w, x], params)
+
+    matmul.check(node(64))
+    for bad in (node(48), node(64, T.F16), node(64, ne00=32)):
+        with pytest.raises(InvalidNode):
+            matmul.check(bad)
