@@ -155,6 +155,13 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     n_ctx = context_size(ctx_size, hp.n_ctx_train)
     if len(tokens) > n_ctx - 4:
         raise CliError(f"prompt is too long ({len(tokens)} tokens, max {n_ctx - 4})")
+    params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                            repeat_last_n=n_ctx if repeat_last_n == -1 else repeat_last_n,
+                            seed=LLAMA_DEFAULT_SEED if seed < 0 else seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise CliError(f"invalid sampling parameters: {exc}") from None
 
     clients = [RpcClient(e) for e in endpoints]
     try:
@@ -163,9 +170,6 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
         pipe.upload()
         t_loaded = time.perf_counter()
 
-        params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                                repeat_last_n=pipe.n_ctx if repeat_last_n == -1 else repeat_last_n,
-                                seed=LLAMA_DEFAULT_SEED if seed < 0 else seed)
         sampler = Sampler(params, hp.n_vocab)
         banned = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)] if ignore_eos else []
         out = sys.stdout.buffer

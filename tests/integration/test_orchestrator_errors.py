@@ -134,3 +134,10 @@ def test_worker_lost_mid_generation(model, tmp_path):
     finally:
         for w in workers:
             w.stop()
+
+
+@pytest.mark.parametrize("flags,needle", [(["--repeat-penalty", "0"], "repeat_penalty"),
+                                          (["--repeat-last-n", "-5"], "repeat_last_n")])
+def test_invalid_sampling_parameters(model, flags, needle):
+    done = orchestrator("--rpc", "127.0.0.1:1", "-m", model, "-p", "hi", *flags)
+    assert_clean_failure(done, "invalid sampling parameters", needle)
