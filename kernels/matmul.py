@@ -180,19 +180,24 @@ def _dot4(kind, w, off, nb, yq, yd, ys, col):
     return _q80_4(w, off, nb, yq, yd, ys, col)
 
 
+@numba.njit(nogil=True, inline="always")
+def _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03):
+    """One parallel task: a ROWS_PER_TASK slice [lo, hi) of the weight rows of slice (i12, i13), its
+    byte offset `base` (src0 broadcast over dims 2/3) and the first activation column `col0`."""
+    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    chunk = task % nchunk
+    i12 = (task // nchunk) % ne12
+    i13 = task // (nchunk * ne12)
+    base = off + (i12 // (ne12 // ne02)) * nb02 + (i13 // (ne13 // ne03)) * nb03
+    lo = chunk * ROWS_PER_TASK
+    return i12, i13, base, (i13 * ne12 + i12) * ne11, lo, min(ne01, lo + ROWS_PER_TASK)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ys, out):
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
-    r2, r3 = ne12 // ne02, ne13 // ne03
-    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in numba.prange(ne13 * ne12 * nchunk):
-        chunk = task % nchunk
-        i12 = (task // nchunk) % ne12
-        i13 = task // (nchunk * ne12)
-        base = off + (i12 // r2) * nb02 + (i13 // r3) * nb03
-        col0 = (i13 * ne12 + i12) * ne11
-        lo = chunk * ROWS_PER_TASK
-        hi = min(ne01, lo + ROWS_PER_TASK)
+    for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
+        i12, i13, base, col0, lo, hi = _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         i11 = 0
         while i11 + 4 <= ne11:  # four activation rows per weight row read
             for ir in range(lo, hi):
@@ -211,17 +216,9 @@ def _mul_mat_kquant(kind, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne
     """Like _mul_mat_quant; the task's weight rows have their scales decoded once, their quants
     on the fly in every dot (kquants.dot_row)."""
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
-    r2, r3 = ne12 // ne02, ne13 // ne03
-    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     ngroups = nblk * qb // kquants.GROUP
-    for task in numba.prange(ne13 * ne12 * nchunk):
-        chunk = task % nchunk
-        i12 = (task // nchunk) % ne12
-        i13 = task // (nchunk * ne12)
-        base = off + (i12 // r2) * nb02 + (i13 // r3) * nb03
-        col0 = (i13 * ne12 + i12) * ne11
-        lo = chunk * ROWS_PER_TASK
-        hi = min(ne01, lo + ROWS_PER_TASK)
+    for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
+        i12, i13, base, col0, lo, hi = _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         s = np.zeros((ROWS_PER_TASK, ngroups), np.int32)
         m = np.zeros_like(s)
         d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
@@ -319,16 +316,10 @@ def _dot_float(kind, tiny, w, off, esize, y, yoff, n):
 def _mul_mat_float(kind, tiny, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize, y, out):
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     ne00 = y.size // max(1, ne11 * ne12 * ne13)
-    r2, r3 = ne12 // ne02, ne13 // ne03
-    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in numba.prange(ne13 * ne12 * nchunk):
-        chunk = task % nchunk
-        i12 = (task // nchunk) % ne12
-        i13 = task // (nchunk * ne12)
-        base = off + (i12 // r2) * nb02 + (i13 // r3) * nb03
-        col0 = (i13 * ne12 + i12) * ne11
+    for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
+        i12, i13, base, col0, lo, hi = _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         for i11 in range(ne11):
-            for ir in range(chunk * ROWS_PER_TASK, min(ne01, (chunk + 1) * ROWS_PER_TASK)):
+            for ir in range(lo, hi):
                 out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, (col0 + i11) * ne00, ne00)
 
 
