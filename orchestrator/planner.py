@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from orchestrator.ggml_graph import Graph, RemoteBuffer, Tensor
 
 
-def _align(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
 
 
 class _FreeList:
@@ -73,7 +73,7 @@ def plan_memory(graph: Graph, inputs: list[Tensor], outputs: list[Tensor], align
 
     def allocate(t: Tensor) -> None:
         if id(t) not in offsets and needs_memory(t):
-            offsets[id(t)] = (t, free.take(_align(max(t.nbytes, 1), alignment)))
+            offsets[id(t)] = (t, free.take(round_up(max(t.nbytes, 1), alignment)))
 
     for t in inputs:
         allocate(t)
@@ -89,5 +89,5 @@ def plan_memory(graph: Graph, inputs: list[Tensor], outputs: list[Tensor], align
         for t_id in dying.get(i, ()):
             if t_id in offsets and t_id != id(node):
                 t, off = offsets[t_id]
-                free.give(off, _align(max(t.nbytes, 1), alignment))
+                free.give(off, round_up(max(t.nbytes, 1), alignment))
     return MemoryPlan(free.end, offsets)

@@ -21,7 +21,7 @@ from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tenso
 from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
 from orchestrator.model import ModelFile
 from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
-from orchestrator.planner import plan_memory
+from orchestrator.planner import plan_memory, round_up
 from rpcserver.hashing import fnv1a64
 from rpcserver.ggml import GGMLType
 
@@ -30,17 +30,9 @@ HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensor
 NEG_INF_F16 = np.float16(-np.inf)
 
 
-def _pad(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def _align(n: int, alignment: int) -> int:
-    return _pad(n, alignment)
-
-
 def context_size(requested: int, n_ctx_train: int) -> int:
     """The KV cache size llama.cpp uses: the model's training context when 0, padded to 256."""
-    return _pad(requested or n_ctx_train, KV_PAD)
+    return round_up(requested or n_ctx_train, KV_PAD)
 
 
 class Stage:
@@ -73,7 +65,7 @@ class Stage:
         offset = 0
         for t in tensors:
             t.place(buffer, offset)
-            offset += _align(t.nbytes, self.alignment)
+            offset += round_up(t.nbytes, self.alignment)
         return offset
 
     def _allocate(self, size: int, what: str) -> RemoteBuffer:
@@ -214,7 +206,7 @@ class Pipeline:
         if self.n_past + n > self.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {n} tokens exceed n_ctx = {self.n_ctx}")
         used = self.n_past + n
-        n_kv = min(self.n_ctx, max(KV_PAD, _pad(used, KV_PAD)))
+        n_kv = min(self.n_ctx, max(KV_PAD, round_up(used, KV_PAD)))
         shape = Shape(n, n_kv, 1)
         feed = self._inputs(n, n_kv)
         activation = self.model.token_embeddings(tokens)
