@@ -22,6 +22,7 @@ from numba.extending import intrinsic
 from rpcserver.ggml import TYPE_TRAITS, GGMLType
 
 from . import quants
+from .tasks import ROWS_PER_TASK, task_tile
 from .quants import HAS_AVX2, LOAD_WEIGHT, _byte_ptr, _elem_ptr, _lanes, _llvm_fn, _vec
 
 T = GGMLType
@@ -530,3 +531,36 @@ def dot_row(kind, has_min, w, off, nblk, block_bytes, qb, s, m, d, dmin, yq, yd,
                 summ += m[g] * ybs[col, g]
         acc += yd[col, blk] * (d[blk] * np.float32(sumi) - dmin[blk] * np.float32(summ))
     return acc
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _mul_mat_kquant(kind, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ybs,
+                    out):
+    """Like _mul_mat_quant; the task's weight rows have their scales decoded once, their quants
+    on the fly in every dot (dot_row)."""
+    ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
+    ngroups = nblk * qb // GROUP
+    for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
+        i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
+        s = np.zeros((ROWS_PER_TASK, ngroups), np.int32)
+        m = np.zeros_like(s)
+        d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
+        dmin = np.zeros_like(d)
+        if kind != IQ4_NL_KIND:  # IQ4_NL's dot reads its one scale per block directly
+            for ir in range(lo, hi):
+                decode_row_scales(kind, w, base + ir * nb01, nblk, block_bytes, qb, s[ir - lo], m[ir - lo],
+                                          d[ir - lo], dmin[ir - lo])
+        for i11 in range(ne11):  # every activation row meets the task's weight rows while they are hot
+            for ir in range(lo, hi):
+                out[i13, i12, i11, ir] = dot_row(kind, has_min, w, base + ir * nb01, nblk, block_bytes, qb,
+                                                         s[ir - lo], m[ir - lo], d[ir - lo], dmin[ir - lo], yq, yd,
+                                                         ybs, col0 + i11)
+
+
+def mul_mat(src0, xs, out) -> None:
+    """MUL_MAT with K-quant/IQ4 weights src0 (a Tensor) and f32 activation rows xs (rows, K) into out."""
+    tt = TYPE_TRAITS[src0.type]
+    yq, yd, ybs = quantize_activations(src0.type, xs)
+    _mul_mat_kquant(int(src0.type), HAS_MIN[src0.type], tt.type_size, tt.block_size, src0.mem, src0.offset,
+                    src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], xs.shape[1] // tt.block_size,
+                    yq.reshape(-1), yd, ybs, out)

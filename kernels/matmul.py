@@ -27,6 +27,7 @@ from .node import InvalidNode, Node
 from .fmath import fma32
 from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT
 from .registry import OpKernel, register
+from .tasks import ROWS_PER_TASK, task_tile
 
 T = GGMLType
 # ggml-cpu's type_traits_cpu[w].vec_dot_type: the format src1 is converted to before the dots
@@ -34,7 +35,6 @@ VEC_DOT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q4
                 T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, **kquants.VEC_DOT_TYPE}
 WEIGHT_TYPES = tuple(VEC_DOT_TYPE)
 HINT_SRC0_IS_HADAMARD = 1  # op_params[1]: ggml-cpu would run a Walsh-Hadamard transform instead
-ROWS_PER_TASK = 16  # weight rows kept hot in cache while all activation columns stream past
 
 
 def check(node: Node) -> None:
@@ -180,24 +180,11 @@ def _dot4(kind, w, off, nb, yq, yd, ys, col):
     return _q80_4(w, off, nb, yq, yd, ys, col)
 
 
-@numba.njit(nogil=True, inline="always")
-def _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03):
-    """One parallel task: a ROWS_PER_TASK slice [lo, hi) of the weight rows of slice (i12, i13), its
-    byte offset `base` (src0 broadcast over dims 2/3) and the first activation column `col0`."""
-    nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    chunk = task % nchunk
-    i12 = (task // nchunk) % ne12
-    i13 = task // (nchunk * ne12)
-    base = off + (i12 // (ne12 // ne02)) * nb02 + (i13 // (ne13 // ne03)) * nb03
-    lo = chunk * ROWS_PER_TASK
-    return i12, i13, base, (i13 * ne12 + i12) * ne11, lo, min(ne01, lo + ROWS_PER_TASK)
-
-
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ys, out):
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
-        i12, i13, base, col0, lo, hi = _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
+        i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         i11 = 0
         while i11 + 4 <= ne11:  # four activation rows per weight row read
             for ir in range(lo, hi):
@@ -208,30 +195,6 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, y
         for i in range(i11, ne11):
             for ir in range(lo, hi):
                 out[i13, i12, i, ir] = _dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _mul_mat_kquant(kind, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ybs,
-                    out):
-    """Like _mul_mat_quant; the task's weight rows have their scales decoded once, their quants
-    on the fly in every dot (kquants.dot_row)."""
-    ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
-    ngroups = nblk * qb // kquants.GROUP
-    for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
-        i12, i13, base, col0, lo, hi = _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
-        s = np.zeros((ROWS_PER_TASK, ngroups), np.int32)
-        m = np.zeros_like(s)
-        d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
-        dmin = np.zeros_like(d)
-        if kind != kquants.IQ4_NL_KIND:  # IQ4_NL's dot reads its one scale per block directly
-            for ir in range(lo, hi):
-                kquants.decode_row_scales(kind, w, base + ir * nb01, nblk, block_bytes, qb, s[ir - lo], m[ir - lo],
-                                          d[ir - lo], dmin[ir - lo])
-        for i11 in range(ne11):  # every activation row meets the task's weight rows while they are hot
-            for ir in range(lo, hi):
-                out[i13, i12, i11, ir] = kquants.dot_row(kind, has_min, w, base + ir * nb01, nblk, block_bytes, qb,
-                                                         s[ir - lo], m[ir - lo], d[ir - lo], dmin[ir - lo], yq, yd,
-                                                         ybs, col0 + i11)
 
 
 (_f32_load, _f16_load, _bf16_load) = (LOAD_WEIGHT[t] for t in FLOAT_TYPES)
@@ -317,7 +280,7 @@ def _mul_mat_float(kind, tiny, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     ne00 = y.size // max(1, ne11 * ne12 * ne13)
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
-        i12, i13, base, col0, lo, hi = _task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
+        i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         for i11 in range(ne11):
             for ir in range(lo, hi):
                 out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, (col0 + i11) * ne00, ne00)
@@ -341,11 +304,7 @@ def forward(node: Node) -> None:
     ne10 = src1.ne[0]
     xs = np.ascontiguousarray(x, np.float32).reshape(-1, ne10)
     if src0.type in KQUANT_TYPES:
-        tt = TYPE_TRAITS[src0.type]
-        yq, yd, ybs = kquants.quantize_activations(src0.type, xs)
-        _mul_mat_kquant(int(src0.type), kquants.HAS_MIN[src0.type], tt.type_size, tt.block_size, src0.mem,
-                        src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3],
-                        ne10 // tt.block_size, yq.reshape(-1), yd, ybs, out)
+        kquants.mul_mat(src0, xs, out)
         return
     qs = np.empty(xs.shape, np.int8)
     d = np.empty((xs.shape[0], ne10 // QK), np.float32)
