@@ -5,10 +5,10 @@ Every format here unpacks to the same shape, which is what lets one dequantizer 
 serve all seven: per block of QB elements (256, or 32 for IQ4_NL) integer quants q, a scale d and a
 minimum scale dmin (float32), and per group of 16 elements an integer scale S and minimum M. A value
 is then (d*S)*q - dmin*M in float32 — exactly the operation order of ggml's dequantize_row_* (see
-ggml-quants.c), so GET_ROWS is bit-identical. MUL_MAT follows ggml's vec_dot_<w>_q8_K: activations
-become Q8_K (Q8_0 for IQ4_NL), then per block d_y * (d * sum_g S_g <q, y>_g - dmin * sum_g M_g bsum_g)
-with integer inner sums. Only the float reduction order differs from ggml's AVX2 code, so results
-agree to rounding (issue 4 accepts a normalized-error bound for these types).
+ggml-quants.c), so GET_ROWS is bit-identical. MUL_MAT quantizes activations to Q8_K (Q8_0 for
+IQ4_NL) and sums integer block products exactly; the float order then follows whichever ggml-cpu
+route the shape selects (the tiled K-quant kernel, vec_dot, or llamafile's tinyBLAS: see `route`),
+so products are bit-identical with the reference worker too.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLType
 
 from . import quants
 from .tasks import ROWS_PER_TASK, task_tile
-from .quants import HAS_AVX2, LOAD_WEIGHT, _byte_ptr, _elem_ptr, _lanes, _llvm_fn, _vec
+from .fmath import fma32
+from .quants import (HAS_AVX2, LOAD_WEIGHT, PREFETCH_AHEAD, _byte_ptr, _elem_ptr, _hsum8, _lanes, _llvm_fn,
+                     _prefetch, _shuffle, _splat, _vec)
 
 T = GGMLType
 QK_K = 256  # elements per super-block
@@ -230,27 +233,100 @@ def quantize_activations_ref(type_: GGMLType, x: np.ndarray):
     return quantize_q8_k_ref(x)
 
 
-def dot_ref(type_: GGMLType, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """rows (R, row_bytes) weights . x (C, K) f32 activations -> (R, C), the arithmetic of the
-    numba kernel: integer group sums, float32 accumulation block by block."""
+# ----------------------------------------------------------------------------------------------
+# MUL_MAT: ggml-cpu takes one of three routes, and each rounds in its own order. The integer sums
+# are exact everywhere; what differs is how they are grouped into float32 values:
+#   TILED (Q2_K..Q6_K, IQ4_XS when src1 has >= 8 rows: ggml-cpu/tiled): per super-block the row
+#     sums s1 = sum_g S_g <q, y>_g and s2 = sum_g M_g bsum_g, r = d*s1, r = fma(-dmin, s2, r), then
+#     acc = fma(r, d_y, acc): one float per output;
+#   VEC (fewer rows; IQ4_NL with one row: ggml_vec_dot_<w>_q8_K / _q8_0, x86 quants.c): 8 int32
+#     lanes per block (lane l holds elements 4l..4l+3 of every 32-element chunk, times their
+#     scale), fma'd with d_y*d into 8 float lanes, a per-type minimum term, hsum_float_8;
+#   TINYBLAS (IQ4_NL with >= 2 rows: llamafile sgemm): the same lanes, one fma per block, hsum.
+TILED, VEC, TINYBLAS = 0, 1, 2
+TILED_MIN_ROWS = 8  # ggml_tiled_min_batch
+
+
+def route(type_: GGMLType, ne11: int) -> int:
+    """Which ggml-cpu code computes MUL_MAT of these weights with src1->ne[1] == ne11."""
+    if type_ == T.IQ4_NL:
+        return TINYBLAS if ne11 >= 2 else VEC
+    return TILED if ne11 >= TILED_MIN_ROWS else VEC
+
+
+def _hsum8_np(acc):
+    t = acc[..., 4:] + acc[..., :4]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+
+
+def _pairs_np(v):
+    """Sum neighbouring lanes of the last axis (what _mm256_madd_epi16 does to a product)."""
+    return v[..., 0::2] + v[..., 1::2]
+
+
+def dot_ref(type_: GGMLType, rows: np.ndarray, x: np.ndarray, ne11: int | None = None) -> np.ndarray:
+    """rows (R, row_bytes) weights . x (C, K) f32 activations -> (R, C), in the float order of the
+    route ggml-cpu takes for src1->ne[1] == ne11 (default C)."""
+    from .matmul import fma32_np  # exact float32 fma; matmul imports this module
+
+    how = route(type_, len(x) if ne11 is None else ne11)
     qb = FORMATS[type_][0]
-    n_rows, nb = len(rows), x.shape[1] // qb
+    n_rows, n_cols, nb = len(rows), len(x), x.shape[1] // qb
     q, s, m, d, dmin = unpack_blocks(type_, rows.reshape(-1, TYPE_TRAITS[type_].type_size))
+    d, dmin = d.reshape(n_rows, nb), dmin.reshape(n_rows, nb)
     yq, yd, bsums = quantize_activations_ref(type_, x)
-    groups = np.einsum("rgj,cgj->rcg", q.reshape(n_rows, -1, GROUP).astype(np.int64),
-                       yq.reshape(len(x), -1, GROUP).astype(np.int64))  # (R, C, K/16)
-    per_block = qb // GROUP
-    sumi = (groups * s.reshape(n_rows, 1, -1)).reshape(n_rows, len(x), nb, per_block).sum(axis=3)
-    if m is not None:
-        summ = (m.reshape(n_rows, 1, -1) * bsums[None]).reshape(n_rows, len(x), nb, per_block).sum(axis=3)
-    else:
-        summ = np.zeros_like(sumi)
-    d, dmin = d.reshape(n_rows, 1, nb), dmin.reshape(n_rows, 1, nb)
-    inner = d * sumi.astype(np.float32) - dmin * summ.astype(np.float32)  # float32, (R, C, nb)
-    acc = np.zeros((n_rows, len(x)), np.float32)
+    if how == VEC and type_ == T.Q6_K:
+        q = q + 32  # ggml's VEC Q6_K dots the unsigned codes and subtracts 32 * S * bsum per lane
+    chunks = qb // 32
+    prods = np.einsum("rbclj,xbclj->rxbcl", q.reshape(n_rows, nb, chunks, 8, 4).astype(np.int64),
+                      yq.reshape(n_cols, nb, chunks, 8, 4).astype(np.int64))  # (R, C, nb, chunk, lane)
+    scale = s.reshape(n_rows, 1, nb, chunks, 2)[..., np.arange(8) // 4]  # lane l of chunk c: group 2c + l//4
+    lanes = (prods * scale).sum(axis=3)  # (R, C, nb, 8)
+    ys = bsums.reshape(1, n_cols, nb, -1).astype(np.int64)
+    mins = None if m is None else m.reshape(n_rows, 1, nb, -1) * ys  # (R, C, nb, 16)
+    f32 = np.float32
+    if how == TILED:
+        acc = np.zeros((n_rows, n_cols), f32)
+        for b in range(nb):
+            r = d[:, None, b] * lanes[:, :, b].sum(axis=-1).astype(f32)
+            if mins is not None:
+                r = fma32_np(-dmin[:, None, b], mins[:, :, b].sum(axis=-1).astype(f32), r)
+            acc = fma32_np(r, yd[None, :, b], acc)
+        return acc
+    if type_ == T.Q6_K:
+        lanes = lanes - 32 * _pairs_np(s.reshape(n_rows, 1, nb, -1) * ys)
+    d_xy = yd[None, :, :] * d[:, None, :]  # float32 products, as ggml
+    acc = np.zeros((n_rows, n_cols, 8), f32)
+    if how == TINYBLAS:
+        for b in range(nb):
+            acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
+        return _hsum8_np(acc)
+    if type_ == T.IQ4_NL:  # two accumulators over block pairs, then a scalar odd block
+        acc2 = acc.copy()
+        for b in range(0, nb - 1, 2):
+            acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
+            acc2 = fma32_np(d_xy[..., b + 1, None], lanes[:, :, b + 1].astype(f32), acc2)
+        total = _hsum8_np(acc + acc2)
+        if nb % 2:
+            total = total + d_xy[..., nb - 1] * lanes[:, :, nb - 1].sum(axis=-1).astype(f32)
+        return total
+    d_min = -yd[None, :, :] * dmin[:, None, :]
+    acc_m = np.zeros((n_rows, n_cols, 4), f32)  # Q4_K's four minimum lanes
+    summs = np.zeros((n_rows, n_cols), f32)  # Q5_K's scalar minimum sum
     for b in range(nb):
-        acc = acc + yd[None, :, b] * inner[:, :, b]
-    return acc
+        if type_ == T.Q2_K:
+            acc = fma32_np(d_min[..., b, None], _pairs_np(mins[:, :, b]).astype(f32), acc)
+        elif type_ == T.Q4_K:
+            acc_m = fma32_np(d_min[..., b, None], _pairs_np(_pairs_np(mins[:, :, b])).astype(f32), acc_m)
+        elif type_ == T.Q5_K:
+            summs = fma32_np(d_min[..., b], mins[:, :, b].sum(axis=-1).astype(f32), summs)
+        acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
+    total = _hsum8_np(acc)
+    if type_ == T.Q4_K:
+        total = total + ((acc_m[..., 0] + acc_m[..., 2]) + (acc_m[..., 1] + acc_m[..., 3]))
+    elif type_ == T.Q5_K:
+        total = total + summs
+    return total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,66 +510,214 @@ def _scaled_lanes(builder, q, y, scales):
     return builder.call(madd, [pairs, spread])
 
 
+_I64, _F32 = ir.IntType(64), ir.FloatType()
+
+
+def _chunk_quants(builder, at, type_, c, signed=True):
+    """<32 x i8> quants of chunk c (elements 32c..32c+31) of the 256-block whose bytes at(off, type)
+    loads. signed=False leaves Q6_K's codes unsigned (0..63), as ggml's VEC route dots them."""
+    if type_ == T.IQ4_XS:
+        return _iq4_quants(builder, at(8 + 16 * c, _vec(_I8, 16)))
+    a, sa, ma, b, sb, mb, hs, bias = _chunk_layout(type_, c)
+    q = builder.and_(_shift_bytes(builder, at(a, _V32), sa), _bytes(ma))
+    if mb:
+        high = builder.and_(_shift_bytes(builder, at(b, _V32), sb), _bytes(mb))
+        q = builder.or_(q, _shift_bytes(builder, high, hs, left=True))
+    if bias and (signed or type_ != T.Q6_K):
+        q = builder.sub(q, _bytes(bias))
+    return q
+
+
+def _block_lanes(builder, type_, at, load_y, load_scales, signed=True):
+    """The 8 int32 lanes of ggml's AVX2 block dot: lane l = sum over the 8 chunks c of
+    S[2c + l//4] * (products 4l..4l+3 of chunk c). load_y(e) loads activations e..e+31 of the block,
+    load_scales(g) the <2 x i32> scales of groups g, g+1."""
+    acc = ir.Constant(_vec(_I32, 8), [0] * 8)
+    for c in range(QK_K // 32):
+        q = _chunk_quants(builder, at, type_, c, signed)
+        acc = builder.add(acc, _scaled_lanes(builder, q, load_y(32 * c), load_scales(2 * c)))
+    return acc
+
+
+def _isum(builder, v):
+    """Integer sum of a vector's lanes (exact, so any order)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = builder.add(_shuffle(builder, v, v, list(range(n))), _shuffle(builder, v, v, list(range(n, 2 * n))))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _pairs(builder, v):
+    """Neighbouring lanes summed: <2n x i32> -> <n x i32> (the pairing of _mm256_madd_epi16)."""
+    n = v.type.count
+    return builder.add(_shuffle(builder, v, v, list(range(0, n, 2))), _shuffle(builder, v, v, list(range(1, n, 2))))
+
+
+class _Args:
+    """Typed access to an intrinsic's array arguments (all C-contiguous and 1-d)."""
+
+    def __init__(self, context, builder, signature, args):
+        self.context, self.builder, self.types, self.values = context, builder, signature.args, args
+
+    def elem(self, i, index):
+        return self.builder.load(_elem_ptr(self.context, self.builder, self.types[i], self.values[i], index))
+
+    def ivec(self, i, index, n):
+        ptr = _elem_ptr(self.context, self.builder, self.types[i], self.values[i], index)
+        return self.builder.load(self.builder.bitcast(ptr, _vec(_I32, n).as_pointer()), align=4)
+
+    def bytes_at(self, i, offset, ty):
+        return self.builder.load(_byte_ptr(self.context, self.builder, self.types[i], self.values[i], offset, ty),
+                                 align=1)
+
+    def y32(self, i, index):
+        return _load_y(self.context, self.builder, self.types[i], self.values[i], index)
+
+
+def _i64(v):
+    return ir.Constant(_I64, v)
+
+
+def _fma_fn(builder, n):
+    if n == 1:
+        return _llvm_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
+    return _llvm_fn(builder, f"llvm.fma.v{n}f32", _vec(_F32, n), [_vec(_F32, n)] * 3)
+
+
 def _make_block_sumi(type_: GGMLType):
-    """Intrinsic sumi(w, p, s, soff, y, yoff) -> int32: sum over the 16 groups of a 256-block at
-    byte p of w of S[g] * <q, y>_g, with S from s[soff:] and the activations y[yoff:]. The chunk
-    layout is unrolled at compile time, so shifts and offsets are constants; products stay in
-    vector lanes (kernels.quants' lane dot) and are reduced once per block."""
+    """Intrinsic sumi(w, p, s, soff, y, yoff) -> int32: sum_g S[g] <q, y>_g over the 256-block at
+    byte p of w, scales from s[soff:], activations y[yoff:] (the TILED route's s1)."""
 
     @intrinsic
     def sumi(typingctx, w, p, s, soff, y, yoff):
         sig = types.int32(w, types.int64, s, types.int64, y, types.int64)
 
         def codegen(context, builder, signature, args):
-            w_, p_, s_, soff_, y_, yoff_ = args
-            wt, _, st, _, yt, _ = signature.args
-            at = lambda off, ty: builder.load(_byte_ptr(context, builder, wt, w_, builder.add(  # noqa: E731
-                p_, ir.Constant(p_.type, off)), ty), align=1)
-            acc = ir.Constant(_vec(_I32, 8), [0] * 8)
-            for c in range(QK_K // 32):
-                if type_ == T.IQ4_XS:
-                    q = _iq4_quants(builder, at(8 + 16 * c, _vec(_I8, 16)))
-                else:
-                    a, sa, ma, b, sb, mb, hs, bias = _chunk_layout(type_, c)
-                    q = builder.and_(_shift_bytes(builder, at(a, _V32), sa), _bytes(ma))
-                    if mb:
-                        high = builder.and_(_shift_bytes(builder, at(b, _V32), sb), _bytes(mb))
-                        q = builder.or_(q, _shift_bytes(builder, high, hs, left=True))
-                    if bias:
-                        q = builder.sub(q, _bytes(bias))
-                yv = _load_y(context, builder, yt, y_, builder.add(yoff_, ir.Constant(yoff_.type, 32 * c)))
-                sp = builder.bitcast(_elem_ptr(context, builder, st, s_, builder.add(soff_, ir.Constant(
-                    soff_.type, 2 * c))), _vec(_I32, 2).as_pointer())
-                sv = builder.load(sp, align=4)  # the scales of groups 2c and 2c+1
-                acc = builder.add(acc, _scaled_lanes(builder, q, yv, sv))
-            e = [builder.extract_element(acc, ir.Constant(_I32, i)) for i in range(8)]
-            return builder.add(builder.add(builder.add(e[0], e[1]), builder.add(e[2], e[3])),
-                               builder.add(builder.add(e[4], e[5]), builder.add(e[6], e[7])))
+            a = _Args(context, builder, signature, args)
+            p_, soff_, yoff_ = args[1], args[3], args[5]
+            lanes = _block_lanes(builder, type_, lambda off, ty: a.bytes_at(0, builder.add(p_, _i64(off)), ty),
+                                 lambda e: a.y32(4, builder.add(yoff_, _i64(e))),
+                                 lambda g: a.ivec(2, builder.add(soff_, _i64(g)), 2))
+            return _isum(builder, lanes)
 
         return sig, codegen
 
     return sumi
 
 
-@intrinsic
-def _iq4_nl_sumi(typingctx, w, p, y, yoff):
-    """One IQ4_NL block at byte p of w . y[yoff:yoff+32] as an int32 (its scale S is 1)."""
-    sig = types.int32(w, types.int64, y, types.int64)
+def _make_vec_dot(type_: GGMLType):
+    """Intrinsic dot(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col) -> float32: the weight row at
+    byte off (scales decoded into s, m, d, dmin) . activation row col (yq int8, yd float32 per
+    block, ybs int32 per 16, all flat), as ggml_vec_dot_<type>_q8_K: per block 8 float lanes
+    acc = fma(d_y*d, lanes, acc) and the minimum term each format folds in its own way."""
+    size = TYPE_TRAITS[type_].type_size
 
-    def codegen(context, builder, signature, args):
-        w_, p_, y_, yoff_ = args
-        raw = builder.load(_byte_ptr(context, builder, signature.args[0], w_, builder.add(
-            p_, ir.Constant(p_.type, 2)), _vec(_I8, 16)), align=1)
-        lanes = _lanes(builder, _iq4_quants(builder, raw), _load_y(context, builder, signature.args[2], y_, yoff_))
-        e = [builder.extract_element(lanes, ir.Constant(_I32, i)) for i in range(8)]
-        return builder.add(builder.add(builder.add(e[0], e[1]), builder.add(e[2], e[3])),
-                           builder.add(builder.add(e[4], e[5]), builder.add(e[6], e[7])))
+    @intrinsic
+    def vec_dot(typingctx, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
+        sig = types.float32(w, types.int64, types.int64, s, m, d, dmin, yq, yd, ybs, types.int64)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            a = _Args(context, builder, signature, args)
+            off_, nb_, col_ = args[1], args[2], args[10]
+            fma8, fma4, fma1 = _fma_fn(builder, 8), _fma_fn(builder, 4), _fma_fn(builder, 1)
+            zero = lambda n: ir.Constant(_vec(_F32, n), [0.0] * n)  # noqa: E731
+            acc = cgutils.alloca_once_value(builder, zero(8))
+            acc_m = cgutils.alloca_once_value(builder, zero(4))  # Q4_K: minimum terms in 4 lanes
+            summs = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))  # Q5_K: one scalar
+            with cgutils.for_range(builder, nb_) as loop:
+                b = loop.index
+                p = builder.add(off_, builder.mul(b, _i64(size)))
+                _prefetch(builder, _byte_ptr(context, builder, a.types[0], a.values[0], builder.add(p, _i64(PREFETCH_AHEAD)), _I8))
+                yb = builder.add(builder.mul(col_, nb_), b)
+                g0, yg0, y0 = builder.mul(b, _i64(16)), builder.mul(yb, _i64(16)), builder.mul(yb, _i64(QK_K))
+                lanes = _block_lanes(builder, type_, lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty),
+                                     lambda e: a.y32(7, builder.add(y0, _i64(e))),
+                                     lambda g: a.ivec(3, builder.add(g0, _i64(g)), 2), signed=type_ != T.Q6_K)
+                dy = a.elem(8, yb)
+                bsums = a.ivec(9, yg0, 16)
+                if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
+                    excess = _pairs(builder, builder.mul(a.ivec(3, g0, 16), bsums))
+                    lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(_vec(_I32, 8), [5] * 8)))
+                if HAS_MIN[type_]:
+                    d_min = builder.fmul(builder.fsub(ir.Constant(_F32, -0.0), dy), a.elem(6, b))
+                    mins = builder.mul(a.ivec(4, g0, 16), bsums)
+                    if type_ == T.Q2_K:
+                        builder.store(builder.call(fma8, [_splat(builder, d_min), builder.sitofp(
+                            _pairs(builder, mins), _vec(_F32, 8)), builder.load(acc)]), acc)
+                    elif type_ == T.Q4_K:
+                        builder.store(builder.call(fma4, [_splat(builder, d_min, 4), builder.sitofp(
+                            _pairs(builder, _pairs(builder, mins)), _vec(_F32, 4)), builder.load(acc_m)]), acc_m)
+                    else:  # Q5_K
+                        builder.store(builder.call(fma1, [d_min, builder.sitofp(_isum(builder, mins), _F32),
+                                                          builder.load(summs)]), summs)
+                d_xy = _splat(builder, builder.fmul(dy, a.elem(5, b)))
+                builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, _vec(_F32, 8)), builder.load(acc)]), acc)
+            total = _hsum8(builder, builder.load(acc))
+            if type_ == T.Q4_K:
+                v = builder.load(acc_m)
+                e = [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)]
+                total = builder.fadd(total, builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3])))
+            elif type_ == T.Q5_K:
+                total = builder.fadd(total, builder.load(summs))
+            return total
+
+        return sig, codegen
+
+    return vec_dot
+
+
+def _make_iq4_nl_dot(tinyblas: bool):
+    """Intrinsic dot(w, off, nblk, yq, yd, col) -> float32 for an IQ4_NL row: tinyBLAS keeps one
+    accumulator; ggml_vec_dot_iq4_nl_q8_0 alternates two over block pairs, adds them before
+    hsum_float_8, then an odd last block as a scalar (mul, then add: not contracted)."""
+
+    @intrinsic
+    def dot(typingctx, w, off, nblk, yq, yd, col):
+        sig = types.float32(w, types.int64, types.int64, yq, yd, types.int64)
+
+        def codegen(context, builder, signature, args):
+            a = _Args(context, builder, signature, args)
+            off_, nb_, col_ = args[1], args[2], args[5]
+            fma8 = _fma_fn(builder, 8)
+
+            def block(b):
+                p = builder.add(off_, builder.mul(b, _i64(18)))
+                yb = builder.add(builder.mul(col_, nb_), b)
+                q = _iq4_quants(builder, a.bytes_at(0, builder.add(p, _i64(2)), _vec(_I8, 16)))
+                lanes = _lanes(builder, q, a.y32(3, builder.mul(yb, _i64(32))))
+                return lanes, builder.fmul(a.elem(4, yb), builder.fpext(a.bytes_at(0, p, ir.HalfType()), _F32))
+
+            def step(acc, b):
+                lanes, d = block(b)
+                builder.store(builder.call(fma8, [_splat(builder, d), builder.sitofp(lanes, _vec(_F32, 8)),
+                                                  builder.load(acc)]), acc)
+
+            zero = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+            acc, acc2 = cgutils.alloca_once_value(builder, zero), cgutils.alloca_once_value(builder, zero)
+            if tinyblas:
+                with cgutils.for_range(builder, nb_) as loop:
+                    step(acc, loop.index)
+                return _hsum8(builder, builder.load(acc))
+            with cgutils.for_range(builder, builder.ashr(nb_, _i64(1))) as loop:
+                b = builder.mul(loop.index, _i64(2))
+                step(acc, b)
+                step(acc2, builder.add(b, _i64(1)))
+            total = _hsum8(builder, builder.fadd(builder.load(acc), builder.load(acc2)))
+            lanes, d = block(builder.sub(nb_, _i64(1)))  # always a valid block; used only if nb is odd
+            tail = builder.fadd(total, builder.fmul(d, builder.sitofp(_isum(builder, lanes), _F32)))
+            odd = builder.icmp_signed("!=", builder.and_(nb_, _i64(1)), _i64(0))
+            return builder.select(odd, tail, total)
+
+        return sig, codegen
+
+    return dot
 
 
 _q2k_sumi, _q3k_sumi, _q4k_sumi, _q5k_sumi, _q6k_sumi, _iq4xs_sumi = (
     _make_block_sumi(t) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_vec, _q3k_vec, _q4k_vec, _q5k_vec, _q6k_vec, _iq4xs_vec = (_make_vec_dot(t) for t in BIT_TYPES + (T.IQ4_XS,))
+_iq4nl_vec, _iq4nl_tiny = _make_iq4_nl_dot(False), _make_iq4_nl_dot(True)
 
 
 @numba.njit(nogil=True, inline="always")
@@ -512,32 +736,41 @@ def _block_sumi(kind, w, p, s, soff, y, yoff):
 
 
 @numba.njit(nogil=True)
-def dot_row(kind, has_min, w, off, nblk, block_bytes, qb, s, m, d, dmin, yq, yd, ybs, col):
-    """Weight row at byte off of w (its scales already in s, m, d, dmin unless IQ4_NL) . activation row `col`
-    (yq int8 flat (C*K,), yd (C, K/qb), ybs (C, K/16)); quants are decoded on the fly."""
+def _tiled_dot(has_min, kind, w, off, nblk, block_bytes, s, m, d, dmin, yq, yd, ybs, col):
+    """The TILED route for one weight row (scales decoded) . activation row col."""
     acc = np.float32(0)
-    per_block = qb // GROUP
-    k = nblk * qb
     for blk in range(nblk):
-        p = off + blk * block_bytes
-        yoff = col * k + blk * qb
-        if kind == IQ4_NL_KIND:  # one scale, no minimum: skip the decoded scales (a row has many such blocks)
-            acc += yd[col, blk] * (_f16_load(w, p) * np.float32(_iq4_nl_sumi(w, p, yq, yoff)))
-            continue
-        sumi = _block_sumi(kind, w, p, s, blk * per_block, yq, yoff)
-        summ = np.int32(0)
+        yb = col * nblk + blk
+        r = d[blk] * np.float32(_block_sumi(kind, w, off + blk * block_bytes, s, blk * 16, yq, yb * QK_K))
         if has_min:
-            for g in range(blk * per_block, (blk + 1) * per_block):
-                summ += m[g] * ybs[col, g]
-        acc += yd[col, blk] * (d[blk] * np.float32(sumi) - dmin[blk] * np.float32(summ))
+            s2 = np.int32(0)
+            for g in range(16):
+                s2 += m[blk * 16 + g] * ybs[yb * 16 + g]
+            r = fma32(-dmin[blk], np.float32(s2), r)
+        acc = fma32(r, yd[yb], acc)
     return acc
 
 
+@numba.njit(nogil=True, inline="always")
+def _vec_dot(kind, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
+    if kind == 10:
+        return _q2k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 11:
+        return _q3k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 12:
+        return _q4k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 13:
+        return _q5k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 14:
+        return _q6k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    return _iq4xs_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _mul_mat_kquant(kind, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ybs,
-                    out):
-    """Like _mul_mat_quant; the task's weight rows have their scales decoded once, their quants
-    on the fly in every dot (dot_row)."""
+def _mul_mat_kquant(kind, how, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd,
+                    ybs, out):
+    """Like _mul_mat_quant: a task's weight rows have their scales decoded once (IQ4_NL reads its one
+    scale per block directly), their quants on the fly in every dot; `how` is the route."""
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     ngroups = nblk * qb // GROUP
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
@@ -546,21 +779,32 @@ def _mul_mat_kquant(kind, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne
         m = np.zeros_like(s)
         d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
         dmin = np.zeros_like(d)
-        if kind != IQ4_NL_KIND:  # IQ4_NL's dot reads its one scale per block directly
+        if kind != IQ4_NL_KIND:
             for ir in range(lo, hi):
                 decode_row_scales(kind, w, base + ir * nb01, nblk, block_bytes, qb, s[ir - lo], m[ir - lo],
-                                          d[ir - lo], dmin[ir - lo])
+                                  d[ir - lo], dmin[ir - lo])
         for i11 in range(ne11):  # every activation row meets the task's weight rows while they are hot
+            col = col0 + i11
             for ir in range(lo, hi):
-                out[i13, i12, i11, ir] = dot_row(kind, has_min, w, base + ir * nb01, nblk, block_bytes, qb,
-                                                         s[ir - lo], m[ir - lo], d[ir - lo], dmin[ir - lo], yq, yd,
-                                                         ybs, col0 + i11)
+                row, t = base + ir * nb01, ir - lo
+                if kind == IQ4_NL_KIND:
+                    if how == TINYBLAS:
+                        v = _iq4nl_tiny(w, row, nblk, yq, yd, col)
+                    else:
+                        v = _iq4nl_vec(w, row, nblk, yq, yd, col)
+                elif how == VEC:
+                    v = _vec_dot(kind, w, row, nblk, s[t], m[t], d[t], dmin[t], yq, yd, ybs, col)
+                else:
+                    v = _tiled_dot(has_min, kind, w, row, nblk, block_bytes, s[t], m[t], d[t], dmin[t], yq, yd, ybs,
+                                   col)
+                out[i13, i12, i11, ir] = v
 
 
 def mul_mat(src0, xs, out) -> None:
-    """MUL_MAT with K-quant/IQ4 weights src0 (a Tensor) and f32 activation rows xs (rows, K) into out."""
+    """MUL_MAT with K-quant/IQ4 weights src0 (a Tensor) and f32 activation rows xs (rows, K) into out
+    (the dst array, whose shape[2] is src1->ne[1], what picks ggml's route)."""
     tt = TYPE_TRAITS[src0.type]
     yq, yd, ybs = quantize_activations(src0.type, xs)
-    _mul_mat_kquant(int(src0.type), HAS_MIN[src0.type], tt.type_size, tt.block_size, src0.mem, src0.offset,
-                    src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], xs.shape[1] // tt.block_size,
-                    yq.reshape(-1), yd, ybs, out)
+    _mul_mat_kquant(int(src0.type), route(src0.type, out.shape[2]), HAS_MIN[src0.type], tt.type_size,
+                    tt.block_size, src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2],
+                    src0.ne[3], xs.shape[1] // tt.block_size, yq.reshape(-1), yd.reshape(-1), ybs.reshape(-1), out)
