@@ -16,6 +16,8 @@ they agree to rounding rather than bit for bit.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numba
 import numpy as np
 
@@ -26,7 +28,7 @@ from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32
 from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT
-from .registry import OpKernel, register
+from .registry import OpKernel, prepared, register
 from .tasks import ROWS_PER_TASK, task_tile
 
 T = GGMLType
@@ -34,6 +36,7 @@ T = GGMLType
 VEC_DOT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1,
                 T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, **kquants.VEC_DOT_TYPE}
 WEIGHT_TYPES = tuple(VEC_DOT_TYPE)
+QUANTIZE_PARALLEL_ROWS = 4  # activation rows from which their quantization is split across threads
 HINT_SRC0_IS_HADAMARD = 1  # op_params[1]: ggml-cpu would run a Walsh-Hadamard transform instead
 
 
@@ -181,8 +184,20 @@ def _dot4(kind, w, off, nb, yq, yd, ys, col):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd, ys, out):
-    ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
+def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq, yd, ys, with_sum, out):
+    """x: the (ne13, ne12, ne11, K) f32 activations, quantized first into the flat scratch yq/yd/ys."""
+    ne13, ne12, ne11, k = x.shape
+    n_rows = ne13 * ne12 * ne11
+    if n_rows >= QUANTIZE_PARALLEL_ROWS:
+        for r in numba.prange(n_rows):
+            i11, i12, i13 = r % ne11, (r // ne11) % ne12, r // (ne11 * ne12)
+            quants.quantize_q8_row(x[i13, i12, i11], yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk],
+                                   ys[r * nblk:(r + 1) * nblk], with_sum)
+    else:  # a decode step's single row: not worth waking the other threads for
+        for r in range(n_rows):
+            i11, i12, i13 = r % ne11, (r // ne11) % ne12, r // (ne11 * ne12)
+            quants.quantize_q8_row(x[i13, i12, i11], yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk],
+                                   ys[r * nblk:(r + 1) * nblk], with_sum)
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         i11 = 0
@@ -286,34 +301,40 @@ def _mul_mat_float(kind, tiny, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize
                 out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, (col0 + i11) * ne00, ne00)
 
 
-def forward(node: Node) -> None:
+def _nothing() -> None:
+    pass
+
+
+def prepare(node: Node):
     src0, src1 = node.src[:2]
     dst = node.dst
     if 0 in src0.ne or 0 in dst.ne:
-        return
+        return _nothing
     if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
-        forward_fwht(node)
-        return
+        return partial(forward_fwht, node)
     x = src1.array()
     out = dst.array()
     if src0.type in FLOAT_TYPES:
-        y = _activations(src0.type, x).reshape(-1)
-        _mul_mat_float(FLOAT_TYPES.index(src0.type), _tinyblas_takes(node), src0.mem, src0.offset, src0.nb[1],
-                       src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], src0.nb[0], y, out)
-        return
+        kind, tiny = FLOAT_TYPES.index(src0.type), _tinyblas_takes(node)
+
+        def run_float():  # the activations are rounded to the weights' float type on every run
+            _mul_mat_float(kind, tiny, src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1],
+                           src0.ne[2], src0.ne[3], src0.nb[0], _activations(src0.type, x).reshape(-1), out)
+
+        return run_float
     ne10 = src1.ne[0]
-    xs = np.ascontiguousarray(x, np.float32).reshape(-1, ne10)
     if src0.type in KQUANT_TYPES:
-        kquants.mul_mat(src0, xs, out)
-        return
-    qs = np.empty(xs.shape, np.int8)
-    d = np.empty((xs.shape[0], ne10 // QK), np.float32)
+        return lambda: kquants.mul_mat(src0, np.ascontiguousarray(x, np.float32).reshape(-1, ne10), out)
+    n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     with_sum = VEC_DOT_TYPE[src0.type] == GGMLType.Q8_1
+    qs = np.empty(n_rows * ne10, np.int8)  # scratch for the quantized activations, reused every run
+    d = np.empty(n_rows * ne10 // QK, np.float32)
     s = np.empty_like(d) if with_sum else d
-    quants.quantize_q8_rows(xs, qs, d, s, with_sum)
-    _mul_mat_quant(int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
-                   src0.ne[1], src0.ne[2], src0.ne[3], ne10 // QK, qs.reshape(-1), d.reshape(-1),
-                   s.reshape(-1), out)
+    return partial(_mul_mat_quant, int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
+                   src0.ne[1], src0.ne[2], src0.ne[3], ne10 // QK, x, qs, d, s, with_sum, out)
+
+
+forward = prepared(prepare)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,4 +439,4 @@ def reference(node: Node) -> None:
                 out[i13, i12] = _slice_float(src0.type, w, _activations(src0.type, x[i13, i12]), tiny).T
 
 
-register(GGMLOp.MUL_MAT)(OpKernel(check, forward, reference))
+register(GGMLOp.MUL_MAT)(OpKernel(check, forward, reference, prepare))

@@ -272,27 +272,31 @@ ROW_DOT = {t: (_make_row_dot(t, 1), _make_row_dot(t, 4)) for t in QUANT_TYPES}
 # numba activation quantizer
 
 
+@numba.njit(nogil=True, inline="always")
+def quantize_q8_row(x, qs, d, s, with_sum):
+    """One row: x (k,) float32 -> qs (k,) int8, d (k/32,) float32 and, if with_sum, s (k/32,)."""
+    for b in range(x.shape[0] // QK):
+        o = b * QK
+        amax = np.float32(0)
+        for j in range(QK):
+            amax = max(amax, abs(x[o + j]))
+        dv = amax / np.float32(127)
+        inv = np.float32(127) / amax if amax != 0 else np.float32(0)
+        total = 0
+        for j in range(QK):
+            q = np.int8(np.rint(x[o + j] * inv))
+            qs[o + j] = q
+            total += q
+        d[b] = round_f16(dv)
+        if with_sum:
+            s[b] = round_f16(dv * np.float32(total))
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def quantize_q8_rows(x, qs, d, s, with_sum):
     """x (rows, k) float32 -> qs (rows, k) int8, d (rows, k/32) float32 and, if with_sum, s."""
-    rows, k = x.shape
-    nb = k // QK
-    for r in numba.prange(rows):
-        for b in range(nb):
-            o = b * QK
-            amax = np.float32(0)
-            for j in range(QK):
-                amax = max(amax, abs(x[r, o + j]))
-            dv = amax / np.float32(127)
-            inv = np.float32(127) / amax if amax != 0 else np.float32(0)
-            total = 0
-            for j in range(QK):
-                q = np.int8(np.rint(x[r, o + j] * inv))
-                qs[r, o + j] = q
-                total += q
-            d[r, b] = round_f16(dv)
-            if with_sum:
-                s[r, b] = round_f16(dv * np.float32(total))
+    for r in numba.prange(x.shape[0]):
+        quantize_q8_row(x[r], qs[r], d[r], s[r], with_sum)
 
 
 # ----------------------------------------------------------------------------------------------

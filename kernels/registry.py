@@ -2,12 +2,16 @@
 
 Every op module registers an OpKernel against the table; nothing else decides what is supported.
 `check` refuses a node before anything executes; `forward` is the numba kernel; `reference` is its
-numpy twin, the living specification the kernel is tested against.
+numpy twin, the living specification the kernel is tested against. `prepare`, where a kernel has it,
+does once what `forward` would redo on every call (views, scratch, parameters) and returns the
+zero-argument call that runs the node: a plan replayed by GRAPH_RECOMPUTE then costs one numba call
+per node.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from rpcserver.ggml import GGMLGluOp, GGMLOp, GGMLUnaryOp
@@ -20,6 +24,16 @@ class OpKernel:
     check: Callable[[Node], None]
     forward: Callable[[Node], None]
     reference: Callable[[Node], None]
+    prepare: Callable[[Node], Callable[[], None]] | None = None
+
+    def bind(self, node: Node) -> Callable[[], None]:
+        """The node's forward as a zero-argument call (the node must have passed check)."""
+        return self.prepare(node) if self.prepare is not None else partial(self.forward, node)
+
+
+def prepared(prepare: Callable[[Node], Callable[[], None]]) -> Callable[[Node], None]:
+    """The forward of a kernel that has a prepare: bind and run at once."""
+    return lambda node: prepare(node)()
 
 
 # key: (op, sub-op) where sub-op is the unary/glu op for UNARY/GLU and 0 otherwise

@@ -27,12 +27,12 @@ class GraphError(ValueError):
 
 @dataclass
 class Plan:
-    steps: list  # (forward, Node) in execution order
+    steps: list  # (bound forward, Node) in execution order
     n_nodes: int
 
     def run(self) -> None:
-        for forward, node in self.steps:
-            forward(node)
+        for run, _ in self.steps:
+            run()
 
 
 def _tensor_label(rec: RpcTensor) -> str:
@@ -120,9 +120,9 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable) -> Plan:
         try:
             kernel = lookup(node)
             kernel.check(node)
+            steps.append((kernel.bind(node), node))
         except InvalidNode as exc:
             raise GraphError(f"node {_tensor_label(rec)} ({op.name}): {exc}") from None
-        steps.append((kernel.forward, node))
     return Plan(steps, len(node_ids))
 
 

@@ -1,0 +1,94 @@
+"""Where a worker's time goes per decode step: graph ops timed one by one, inside one process.
+
+    python tools/profile_worker.py [-m MODEL] [-n 32] [--prompt 8] [--fa on|off]
+
+The orchestrator's pipeline drives a worker Session in this process (requests still go through the
+shared codec, only the socket is left out), so the numbers are the worker's own: no network, no
+client. After the prompt, each generated token is one GRAPH_RECOMPUTE; the tool reports the median
+time of a whole step and, from a second pass that times every plan step separately, the time per op
+(sum over the step's nodes, with node counts). The per-op sums include the per-node dispatch cost,
+which is what distinguishes a step's wall time from its kernels' time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.registry import op_label, sub_op  # noqa: E402
+from orchestrator.client import RpcClient  # noqa: E402
+from orchestrator.model import ModelFile  # noqa: E402
+from orchestrator.runner import Pipeline  # noqa: E402
+from rpcserver import protocol as p  # noqa: E402
+from rpcserver.memory import MemoryBudget  # noqa: E402
+from rpcserver.session import Session, WorkerConfig  # noqa: E402
+from tools import reference  # noqa: E402
+
+
+class InProcessClient(RpcClient):
+    """RpcClient's interface over a Session in this process: encode, decode, handle."""
+
+    def __init__(self, session: Session):
+        self.session, self.endpoint, self.version = session, "in-process", p.PROTOCOL_VERSION
+
+    def close(self) -> None:
+        self.session.close()
+
+    def call(self, command, message=None) -> bytes:
+        payload = p.encode_request(command, message)[9:]  # drop the frame header
+        return self.session.handle(command, p.decode_request(command, payload)) or b""
+
+    def send(self, command, message=None) -> None:
+        self.call(command, message)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", type=Path, default=None)
+    ap.add_argument("-n", "--n-gen", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=8, help="prompt tokens evaluated first")
+    ap.add_argument("--fa", choices=["on", "off"], default="on")
+    args = ap.parse_args(argv)
+
+    model = ModelFile(args.model or reference.model_path())
+    session = Session(WorkerConfig(MemoryBudget()))
+    client = InProcessClient(session)
+    pipe = Pipeline(model, [client], n_ctx=512, n_batch=512, n_ubatch=512, flash_attn=args.fa == "on",
+                    log=lambda *a: None)
+    pipe.upload()
+    token = 1
+    pipe.evaluate_prompt([token] * args.prompt)
+    pipe.evaluate_token(token)  # the first decode step compiles its graph; later ones recompute
+    steps = []
+    for _ in range(args.n_gen):
+        start = time.perf_counter()
+        pipe.evaluate_token(token)
+        steps.append(time.perf_counter() - start)
+
+    plan = session.plan
+    per_op: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(args.n_gen):
+        for run, node in plan.steps:
+            start = time.perf_counter()
+            run()
+            per_op[op_label(node.op, sub_op(node))].append(time.perf_counter() - start)
+    n_nodes = len(plan.steps)
+    print(f"model {model.path.name}: {n_nodes} computed nodes of {plan.n_nodes} per decode step")
+    print(f"decode step (incl. orchestrator inputs/outputs): median {statistics.median(steps) * 1e3:.2f} ms")
+    total = sum(sum(v) for v in per_op.values()) / args.n_gen
+    print(f"sum of node times: {total * 1e3:.2f} ms per step\n")
+    print(f"{'op':24} {'nodes':>5} {'ms/step':>8} {'us/node':>8}")
+    for label, times in sorted(per_op.items(), key=lambda kv: -sum(kv[1])):
+        count = len(times) // args.n_gen
+        ms = sum(times) / args.n_gen * 1e3
+        print(f"{label:24} {count:5d} {ms:8.3f} {ms * 1e3 / count:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
