@@ -1,6 +1,7 @@
 """K-quant and IQ4 weights (Q2_K..Q6_K, IQ4_NL, IQ4_XS): numpy unpackers and dequantizers against
 gguf-py, numba twins against numpy, the Q8_K activation quantizer against ggml's, and MUL_MAT /
-GET_ROWS against the real ggml-cpu (GET_ROWS bit for bit, MUL_MAT within issue 4's NMSE bound)."""
+GET_ROWS bit for bit against the real ggml-cpu, MUL_MAT on each of the routes ggml-cpu takes (tiled
+K-quant kernel, vec_dot, tinyBLAS) and at their boundaries."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ pytestmark = pytest.mark.kernels
 
 T = GGMLType
 TYPES = list(kquants.KQUANT_TYPES)
-NMSE_MUL_MAT = 5e-4  # issue 4's bound for quantized MUL_MAT against the reference
 needs_ggml = ggml_oracle.needs_ggml
 
 
@@ -188,6 +188,8 @@ MUL_MAT_CASES = [  # (ne00, ne01, ne11, ne02, ne12, ne03, ne13, permuted activat
     (512, 7, 6, 1, 1, 1, 1, False, 4),
     (256, 5, 3, 2, 4, 1, 2, True, 0),
     (768, 17, 2, 1, 1, 2, 2, False, 0),
+    (512, 9, 8, 1, 2, 1, 1, False, 4),  # the tiled route (src1 ne[1] >= 8)
+    (256, 18, 19, 2, 2, 1, 1, True, 0),
 ]
 
 
@@ -225,23 +227,20 @@ def test_mul_mat_check_rejects_partial_super_blocks():
         matmul.check(Node(GGMLOp.MUL_MAT, Tensor.new(T.F32, (2, 1)), (w, Tensor.new(T.F32, (128, 1)))))
 
 
-def _nmse(got, want):
-    return float(((got.astype(np.float64) - want) ** 2).sum() / (want.astype(np.float64) ** 2).sum())
-
-
-ORACLE_CASES = [  # (ne00, ne01, ne11, ne02, ne12, permuted activations)
-    (1536, 40, 1, 1, 1, False), (512, 36, 7, 1, 1, False), (256, 13, 3, 2, 4, True),
+ORACLE_CASES = [  # (ne00, ne01, ne11, ne12, permuted activations): ggml-cpu's route is chosen by ne11
+    (1536, 40, 1, 1, False),  # vec_dot (IQ4_NL too)
+    (512, 36, 7, 1, False),  # vec_dot: the largest src1 the tiled kernel leaves to it; IQ4_NL: tinyBLAS
+    (512, 36, 8, 1, False),  # tiled kernel, narrow path (<= 16 activation rows)
+    (768, 33, 40, 1, False),  # tiled kernel, standard path
+    (256, 13, 3, 4, True),  # vec_dot over several broadcast slices, strided activations
+    (256, 21, 9, 2, True),  # tiled kernel over slices, strided activations
 ]
 
 
-@needs_ggml
-@pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: "x".join(map(str, c[:5])) + ("p" if c[5] else ""))
-def test_mul_mat_matches_ggml(type_, case):
-    ne00, ne01, ne11, ne02, ne12, permute = case
-    rng = np.random.default_rng(hash((type_, case)) % 2**32)
+def ggml_mul_mat(type_, ne00, ne01, ne11, ne12, permute, rng):
+    """(our MUL_MAT node mirroring ggml's, ggml-cpu's result as float32) for random quantized weights."""
     with ggml_oracle.Graph() as g:
-        a = g.new(type_, (ne00, ne01, ne02), ggml_quantize(type_, rng.standard_normal((ne01 * ne02, ne00))))
+        a = g.new(type_, (ne00, ne01, 1), ggml_quantize(type_, rng.standard_normal((ne01, ne00))))
         values = rng.standard_normal(ne00 * ne11 * ne12).astype(np.float32)
         if permute:
             b = g.op("ggml_permute", g.new(T.F32, (ne00, ne12, ne11), values), 0, 2, 1, 3)
@@ -250,12 +249,45 @@ def test_mul_mat_matches_ggml(type_, case):
         out = g.op("ggml_mul_mat", a, b)
         node = g.mirror(out)
         g.compute(out, n_threads=2)
-        theirs = ggml_oracle.result_bytes(out).view(np.float32)
+        return node, ggml_oracle.result_bytes(out).view(np.float32)
+
+
+def assert_bit_exact(node, theirs):
+    for fn in (matmul.forward, matmul.reference):
+        fn(node)
+        ours = ggml_oracle.our_bytes(node.dst).view(np.float32)
+        np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32), err_msg=fn.__name__)
+
+
+@needs_ggml
+@pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("p" if c[4] else ""))
+def test_mul_mat_bit_exact_with_ggml(type_, case):
+    node, theirs = ggml_mul_mat(type_, *case, np.random.default_rng(hash((type_, case)) % 2**32))
     matmul.check(node)
-    matmul.forward(node)
-    ours = ggml_oracle.our_bytes(node.dst).view(np.float32)
-    assert _nmse(ours, theirs) <= NMSE_MUL_MAT * 1e-3  # far inside the bound: only float order differs
-    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    assert_bit_exact(node, theirs)
+
+
+@needs_ggml
+@pytest.mark.parametrize("ne11", [1, 2, 5])
+def test_mul_mat_iq4_nl_odd_block_count_bit_exact_with_ggml(ne11):
+    """IQ4_NL's vec_dot pairs blocks and adds an odd last one separately; tinyBLAS does not."""
+    node, theirs = ggml_mul_mat(T.IQ4_NL, 9 * 32, 11, ne11, 1, False, np.random.default_rng(ne11))
+    matmul.check(node)
+    assert_bit_exact(node, theirs)
+
+
+def test_routes_round_differently():
+    """The three orders are genuinely different arithmetic: the same products, routed otherwise,
+    change some low bits (so the route tests above are not vacuous)."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((3, 2048)) * np.exp(rng.standard_normal((3, 2048)))).astype(np.float32)
+    for type_ in (T.Q4_K, T.IQ4_NL):
+        rows = random_blocks(rng, type_, 64 * 2048 // TYPE_TRAITS[type_].block_size).reshape(64, -1)
+        a = kquants.dot_ref(type_, rows, x, ne11=1)
+        b = kquants.dot_ref(type_, rows, x, ne11=8)
+        assert not np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
 
 
 # ----------------------------------------------------------------------------------------------
