@@ -457,15 +457,19 @@ def _cpy_into_quantized(g, t):
 
 
 def issue4_cases():
-    for wt in SUPER_WEIGHT_TYPES:
-        yield _case(f"MUL_MAT-{wt.name}-n7", [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, 7))],
-                    _mul_mat, d.NMSE_MUL_MAT)
-        yield _case(f"MUL_MAT-{wt.name}-n1", [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, 1))],
-                    _mul_mat, d.NMSE_MUL_MAT)
+    for wt in SUPER_WEIGHT_TYPES:  # bit for bit: vec_dot below 8 activation rows, ggml-cpu's tiled kernel
+        for n in (1, 7, 8, 40):  # from 8 (IQ4_NL: tinyBLAS from 2)
+            yield _case(f"MUL_MAT-{wt.name}-n{n}", [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, n))],
+                        _mul_mat, None)
         yield _case(f"MUL_MAT-{wt.name}-broadcast23", [Leaf("w", wt, (K_SUPER, ROWS, 2, 1)),
-                                                       Leaf("x", F32, (K_SUPER, 3, 4, 2))], _mul_mat, d.NMSE_MUL_MAT)
-        yield _case(f"MUL_MAT-{wt.name}-permuted-x", [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, 2, 5))],
-                    _mul_mat_permuted_x, d.NMSE_MUL_MAT)
+                                                       Leaf("x", F32, (K_SUPER, 3, 4, 2))], _mul_mat, None)
+        yield _case(f"MUL_MAT-{wt.name}-tiled-broadcast23", [Leaf("w", wt, (K_SUPER, ROWS, 2, 1)),
+                                                             Leaf("x", F32, (K_SUPER, 9, 4, 2))], _mul_mat, None)
+        for n in (5, 9):
+            yield _case(f"MUL_MAT-{wt.name}-permuted-x-n{n}", [Leaf("w", wt, (K_SUPER, ROWS)),
+                                                              Leaf("x", F32, (K_SUPER, 2, n))], _mul_mat_permuted_x, None)
+        yield _case(f"MUL_MAT-{wt.name}-large", [Leaf("w", wt, (4 * K_SUPER, 256)), Leaf("x", F32, (4 * K_SUPER, 24))],
+                    _mul_mat, None)
     for st in SUPER_WEIGHT_TYPES:
         yield _case(f"GET_ROWS-{st.name}", [Leaf("a", st, (K_SUPER, 10)), Leaf("idx", I32, (9,), d.indices(10))],
                     _get_rows, None)
