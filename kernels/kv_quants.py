@@ -19,13 +19,14 @@ from numba import prange
 from rpcserver.ggml import TYPE_TRAITS, GGMLType
 
 from .fmath import f32_to_f16
+from .kquants import DEQUANTIZE as _DEQUANTIZE_SUPER, KVALUES_IQ4NL
 from .quants import QK, pack_q8, quantize_q8_ref
 
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)
 
 KV_QUANT_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.IQ4_NL)
-IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+IQ4NL_VALUES = KVALUES_IQ4NL  # one grid for the weights' and the caches' IQ4_NL
 GROUP_MAX_EPS = F32(1e-15)  # IQ4_NL leaves blocks below this magnitude at scale zero
 
 # ---------------------------------------------------------------------------------------------
@@ -180,12 +181,8 @@ def quantize_rows_reference(type_: GGMLType, x: np.ndarray) -> np.ndarray:
     return blocks.reshape(*x.shape[:-1], x.shape[-1] // QK * tt.type_size)
 
 
-def dequantize_iq4_nl_reference(blocks: np.ndarray) -> np.ndarray:
-    """(n, 18) uint8 IQ4_NL blocks -> (n, 32) float32: d * kvalues[code]."""
-    d = blocks[:, :2].copy().view(np.float16).astype(F32)
-    qs = blocks[:, 2:18]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-    return (d * IQ4NL_VALUES.astype(F32)[codes]).astype(F32)
+# (n, 18) uint8 IQ4_NL blocks -> (n, 32) float32: d * kvalues[code], the weights' dequantizer
+dequantize_iq4_nl_reference = _DEQUANTIZE_SUPER[GGMLType.IQ4_NL]
 
 
 # ---------------------------------------------------------------------------------------------
