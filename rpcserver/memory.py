@@ -1,13 +1,16 @@
 """Worker memory: a worker-wide budget and each connection's own buffers.
 
-A buffer is one zero-filled numpy allocation (calloc'd, so untouched pages cost no RSS and no client
-ever sees another's old bytes). Clients address memory by the buffer handles and virtual addresses we
-hand out; every address they send is resolved here, against buffers of their own connection only.
+A buffer is one private anonymous memory mapping seen as a numpy array: the kernel hands out its
+pages zero-filled on first touch, so untouched pages cost no RSS, no client ever sees another's old
+bytes, and a freed buffer goes straight back to the system (no allocator heuristics in between).
+Clients address memory by the buffer handles and virtual addresses we hand out; every address they
+send is resolved here, against buffers of their own connection only.
 """
 
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -84,6 +87,22 @@ class Buffer:
     base: int
     size: int
     mem: np.ndarray  # uint8, `size` bytes
+    mapping: mmap.mmap | None = None  # what `mem` lives in (None for an empty buffer)
+
+    def clear(self, value: int) -> None:
+        if value == 0 and self.mapping is not None:
+            # dropping the pages zeroes them without touching them: a cleared KV cache costs RSS
+            # only as far as it is used (ggml's CPU buffer memsets, touching every page)
+            self.mapping.madvise(mmap.MADV_DONTNEED)
+        else:
+            self.mem.fill(value)
+
+
+def _map(size: int) -> tuple[np.ndarray, mmap.mmap | None]:
+    if size == 0:
+        return np.zeros(0, dtype=np.uint8), None
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, dtype=np.uint8), mapping
 
 
 class BufferTable:
@@ -99,11 +118,11 @@ class BufferTable:
             return None
         handle, base = reserved
         try:
-            mem = np.zeros(max(size, 1), dtype=np.uint8)[:size]
-        except MemoryError:
+            mem, mapping = _map(size)
+        except (MemoryError, OSError):
             self.budget.release(size)
             return None
-        buf = Buffer(handle, base, size, mem)
+        buf = Buffer(handle, base, size, mem, mapping)
         self.buffers[handle] = buf
         return buf
 

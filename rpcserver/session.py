@@ -107,7 +107,7 @@ class Session:
         self.plan = None  # its tensors may live in the freed buffer
 
     def handle_buffer_clear(self, req: p.BufferClearRequest) -> None:
-        self.buffers.get(req.remote_ptr).mem.fill(req.value)
+        self.buffers.get(req.remote_ptr).clear(req.value)
 
     # -- tensors ---------------------------------------------------------------------------------
 
