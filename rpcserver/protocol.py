@@ -11,7 +11,7 @@ import enum
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -349,13 +349,21 @@ class SetTensorRequest:
     cache_flag: int
     offset: int
     data: memoryview
+    in_place: bool = False  # the data was received straight into its destination (FrameReader's place)
 
     @classmethod
     def decode(cls, payload: memoryview):
         if len(payload) < cls.HEADER:
             raise ValueError(f"SET_TENSOR needs at least {cls.HEADER} bytes, got {len(payload)}")
-        flag, offset = struct.unpack_from("<BQ", payload, TENSOR_SIZE)
-        return cls(RpcTensor.decode(payload[:TENSOR_SIZE]), flag, offset, payload[cls.HEADER :])
+        return cls.decode_head(payload[: cls.HEADER], payload[cls.HEADER :])
+
+    @classmethod
+    def decode_head(cls, head: memoryview, data: memoryview, in_place: bool = False):
+        """The request from its fixed header and its data, which may live elsewhere."""
+        if len(head) != cls.HEADER:
+            raise ValueError(f"SET_TENSOR header is {cls.HEADER} bytes, got {len(head)}")
+        flag, offset = struct.unpack_from("<BQ", head, TENSOR_SIZE)
+        return cls(RpcTensor.decode(head[:TENSOR_SIZE]), flag, offset, data, in_place)
 
     def encode(self) -> bytes:
         return self.tensor.encode() + struct.pack("<BQ", self.cache_flag, self.offset) + bytes(self.data)
@@ -451,6 +459,16 @@ def decode_request(command: Command, payload: memoryview):
         raise ProtocolError(str(exc), command) from None
 
 
+def decode_frame(frame: "Frame"):
+    """Typed request of a frame, including a SET_TENSOR whose data was placed (see FrameReader)."""
+    if frame.placed is None:
+        return decode_request(frame.command, frame.payload)
+    try:
+        return SetTensorRequest.decode_head(frame.payload, frame.placed, in_place=True)
+    except (ValueError, struct.error) as exc:
+        raise ProtocolError(str(exc), frame.command) from None
+
+
 def encode_request(command: Command, message=None) -> bytes:
     payload = b"" if message is None else message.encode()
     return struct.pack("<BQ", command, len(payload)) + payload
@@ -470,7 +488,13 @@ def response_header(size: int) -> bytes:
 @dataclass
 class Frame:
     command: Command
-    payload: memoryview
+    payload: memoryview  # for a placed SET_TENSOR only its fixed header
+    placed: memoryview | None = None  # a placed SET_TENSOR's data, already in its destination
+
+
+# place(head, size): where a SET_TENSOR's `size` data bytes should land, given its checked-size header;
+# a writable view of exactly `size` bytes, None to receive them into the frame as usual, or ProtocolError
+Placer = Callable[[memoryview, int], "memoryview | None"]
 
 
 class FrameReader:
@@ -480,17 +504,24 @@ class FrameReader:
     bytes should land in and `buffer_updated(n)` accounts for them, so large payloads are received
     straight into one exactly-sized allocation. `feed()` is the convenience form for tests.
     `max_payload(command)` caps what a size header may make us allocate.
+
+    With `place`, a SET_TENSOR's fixed header is received first and handed to `place`, which may
+    name the destination memory for the data; the data then never exists anywhere else (a weight
+    upload costs one pass over the bytes instead of an allocation, a receive and a copy).
     """
 
     HEADER = 9  # command byte + u64 size
 
-    def __init__(self, max_payload, first_command: Command | None = Command.HELLO):
+    def __init__(self, max_payload, first_command: Command | None = Command.HELLO, place: Placer | None = None):
         self._max_payload = max_payload
         self._expect_first = first_command
+        self._place = place
         self._header = bytearray(self.HEADER)
         self._have = 0  # bytes of header or payload received so far
         self._command: Command | None = None
-        self._payload: memoryview | None = None
+        self._payload: memoryview | None = None  # what get_buffer fills now
+        self._head: memoryview | None = None  # a SET_TENSOR header waiting for its placed data
+        self._data_size: int | None = None  # the data bytes that follow a SET_TENSOR header received on its own
         self._frames: list[Frame] = []
         self.failed: ProtocolError | None = None
 
@@ -507,7 +538,10 @@ class FrameReader:
             if self._have == self.HEADER:
                 self._start_payload()
         elif self._have == len(self._payload):
-            self._finish()
+            if self._data_size is not None:
+                self._place_data()
+            else:
+                self._finish()
 
     def feed(self, data: bytes) -> None:
         view = memoryview(data)
@@ -546,16 +580,50 @@ class FrameReader:
         if size > limit:
             self._fail(f"payload of {size} bytes exceeds the limit of {limit}", command)
         self._command = command
-        self._payload = memoryview(bytearray(size))
         self._have = 0
-        if size == 0:
+        self._data_size = None
+        if command == Command.SET_TENSOR and self._place is not None and size >= SetTensorRequest.HEADER:
+            self._payload = _uninitialized(SetTensorRequest.HEADER)
+            self._data_size = size - SetTensorRequest.HEADER
+        else:
+            self._payload = _uninitialized(size)  # every byte is received before anyone reads it
+            if size == 0:
+                self._finish()
+
+    def _place_data(self) -> None:
+        head, size = self._payload, self._data_size
+        self._data_size = None
+        try:
+            target = self._place(head, size)
+        except ProtocolError as exc:
+            self.failed = exc
+            raise
+        if target is None:  # not now: the whole payload goes into the frame after all
+            self._payload = _uninitialized(len(head) + size)
+            self._payload[: len(head)] = head
+        else:
+            if len(target) != size or target.readonly:
+                raise RuntimeError(f"place() gave {len(target)} bytes (readonly={target.readonly}) for {size}")
+            self._head, self._payload, self._have = head, target, 0
+        if self._have == len(self._payload):
             self._finish()
 
     def _finish(self) -> None:
-        self._frames.append(Frame(self._command, self._payload))
+        if self._head is not None:
+            frame = Frame(self._command, self._head, self._payload)
+        else:
+            frame = Frame(self._command, self._payload)
+        self._frames.append(frame)
         self._command = None
         self._payload = None
+        self._head = None
+        self._data_size = None
         self._have = 0
+
+
+def _uninitialized(size: int) -> memoryview:
+    # np.empty, not bytearray: no zero-fill pass over a payload that is about to be overwritten
+    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
 
 
 MAX_HELLO_RESPONSE = 64

@@ -27,8 +27,9 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.executor = executor
         self.connections = connections
         self.session = Session(config)
-        self.reader = FrameReader(self.session.max_payload)
+        self.reader = FrameReader(self.session.max_payload, place=self._place)
         self.frames: collections.deque = collections.deque()
+        self.unplaced = 0  # frames queued or being handled, other than placed SET_TENSORs
         self.wakeup = asyncio.Event()
         self.paused = False
         self.closed = False
@@ -57,11 +58,20 @@ class WorkerProtocol(asyncio.BufferedProtocol):
             return
         while (frame := self.reader.next_frame()) is not None:
             self.frames.append(frame)
+            self.unplaced += frame.placed is None
         if self.frames:
             self.wakeup.set()
         if len(self.frames) >= MAX_QUEUED_FRAMES and not self.paused:
             self.paused = True
             self.transport.pause_reading()
+
+    def _place(self, head: memoryview, size: int) -> memoryview | None:
+        """SET_TENSOR data goes straight into its buffer when every earlier request is done with:
+        a queued or running command (a graph reading that region, a FREE_BUFFER) must see memory as
+        it was before this SET_TENSOR, as with the reference's one-request-at-a-time loop."""
+        if self.unplaced or not self.greeted:
+            return None
+        return self.session.place_set_tensor(head, size)
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -88,6 +98,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
                     self.paused = False
                     self.transport.resume_reading()
                 reply = await self._dispatch(loop, frame)
+                self.unplaced -= frame.placed is None
                 if reply is not None and not self.closed:
                     self.transport.write(p.response_header(len(reply)))
                     self.transport.write(reply)
@@ -102,11 +113,11 @@ class WorkerProtocol(asyncio.BufferedProtocol):
 
     async def _dispatch(self, loop, frame: p.Frame):
         command = frame.command
-        request = p.decode_request(command, frame.payload)
+        request = p.decode_frame(frame)
         if not self.greeted:  # the reader let only HELLO through first
             self.greeted = True
             return p.HelloResponse().encode()  # we offer no transport caps (upstream's RDMA)
-        if command in HEAVY:
+        if command in HEAVY and not (frame.placed is not None and not self.session.caching):
             return await loop.run_in_executor(self.executor, self.session.handle, command, request)
         return self.session.handle(command, request)
 

@@ -38,6 +38,10 @@ class Session:
         self.buffers = BufferTable(config.budget)
         self.plan: Plan | None = None  # the last graph, for GRAPH_RECOMPUTE
 
+    @property
+    def caching(self) -> bool:
+        return self.config.cache_dir is not None
+
     def close(self) -> None:
         self.plan = None
         self.buffers.close()
@@ -115,9 +119,18 @@ class Session:
         if req.tensor.buffer:
             self.buffers.locate(req.tensor)
 
+    def place_set_tensor(self, head: memoryview, size: int) -> memoryview:
+        """Where a SET_TENSOR's `size` data bytes go, checked exactly as handle_set_tensor checks them."""
+        try:
+            req = p.SetTensorRequest.decode_head(head, memoryview(b""))
+            return memoryview(self.buffers.region(req.tensor, req.offset, size))
+        except (ValueError, AddressError) as exc:
+            raise ProtocolError(str(exc), Command.SET_TENSOR) from None
+
     def handle_set_tensor(self, req: p.SetTensorRequest) -> None:
-        dst = self.buffers.region(req.tensor, req.offset, len(req.data))
-        dst[:] = np.frombuffer(req.data, dtype=np.uint8)
+        if not req.in_place:
+            dst = self.buffers.region(req.tensor, req.offset, len(req.data))
+            dst[:] = np.frombuffer(req.data, dtype=np.uint8)
         if req.cache_flag and self.config.cache_dir is not None:
             self._cache_store(req.data)
 

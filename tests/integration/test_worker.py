@@ -84,6 +84,44 @@ def test_graph_compute_and_recompute_follow_new_inputs(connect):
     assert np.array_equal(g.read(m, np.float32).reshape(3, 7), (x2 + y) * x2)
 
 
+def test_set_tensor_sent_right_behind_a_graph_does_not_reach_the_running_graph(connect):
+    # SET_TENSOR data may be received straight into its buffer, but only once every earlier
+    # request is done with: the graph must compute on the input as it was when it was sent
+    c = connect()
+    g = GraphBuilder(c, size=8 * MiB)
+    n = 1 << 18
+    old = np.arange(n, dtype=np.float32) % 97
+    new = np.full(n, -1.0, dtype=np.float32)
+    a = g.tensor(GGMLType.F32, (n,), data=old)
+    node = a
+    for _ in range(6):  # a chain long enough that the SET_TENSOR arrives while it runs
+        node = g.tensor(GGMLType.F32, (n,), op=GGMLOp.ADD, src=(node, a))
+    records = np.concatenate([t.to_record() for t in g.tensors.values()])
+    nodes = np.array([t.id for t in g.tensors.values() if t.op], dtype="<u8")
+    c.sock.sendall(p.encode_request(Command.GRAPH_COMPUTE, p.GraphComputeRequest(0, nodes, records))
+                   + p.encode_request(Command.SET_TENSOR, p.SetTensorRequest(a, 0, 0, memoryview(new.tobytes()))))
+    assert np.array_equal(g.read(node, np.float32), 7 * old)
+    assert np.array_equal(g.read(a, np.float32), new)
+    c.graph_recompute()
+    assert np.array_equal(g.read(node, np.float32), 7 * new)
+
+
+def test_set_tensors_back_to_back_land_in_order_at_their_offsets(connect):
+    c = connect()
+    g = GraphBuilder(c, size=4 * MiB)
+    a = g.tensor(GGMLType.F32, (1 << 18,))
+    rng = np.random.default_rng(3)
+    chunks = [rng.standard_normal(1 << 16).astype(np.float32) for _ in range(4)]
+    stream = b"".join(p.encode_request(Command.SET_TENSOR, p.SetTensorRequest(a, 0, i * (1 << 18), memoryview(x.tobytes())))
+                      for i, x in enumerate(chunks))
+    overwrite = np.zeros(8, dtype=np.float32)  # the last write to the same bytes wins
+    stream += p.encode_request(Command.SET_TENSOR, p.SetTensorRequest(a, 0, 4, memoryview(overwrite.tobytes())))
+    c.sock.sendall(stream)
+    expect = np.concatenate(chunks)
+    expect[1:9] = 0
+    assert np.array_equal(g.read(a, np.float32), expect)
+
+
 def test_two_clients_at_once_get_their_own_results(connect):
     c1, c2 = connect(), connect()
     g1, g2 = GraphBuilder(c1), GraphBuilder(c2)

@@ -160,6 +160,105 @@ def test_set_tensor_payload_lands_in_one_buffer_received_in_place():
     assert bytes(p.decode_request(Command.SET_TENSOR, frame.payload).data) == b"payload!"
 
 
+class Arena:
+    """A place() over one array: the data of a SET_TENSOR lands at its `offset` field, checked."""
+
+    def __init__(self, size=64, refuse=False):
+        self.mem = np.full(size, 0xEE, dtype=np.uint8)
+        self.refuse = refuse  # answer None: receive the data into the frame instead
+        self.calls = []
+
+    def __call__(self, head, size):
+        req = p.SetTensorRequest.decode_head(head, memoryview(b""))
+        self.calls.append((req.offset, size))
+        if self.refuse:
+            return None
+        if not (req.offset <= len(self.mem) and size <= len(self.mem) - req.offset):
+            raise ProtocolError("outside the arena", Command.SET_TENSOR)
+        return memoryview(self.mem[req.offset : req.offset + size])
+
+
+def _placed_frames(data: bytes, step: int | None, arena: Arena):
+    r = FrameReader(lambda command: LIMIT, first_command=None, place=arena)
+    for i in range(0, len(data), step or len(data)):
+        r.feed(data[i : i + (step or len(data))])
+    out = []
+    while (f := r.next_frame()) is not None:
+        out.append(f)
+    return r, out
+
+
+SET_AT_16 = p.SetTensorRequest(sample_tensor(), 1, 16, memoryview(b"payload!"))
+
+
+@pytest.mark.parametrize("step", [None, 1, 7])
+def test_set_tensor_data_is_placed_where_place_says_whole_in_pieces_and_before_trailing_bytes(step):
+    arena = Arena()
+    trailing = p.encode_request(Command.DEVICE_COUNT)[:5]
+    r, frames = _placed_frames(p.encode_request(Command.SET_TENSOR, SET_AT_16) + trailing, step, arena)
+    assert len(frames) == 1 and not r.idle  # the trailing bytes wait as the start of the next frame
+    assert arena.calls == [(16, 8)]
+    assert bytes(arena.mem[16:24]) == b"payload!"
+    assert (arena.mem[:16] == 0xEE).all() and (arena.mem[24:] == 0xEE).all()
+    req = p.decode_frame(frames[0])
+    assert req.in_place and bytes(req.data) == b"payload!"
+    assert req.tensor == SET_AT_16.tensor and req.offset == 16 and req.cache_flag == 1
+    r.feed(p.encode_request(Command.DEVICE_COUNT)[5:])
+    assert r.next_frame().command == Command.DEVICE_COUNT and r.idle
+
+
+@pytest.mark.parametrize("step", [None, 1, 7])
+def test_set_tensor_that_place_declines_arrives_whole_in_the_frame(step):
+    arena = Arena(refuse=True)
+    _, frames = _placed_frames(p.encode_request(Command.SET_TENSOR, SET_AT_16), step, arena)
+    req = p.decode_frame(frames[0])
+    assert arena.calls == [(16, 8)] and not req.in_place
+    assert req.encode() == SET_AT_16.encode()
+    assert (arena.mem == 0xEE).all()
+
+
+def test_set_tensor_without_data_and_short_set_tensor_with_place():
+    empty = p.SetTensorRequest(sample_tensor(), 0, 3, memoryview(b""))
+    _, frames = _placed_frames(p.encode_request(Command.SET_TENSOR, empty), 1, Arena())
+    assert p.decode_frame(frames[0]).encode() == empty.encode()
+    short = struct.pack("<BQ", Command.SET_TENSOR, 10) + bytes(10)  # shorter than the fixed header
+    _, frames = _placed_frames(short, None, Arena())
+    with pytest.raises(ProtocolError, match="SET_TENSOR"):
+        p.decode_frame(frames[0])
+
+
+def test_place_refusing_the_destination_fails_the_reader_for_good():
+    arena = Arena(size=20)
+    data = p.encode_request(Command.SET_TENSOR, SET_AT_16)  # 16 + 8 > 20
+    r = FrameReader(lambda command: LIMIT, first_command=None, place=arena)
+    with pytest.raises(ProtocolError, match="outside the arena"):
+        r.feed(data)
+    with pytest.raises(ProtocolError):
+        r.feed(b"\0")
+    assert (arena.mem == 0xEE).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=st.binary(max_size=1200), offset=st.integers(0, 80), extra=st.binary(max_size=40))
+def test_fuzz_set_tensor_streams_with_place_frame_or_raise_and_stay_in_the_arena(stream, offset, extra):
+    arena = Arena(size=64)
+    head = p.encode_request(Command.SET_TENSOR, p.SetTensorRequest(sample_tensor(), 0, offset, memoryview(extra)))
+    try:
+        _, frames = _placed_frames(head + stream, 3, arena)
+        for f in frames:
+            p.decode_frame(f)
+    except ProtocolError:
+        pass
+    # the reader wrote nowhere but into the regions place() handed out
+    untouched = np.ones(64, dtype=bool)
+    for o, n in arena.calls:
+        untouched[o : o + n] = False
+    assert (arena.mem[untouched] == 0xEE).all()
+    if offset + len(extra) <= 64:
+        assert arena.calls[0] == (offset, len(extra))
+        assert len(arena.calls) > 1 or bytes(arena.mem[offset : offset + len(extra)]) == extra
+
+
 @pytest.mark.parametrize("command", list(Command))
 @settings(max_examples=60, deadline=None)
 @given(payload=st.binary(max_size=700))

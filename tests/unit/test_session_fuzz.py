@@ -75,3 +75,29 @@ def test_random_payloads_are_handled_or_refused(payload, command):
         s.handle(command, p.decode_request(command, memoryview(payload)))
     except ProtocolError:
         pass
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_set_tensor_received_in_place_never_touches_memory_outside_the_named_tensor(data):
+    # the worker's path: the FrameReader asks the session where the data goes before receiving it
+    s, buf, base = session_with_buffer()
+    buf.mem[:] = 0xAA
+    t = data.draw(tensors(buf.handle, base))
+    offset = data.draw(st.one_of(st.integers(0, 128), u64))
+    payload = bytes(b for b in range(1, 256) if b != 0xAA)[: data.draw(st.integers(0, 200))]  # all marked
+    reader = p.FrameReader(lambda command: 1 << 20, first_command=None, place=s.place_set_tensor)
+    try:
+        reader.feed(p.encode_request(Command.SET_TENSOR, p.SetTensorRequest(t, 0, offset, memoryview(payload))))
+        frame = reader.next_frame()
+        s.handle(Command.SET_TENSOR, p.decode_frame(frame))
+    except ProtocolError:
+        assert (buf.mem == 0xAA).all(), "a refused request must not have written anything"
+        return
+    assert frame.placed is not None
+    written = np.flatnonzero(buf.mem != 0xAA)
+    assert written.size == len(payload)
+    if written.size:  # every written byte lies inside the tensor's own span, where the client said
+        start = t.data - base
+        assert written[0] == start + offset and written[-1] < start + s.buffers.locate(t)[2]
+        assert bytes(buf.mem[written]) == payload
