@@ -22,6 +22,14 @@ def default_cache_dir() -> Path:
     return base / "rpc"
 
 
+def _skip_numba_blas_probe() -> None:
+    """Numba probes scipy's BLAS when it first compiles or loads a function (for np.dot and
+    np.linalg, which no kernel here uses); importing scipy for it costs ~16 MiB of RSS and ~0.5 s
+    per worker. Without scipy, numba just records that it has no BLAS."""
+    if "scipy" not in sys.modules:
+        sys.modules["scipy"] = None  # makes `import scipy...` raise ImportError in this process
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-H", "--host", default="127.0.0.1", show_default=True, help="host to bind to")
 @click.option("-p", "--port", default=50052, show_default=True, type=click.IntRange(1, 65535), help="port to bind to")
@@ -32,16 +40,30 @@ def default_cache_dir() -> Path:
 @click.option("-m", "--mem", type=click.IntRange(min=1), default=None,
               help="memory to report and enforce, in MiB (default: the machine's)")
 @click.option("-v", "--verbose", is_flag=True, help="log every connection")
-def main(host, port, threads, device, cache, mem, verbose):
+@click.option("--no-warmup", is_flag=True,
+              help="listen at once instead of loading/compiling the kernels first (the first graph is then slow)")
+def main(host, port, threads, device, cache, mem, verbose, no_warmup):
     """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for dev in device.split(","):
         if dev.strip().upper() != "CPU":
             raise click.BadParameter(f"unknown device: {dev} (available devices: CPU)", param_hint="-d")
 
+    _skip_numba_blas_probe()
     import numba
 
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    if not no_warmup:
+        # before listening, as llama.cpp's worker is ready when it listens: the first request a
+        # client sends is then as fast as any later one, and loading kernels cannot compete for
+        # the GIL with the client's weight upload
+        from .warmup import warm_up
+
+        print("warming up the kernels...", file=sys.stderr, flush=True)
+        try:
+            logging.getLogger("rpcserver").info("warm-up took %.1f s", warm_up())
+        except Exception:  # a kernel bug must not keep the worker from serving the models it can
+            logging.getLogger("rpcserver").exception("warm-up failed; serving anyway (first graphs compile)")
     from .memory import MemoryBudget
     from .server import serve
     from .session import WorkerConfig
