@@ -5,11 +5,15 @@
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
 TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize):
   * llama-bench --rpc against each worker (alternating, -r repetitions): pp and tg tokens/s;
-  * load time: llama-completion -n 1 through each worker, its "load time" (mostly weight upload);
-  * peak RSS of each worker process (VmHWM) after all of the above;
+  * load time: llama-completion -n 1 through each worker, its "load time" (weight upload, context
+    set-up and the first graph), once per repetition;
+  * peak RSS of each worker process (VmHWM) after all of the above, beside what the client asked the
+    worker to allocate (the largest live set: llama-completion's RPC model + KV + compute buffers,
+    as it reports them with -v), so "RSS / allocated" reads off directly;
   * time to first token of a fresh worker: from starting the worker process to the end of a
-    one-token llama-completion through it (our JIT warm-up included).
-Ratios are ours/reference; only ratios measured side by side in one run mean anything.
+    one-token llama-completion through it (our JIT warm-up included), once per repetition.
+Ratios are ours/reference; only ratios measured side by side in one run mean anything. The load
+average before and after is printed too: numbers taken while others compile are noisy.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ CACHE = Path.home() / ".cache" / "pyrpc-llama"
 # about 1.1B parameters: 16 layers of 2048 wide with an 8192 FFN, plus a 49152-token vocabulary
 SYNTHETIC_1B = dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192)
 LOAD_TIME_RE = re.compile(r"load time =\s*([\d.]+) ms")
+# e.g. "llama_kv_cache: RPC0[127.0.0.1:50052] KV buffer size =   180.00 MiB"
+RPC_BUFFER_RE = re.compile(r"RPC\d+\[[^\]]*\] \w+ buffer size =\s*([\d.]+) MiB")
 
 
 def run(cmd: list[str], what: str, worker=None) -> subprocess.CompletedProcess:
@@ -53,12 +59,19 @@ def llama_bench(worker, model: Path, n_prompt: int, n_gen: int, threads: int) ->
     return results
 
 
-def one_token(worker, model: Path, threads: int) -> float:
-    """llama-completion's own "load time" (ms) for one token through the worker."""
+def one_token(worker, model: Path, threads: int) -> tuple[float, float]:
+    """llama-completion's own "load time" (ms) for one token through the worker, and the MiB of
+    buffers it had the worker allocate (-v makes it report them)."""
     cmd = [str(reference.binary("llama-completion")), "-m", str(model), "--rpc", worker.address, "-ngl", "99",
-           "-p", "Hello", "-n", "1", "-no-cnv", "-t", str(threads), "-fit", "off"]
-    match = LOAD_TIME_RE.search(run(cmd, "llama-completion", worker).stderr)
-    return float(match.group(1)) if match else float("nan")
+           "-p", "Hello", "-n", "1", "-no-cnv", "-t", str(threads), "-fit", "off", "-v"]
+    stderr = run(cmd, "llama-completion", worker).stderr
+    match = LOAD_TIME_RE.search(stderr)
+    allocated = sum(float(m) for m in RPC_BUFFER_RE.findall(stderr))
+    return (float(match.group(1)) if match else float("nan")), allocated
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def peak_rss_mib(worker) -> float:
@@ -90,32 +103,42 @@ def synthetic_model(weight_type: str) -> Path:
 def bench_model(model: Path, args, logs: Path) -> None:
     samples: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
     workers = {kind: reference.start_worker(kind, logs, threads=args.threads, timeout=600) for kind in KINDS}
+    load_before = load_average()
     try:
         for rep in range(args.repetitions):
             for kind, worker in workers.items():
                 for test, ts in llama_bench(worker, model, args.n_prompt, args.n_gen, args.threads).items():
                     samples[kind].setdefault(test, []).append(ts)
                     print(f"rep {rep + 1} {kind:9} {test:6} {ts:8.2f} t/s", file=sys.stderr, flush=True)
+            for kind, worker in workers.items():
+                load_ms, allocated = one_token(worker, model, args.threads)
+                samples[kind].setdefault("load ms", []).append(load_ms)
+                samples[kind]["allocated by the client MiB"] = [allocated]
+                print(f"rep {rep + 1} {kind:9} load   {load_ms:8.1f} ms", file=sys.stderr, flush=True)
         for kind, worker in workers.items():
-            samples[kind]["load ms"] = [one_token(worker, model, args.threads)]
             samples[kind]["peak RSS MiB"] = [peak_rss_mib(worker)]
+            samples[kind]["peak RSS / allocated"] = [peak_rss_mib(worker) / samples[kind]["allocated by the client MiB"][0]]
     finally:
         for worker in workers.values():
             worker.stop()
-    for kind in KINDS:  # a fresh worker each: start-up, JIT warm-up, upload, one token
-        start = time.perf_counter()
-        with reference.start_worker(kind, logs, threads=args.threads, timeout=600) as worker:
-            one_token(worker, model, args.threads)
-        samples[kind]["first token s"] = [time.perf_counter() - start]
+    for rep in range(args.repetitions):
+        for kind in KINDS:  # a fresh worker each: start-up, JIT warm-up, upload, one token
+            start = time.perf_counter()
+            with reference.start_worker(kind, logs, threads=args.threads, timeout=600) as worker:
+                one_token(worker, model, args.threads)
+            samples[kind].setdefault("first token s", []).append(time.perf_counter() - start)
+            print(f"rep {rep + 1} {kind:9} fresh worker first token {samples[kind]['first token s'][-1]:.2f} s",
+                  file=sys.stderr, flush=True)
 
-    print(f"\nmodel: {model.name}, threads: {args.threads}, repetitions: {args.repetitions}")
+    print(f"\nmodel: {model.name}, threads: {args.threads}, repetitions: {args.repetitions}, "
+          f"load average before/after: {load_before} / {load_average()}")
     print("| test | reference | ours | ours/reference |")
     print("|---|---|---|---|")
     for test in samples["reference"]:
         ref = statistics.median(samples["reference"][test])
         ours = statistics.median(samples["ours"][test])
         label = f"{test} t/s" if test[:2] in ("pp", "tg") else test
-        print(f"| {label} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |")
+        print(f"| {label} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |", flush=True)
 
 
 def main(argv=None) -> int:
