@@ -66,6 +66,15 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled once from its four PyPI part packages."""
+    try:
+        return reference.gemma3_model_path()
+    except reference.ReferenceMissing as exc:
+        _unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
 def worker_kind() -> str:
     kind = os.environ.get("RPC_INTEROP_WORKER", "ours").strip() or "ours"
     if kind not in reference.WORKER_KINDS:

@@ -1,0 +1,78 @@
+"""Gemma 3 270M (Q4_K_M) through the worker must give llama.cpp's own CPU results: full-vocabulary logits
+(llama-perplexity --kl-divergence) and greedy text (llama-completion), the latter also past the 512-token
+sliding window that five of every six Gemma 3 layers attend over.
+
+Gemma 3 adds to what SmolLM2 exercises: embeddings scaled by sqrt(n_embd) (SCALE), Q/K RMS norms, NEOX
+rope with head size 256, one KV head for four query heads, GEGLU feed-forward, post-attention and
+post-FFN norms, and K-quant (Q4_K, Q6_K) beside Q5_0/Q8_0 weights.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import CPU_TIMEOUT, RPC_TIMEOUT, assert_fully_offloaded, text_diff
+from .test_completion import completion_args
+from .test_perplexity import (  # noqa: F401 - text_file is a fixture
+    CPU_ONLY,
+    MAX_MEAN_KLD,
+    MEAN_KLD_RE,
+    MIN_SAME_TOP_P,
+    N_CHUNKS,
+    SAME_TOP_P_RE,
+    corpus_text,
+    parse_statistic,
+    perplexity_args,
+    text_file,
+)
+
+pytestmark = pytest.mark.interop
+
+SLIDING_WINDOW = 512  # gemma3.attention.sliding_window in this GGUF
+PROMPT_EVAL_RE = re.compile(r"prompt eval time =.*?/\s*(\d+) tokens")
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_kl_divergence_against_cpu(llama, gemma3_path, worker, text_file, tmp_path, flash_attn):
+    base = tmp_path / "cpu.kld"  # ~200 MB of logits (262k vocabulary): one file at a time
+    llama("llama-perplexity", perplexity_args(gemma3_path, text_file, flash_attn, "f16") + CPU_ONLY
+          + ["--kl-divergence-base", base], timeout=CPU_TIMEOUT)
+    args = perplexity_args(gemma3_path, text_file, flash_attn, "f16") + [
+        "--rpc", worker.address, "-ngl", 99, "--kl-divergence-base", base, "--kl-divergence"]
+    done = llama("llama-perplexity", args, timeout=RPC_TIMEOUT, worker=worker)
+    assert_fully_offloaded(done.stderr)
+
+    output = done.stdout + done.stderr
+    chunk_rows = re.findall(r"^\s*(\d+)\s+[\d.]+\s*±", done.stdout, flags=re.MULTILINE)
+    assert len(chunk_rows) == N_CHUNKS, f"expected {N_CHUNKS} scored chunks, got {len(chunk_rows)}:\n{output[-3000:]}"
+    same_top_p = parse_statistic(SAME_TOP_P_RE, output, "Same top p")
+    mean_kld = parse_statistic(MEAN_KLD_RE, output, "Mean KLD")
+    print(f"gemma3 fa {flash_attn}: same top p {same_top_p}%, mean KLD {mean_kld}")  # shown by pytest -rP
+    assert same_top_p >= MIN_SAME_TOP_P, f"Same top p {same_top_p}% < {MIN_SAME_TOP_P}%\n{done.stdout}"
+    assert mean_kld <= MAX_MEAN_KLD, f"Mean KLD {mean_kld} > {MAX_MEAN_KLD}\n{done.stdout}"
+
+
+def long_prompt() -> str:
+    # ~650 tokens of fixed text: later positions no longer see the first ones in the sliding-window layers
+    return corpus_text()[:2800]
+
+
+PROMPTS = {"short": lambda: "The capital of France is", "past-window": long_prompt}
+
+
+@pytest.mark.parametrize("prompt_id", list(PROMPTS))
+def test_completion_matches_cpu(llama, gemma3_path, worker, prompt_id):
+    prompt = PROMPTS[prompt_id]()
+    # -c 1024: room for the long prompt; the SWA layers' cache is then smaller than the context
+    common = completion_args(gemma3_path, prompt, "on") + ["-c", 1024]
+    expected = llama("llama-completion", common + CPU_ONLY, timeout=CPU_TIMEOUT)
+    assert expected.stdout.strip(), "the CPU baseline produced no text"
+    if prompt_id == "past-window":
+        n_prompt = int(PROMPT_EVAL_RE.search(expected.stderr).group(1))
+        assert n_prompt > SLIDING_WINDOW + 64, f"prompt of {n_prompt} tokens does not pass the sliding window"
+
+    done = llama("llama-completion", common + ["--rpc", worker.address, "-ngl", 99], timeout=RPC_TIMEOUT,
+                 worker=worker)
+    assert_fully_offloaded(done.stderr)
+    assert done.stdout == expected.stdout, text_diff(expected.stdout, done.stdout)
