@@ -67,6 +67,21 @@ def test_set_get_copy_memset_clear_round_trip(connect):
     assert not g.read(a, np.uint8).any()
 
 
+def test_buffer_clear_to_any_value_then_to_zero_then_written_again(connect):
+    # clearing to 0 drops the buffer's pages rather than writing them: reads must still see zeros,
+    # and the memory must stay usable at the same addresses
+    c = connect()
+    g = GraphBuilder(c, size=3 * MiB + 123)
+    a = g.tensor(GGMLType.F32, (3 * MiB // 4,))
+    c.buffer_clear(g.handle, 0xAB)
+    assert (g.read(a, np.uint8) == 0xAB).all()
+    c.buffer_clear(g.handle, 0)
+    assert not g.read(a, np.uint8).any()
+    data = np.arange(3 * MiB // 4, dtype=np.float32)
+    c.set_tensor(a, data.tobytes())
+    assert np.array_equal(g.read(a, np.float32), data)
+
+
 def test_graph_compute_and_recompute_follow_new_inputs(connect):
     c = connect()
     g = GraphBuilder(c)
