@@ -1,6 +1,6 @@
 """Benchmark our worker against llama.cpp's ggml-rpc-server, side by side in one run.
 
-    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...]
+    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--all]
 
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
 TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize):
@@ -146,13 +146,15 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", action="append", default=[], help="GGUF file (repeatable)")
     ap.add_argument("--synthetic", action="append", default=[], choices=["Q4_0", "Q8_0", "Q4_K_M"],
                     help="also bench a ~1B random llama in this type (repeatable)")
+    ap.add_argument("--all", action="store_true", help="SmolLM2 and every synthetic type (the issue's full set)")
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    models = [Path(m) for m in args.model] or ([] if args.synthetic else [reference.model_path()])
-    models += [synthetic_model(t) for t in args.synthetic]
+    synthetic = ["Q4_0", "Q8_0", "Q4_K_M"] if args.all else args.synthetic
+    models = [Path(m) for m in args.model] or ([] if synthetic and not args.all else [reference.model_path()])
+    models += [synthetic_model(t) for t in synthetic]
     with tempfile.TemporaryDirectory() as logs:
         for model in models:
             bench_model(model, args, Path(logs))
