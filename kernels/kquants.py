@@ -301,14 +301,14 @@ def dot_ref(type_: GGMLType, rows: np.ndarray, x: np.ndarray, ne11: int | None =
         for b in range(nb):
             acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
         return _hsum8_np(acc)
-    if type_ == T.IQ4_NL:  # two accumulators over block pairs, then a scalar odd block
+    if type_ == T.IQ4_NL:  # two accumulators over block pairs, then a scalar odd block (an fma: see _make_iq4_nl_dot)
         acc2 = acc.copy()
         for b in range(0, nb - 1, 2):
             acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
             acc2 = fma32_np(d_xy[..., b + 1, None], lanes[:, :, b + 1].astype(f32), acc2)
         total = _hsum8_np(acc + acc2)
         if nb % 2:
-            total = total + d_xy[..., nb - 1] * lanes[:, :, nb - 1].sum(axis=-1).astype(f32)
+            total = fma32_np(d_xy[..., nb - 1], lanes[:, :, nb - 1].sum(axis=-1).astype(f32), total)
         return total
     d_min = -yd[None, :, :] * dmin[:, None, :]
     acc_m = np.zeros((n_rows, n_cols, 4), f32)  # Q4_K's four minimum lanes
@@ -628,7 +628,8 @@ def _make_vec_dot(type_: GGMLType):
             with cgutils.for_range(builder, nb_) as loop:
                 b = loop.index
                 p = builder.add(off_, builder.mul(b, _i64(size)))
-                _prefetch(builder, _byte_ptr(context, builder, a.types[0], a.values[0], builder.add(p, _i64(PREFETCH_AHEAD)), _I8))
+                ahead = builder.add(p, _i64(PREFETCH_AHEAD))
+                _prefetch(builder, _byte_ptr(context, builder, a.types[0], a.values[0], ahead, _I8))
                 yb = builder.add(builder.mul(col_, nb_), b)
                 g0, yg0, y0 = builder.mul(b, _i64(16)), builder.mul(yb, _i64(16)), builder.mul(yb, _i64(QK_K))
                 lanes = _block_lanes(builder, type_, lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty),
@@ -670,7 +671,8 @@ def _make_vec_dot(type_: GGMLType):
 def _make_iq4_nl_dot(tinyblas: bool):
     """Intrinsic dot(w, off, nblk, yq, yd, col) -> float32 for an IQ4_NL row: tinyBLAS keeps one
     accumulator; ggml_vec_dot_iq4_nl_q8_0 alternates two over block pairs, adds them before
-    hsum_float_8, then an odd last block as a scalar (mul, then add: not contracted)."""
+    hsum_float_8, then adds an odd last block as a scalar: sumf += d*sumi, which gcc contracts into an
+    fma in the AVX2 build (in a native AVX-512 build it does not)."""
 
     @intrinsic
     def dot(typingctx, w, off, nblk, yq, yd, col):
@@ -705,7 +707,7 @@ def _make_iq4_nl_dot(tinyblas: bool):
                 step(acc2, builder.add(b, _i64(1)))
             total = _hsum8(builder, builder.fadd(builder.load(acc), builder.load(acc2)))
             lanes, d = block(builder.sub(nb_, _i64(1)))  # always a valid block; used only if nb is odd
-            tail = builder.fadd(total, builder.fmul(d, builder.sitofp(_isum(builder, lanes), _F32)))
+            tail = builder.call(_fma_fn(builder, 1), [d, builder.sitofp(_isum(builder, lanes), _F32), total])
             odd = builder.icmp_signed("!=", builder.and_(nb_, _i64(1)), _i64(0))
             return builder.select(odd, tail, total)
 

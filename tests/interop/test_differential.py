@@ -466,8 +466,8 @@ def issue4_cases():
         yield _case(f"MUL_MAT-{wt.name}-tiled-broadcast23", [Leaf("w", wt, (K_SUPER, ROWS, 2, 1)),
                                                              Leaf("x", F32, (K_SUPER, 9, 4, 2))], _mul_mat, None)
         for n in (5, 9):
-            yield _case(f"MUL_MAT-{wt.name}-permuted-x-n{n}", [Leaf("w", wt, (K_SUPER, ROWS)),
-                                                              Leaf("x", F32, (K_SUPER, 2, n))], _mul_mat_permuted_x, None)
+            yield _case(f"MUL_MAT-{wt.name}-permuted-x-n{n}",
+                        [Leaf("w", wt, (K_SUPER, ROWS)), Leaf("x", F32, (K_SUPER, 2, n))], _mul_mat_permuted_x, None)
         yield _case(f"MUL_MAT-{wt.name}-large", [Leaf("w", wt, (4 * K_SUPER, 256)), Leaf("x", F32, (4 * K_SUPER, 24))],
                     _mul_mat, None)
     for st in SUPER_WEIGHT_TYPES:
