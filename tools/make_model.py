@@ -1,4 +1,4 @@
-"""Write small random-weight GGUF models (llama, qwen2, qwen3) that the pinned llama.cpp loads and runs.
+"""Write small random-weight GGUF models (llama, qwen2, qwen3, phi3, mistral3) that the pinned llama.cpp runs.
 
 The tests need models of architectures other than the SmolLM2 one that ships as a package; none can be
 downloaded, so we make them: the tokenizer is copied from the SmolLM2 GGUF and the weights are seeded
@@ -7,7 +7,7 @@ random numbers, scaled so activations stay finite and greedy decoding does not c
     python -m tools.make_model --arch qwen3 --head-dim 96 -o /tmp/qwen3.gguf
 
 Tensor names come from gguf-py's tables; shapes and optional tensors follow llama.cpp's
-load_arch_tensors for each architecture (src/models/{llama,qwen2,qwen3}.cpp).
+load_arch_tensors for each architecture (src/models/{llama,qwen2,qwen3,phi3,mistral3}.cpp).
 """
 from __future__ import annotations
 
@@ -34,12 +34,19 @@ class ArchSpec:
     qk_norm: bool            # per-head RMS norms attn_{q,k}_norm of length head_dim (required by qwen3)
     free_head_dim: bool      # q/output shapes use head_dim * n_head, so head_dim may differ from n_embd / n_head
     tied_output: bool        # no output.weight: llama.cpp reuses token_embd (one tied and one untied arch)
+    fused_qkv: bool = False  # one attn_qkv matrix; llama.cpp splits its product into Q/K/V views (phi3)
+    fused_gate_up: bool = False  # ffn_up is [gate; up] (2 * n_ff rows), no ffn_gate; SWIGLU splits it (phi3)
+    rope_freqs: bool = False  # rope_freqs.weight: per-pair frequency divisors ROPE takes as src[2] (mistral3)
 
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=True, tied_output=True),
     "qwen2": ArchSpec(pre_tokenizer="qwen2", qkv_bias=True, qk_norm=False, free_head_dim=False, tied_output=False),
     "qwen3": ArchSpec(pre_tokenizer="qwen2", qkv_bias=False, qk_norm=True, free_head_dim=True, tied_output=True),
+    "phi3": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=False, tied_output=False,
+                     fused_qkv=True, fused_gate_up=True),
+    "mistral3": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=True,
+                         tied_output=True, rope_freqs=True),
 }
 
 WEIGHT_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
@@ -71,7 +78,7 @@ class Tensor:
     """One tensor to write: `shape` in GGUF order (ne0 first, the row length), `kind` picks init and type."""
     name: str
     shape: tuple[int, ...]
-    kind: str  # "matrix" | "embedding" | "norm" | "bias"
+    kind: str  # "matrix" | "embedding" | "norm" | "bias" | "rope_freqs"
 
 
 def tensor_name(tensor: MODEL_TENSOR, suffix: str, layer: int | None = None) -> str:
@@ -89,11 +96,16 @@ def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
             Tensor(tensor_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm")]
     if not spec.tied_output:
         plan.append(Tensor(tensor_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "matrix"))
+    if spec.rope_freqs:  # one tensor; llama.cpp points every layer at it
+        plan.append(Tensor(tensor_name(T.ROPE_FREQS, "weight"), (head_dim // 2,), "rope_freqs"))
     for i in range(n_layer):
-        plan += [Tensor(tensor_name(T.ATTN_NORM, "weight", i), (n_embd,), "norm"),
-                 Tensor(tensor_name(T.ATTN_Q, "weight", i), (n_embd, n_q), "matrix"),
-                 Tensor(tensor_name(T.ATTN_K, "weight", i), (n_embd, n_kv), "matrix"),
-                 Tensor(tensor_name(T.ATTN_V, "weight", i), (n_embd, n_kv), "matrix")]
+        plan.append(Tensor(tensor_name(T.ATTN_NORM, "weight", i), (n_embd,), "norm"))
+        if spec.fused_qkv:
+            plan.append(Tensor(tensor_name(T.ATTN_QKV, "weight", i), (n_embd, n_q + 2 * n_kv), "matrix"))
+        else:
+            plan += [Tensor(tensor_name(T.ATTN_Q, "weight", i), (n_embd, n_q), "matrix"),
+                     Tensor(tensor_name(T.ATTN_K, "weight", i), (n_embd, n_kv), "matrix"),
+                     Tensor(tensor_name(T.ATTN_V, "weight", i), (n_embd, n_kv), "matrix")]
         if spec.qkv_bias:
             plan += [Tensor(tensor_name(T.ATTN_Q, "bias", i), (n_q,), "bias"),
                      Tensor(tensor_name(T.ATTN_K, "bias", i), (n_kv,), "bias"),
@@ -102,10 +114,13 @@ def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
             plan += [Tensor(tensor_name(T.ATTN_Q_NORM, "weight", i), (head_dim,), "norm"),
                      Tensor(tensor_name(T.ATTN_K_NORM, "weight", i), (head_dim,), "norm")]
         plan += [Tensor(tensor_name(T.ATTN_OUT, "weight", i), (n_q, n_embd), "matrix"),
-                 Tensor(tensor_name(T.FFN_NORM, "weight", i), (n_embd,), "norm"),
-                 Tensor(tensor_name(T.FFN_GATE, "weight", i), (n_embd, n_ff), "matrix"),
-                 Tensor(tensor_name(T.FFN_UP, "weight", i), (n_embd, n_ff), "matrix"),
-                 Tensor(tensor_name(T.FFN_DOWN, "weight", i), (n_ff, n_embd), "matrix")]
+                 Tensor(tensor_name(T.FFN_NORM, "weight", i), (n_embd,), "norm")]
+        if spec.fused_gate_up:
+            plan.append(Tensor(tensor_name(T.FFN_UP, "weight", i), (n_embd, 2 * n_ff), "matrix"))
+        else:
+            plan += [Tensor(tensor_name(T.FFN_GATE, "weight", i), (n_embd, n_ff), "matrix"),
+                     Tensor(tensor_name(T.FFN_UP, "weight", i), (n_embd, n_ff), "matrix")]
+        plan.append(Tensor(tensor_name(T.FFN_DOWN, "weight", i), (n_ff, n_embd), "matrix"))
     return plan
 
 
@@ -125,6 +140,8 @@ def random_values(tensor: Tensor, rng: np.random.Generator) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if tensor.kind == "bias":
         return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if tensor.kind == "rope_freqs":  # divisors >= 1 growing with the pair index, as llama3-style scaling has
+        return np.linspace(1.0, 8.0, shape[0], dtype=np.float32)
     raise ValueError(f"unknown tensor kind {tensor.kind!r}")
 
 
@@ -179,7 +196,9 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
     check_arguments(arch, n_embd, n_head, n_head_kv, head_dim, n_ff, qtype)
 
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_name(f"random {arch}")
+    # not the arch: llama.cpp keys vocabulary quirks on general.name ("phi3" makes it look up Phi-3's own
+    # special tokens, which the donor vocabulary lacks)
+    writer.add_name("random weights")
     writer.add_context_length(CONTEXT_LENGTH)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)

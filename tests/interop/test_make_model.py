@@ -1,4 +1,5 @@
-"""tools/make_model.py writes GGUF files that gguf-py reads back as planned and the pinned llama.cpp runs.
+"""tools/make_model.py writes GGUF files that gguf-py reads back as planned and the pinned llama.cpp runs;
+through our worker, llama-completion prints the same greedy text for them as llama.cpp's CPU backend.
 
 The expected tensor list is spelled out here from the arguments alone (not taken from the tool), so a
 wrong name or shape in the tool shows up as a difference rather than being checked against itself.
@@ -14,7 +15,7 @@ import pytest
 
 from tools.make_model import write_model
 
-from .conftest import CLIENT_THREADS, CPU_TIMEOUT
+from .conftest import CLIENT_THREADS, CPU_TIMEOUT, RPC_TIMEOUT, assert_fully_offloaded, text_diff
 
 pytestmark = pytest.mark.interop
 
@@ -26,11 +27,18 @@ MODELS = {
     "llama": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=None, n_ff=512),
     "qwen2": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=None, n_ff=512),
     "qwen3": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=96, n_ff=384),
+    "phi3": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=None, n_ff=512),
+    "mistral3": dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=None, n_ff=512),
 }
-UNTIED_OUTPUT = {"qwen2"}          # writes output.weight; the others reuse token_embd
+UNTIED_OUTPUT = {"qwen2", "phi3"}  # writes output.weight; the others reuse token_embd
 QKV_BIAS = {"qwen2"}
 QK_NORM = {"qwen3"}
-PRE_TOKENIZER = {"llama": "smollm", "qwen2": "qwen2", "qwen3": "qwen2"}
+FUSED = {"phi3"}                   # attn_qkv instead of attn_q/k/v, ffn_up = [gate; up] instead of ffn_gate
+ROPE_FREQS = {"mistral3"}          # one rope_freqs.weight of head_dim / 2 frequency divisors
+PRE_TOKENIZER = {"llama": "smollm", "qwen2": "qwen2", "qwen3": "qwen2", "phi3": "smollm", "mistral3": "smollm"}
+# archs whose graphs bring ops or op forms the SmolLM2 tests do not: phi3 splits one fused product into
+# Q/K/V views and its SWIGLU takes one fused source; mistral3's ROPE takes frequency factors (src[2])
+THROUGH_WORKER = ("phi3", "mistral3")
 
 
 def expected_tensors(arch: str, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab):
@@ -39,19 +47,23 @@ def expected_tensors(arch: str, *, n_layer, n_embd, n_head, n_head_kv, head_dim,
     want = {"token_embd.weight": (n_embd, n_vocab), "output_norm.weight": (n_embd,)}
     if arch in UNTIED_OUTPUT:
         want["output.weight"] = (n_embd, n_vocab)
+    if arch in ROPE_FREQS:
+        want["rope_freqs.weight"] = (hd // 2,)
     for i in range(n_layer):
         blk = f"blk.{i}."
         want.update({
             blk + "attn_norm.weight": (n_embd,),
-            blk + "attn_q.weight": (n_embd, hd * n_head),
-            blk + "attn_k.weight": (n_embd, hd * n_head_kv),
-            blk + "attn_v.weight": (n_embd, hd * n_head_kv),
             blk + "attn_output.weight": (hd * n_head, n_embd),
             blk + "ffn_norm.weight": (n_embd,),
-            blk + "ffn_gate.weight": (n_embd, n_ff),
-            blk + "ffn_up.weight": (n_embd, n_ff),
             blk + "ffn_down.weight": (n_ff, n_embd),
         })
+        if arch in FUSED:
+            want.update({blk + "attn_qkv.weight": (n_embd, hd * n_head + 2 * hd * n_head_kv),
+                         blk + "ffn_up.weight": (n_embd, 2 * n_ff)})
+        else:
+            want.update({blk + "attn_q.weight": (n_embd, hd * n_head), blk + "attn_k.weight": (n_embd, hd * n_head_kv),
+                         blk + "attn_v.weight": (n_embd, hd * n_head_kv), blk + "ffn_gate.weight": (n_embd, n_ff),
+                         blk + "ffn_up.weight": (n_embd, n_ff)})
         if arch in QKV_BIAS:
             want.update({blk + "attn_q.bias": (hd * n_head,), blk + "attn_k.bias": (hd * n_head_kv,),
                          blk + "attn_v.bias": (hd * n_head_kv,)})
@@ -140,3 +152,23 @@ def test_qwen2_refuses_a_head_dim_its_loader_cannot_take(model_path, tmp_path):
     # llama.cpp's qwen2 loader sizes attn_q as n_embd x n_embd, so head_dim * n_head must equal n_embd.
     with pytest.raises(ValueError, match="head_dim"):
         write_model(tmp_path / "bad.gguf", "qwen2", head_dim=96, vocab_from=model_path)
+
+
+def completion_args(model, flash_attn: str) -> list:
+    # -b/-ub 8: the 13-token prompt takes two batches, so the second attends to cached K/V
+    return ["-m", model, "-p", "The quick brown fox jumps over the lazy dog.", "-n", N_PREDICT, "--temp", 0,
+            "--ignore-eos", "-no-cnv", "--no-display-prompt", "-t", CLIENT_THREADS, "-c", 512, "-b", 8, "-ub", 8,
+            "-fa", flash_attn, "-fit", "off", "-lv", 4]
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+@pytest.mark.parametrize("arch", THROUGH_WORKER)
+def test_worker_generates_what_cpu_does(llama, models, worker, arch, flash_attn):
+    # --no-repack: the CPU backend must compute on the plain weight layout, as any RPC worker does
+    expected = llama("llama-completion", completion_args(models[arch], flash_attn) + ["-ngl", 0, "--no-repack"],
+                     timeout=CPU_TIMEOUT).stdout
+    assert expected.strip(), "the CPU baseline produced no text"
+    done = llama("llama-completion", completion_args(models[arch], flash_attn) + ["--rpc", worker.address, "-ngl", 99],
+                 timeout=RPC_TIMEOUT, worker=worker)
+    assert_fully_offloaded(done.stderr)
+    assert done.stdout == expected, text_diff(expected, done.stdout)
