@@ -50,9 +50,6 @@ def main(host, port, threads, device, cache, mem, verbose, no_warmup):
             raise click.BadParameter(f"unknown device: {dev} (available devices: CPU)", param_hint="-d")
 
     _skip_numba_blas_probe()
-    import numba
-
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     if not no_warmup:
         # before listening, as llama.cpp's worker is ready when it listens: the first request a
         # client sends is then as fast as any later one, and loading kernels cannot compete for
@@ -90,7 +87,7 @@ def main(host, port, threads, device, cache, mem, verbose, no_warmup):
     except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
         runner = asyncio.run
     try:
-        runner(serve(host, port, WorkerConfig(budget, cache_dir)))
+        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads)))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:

@@ -129,9 +129,17 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.wakeup.set()
 
 
+def _set_numba_threads(n: int) -> None:
+    import numba  # noqa: PLC0415 - only the compute thread needs it
+
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
 async def serve(host: str, port: int, config: WorkerConfig, ready=None) -> None:
     """Serve until cancelled; `ready(server)` is called once the socket listens."""
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    # numba's thread count is per calling thread: set it on the compute thread itself
+    init = (_set_numba_threads, (config.threads,)) if config.threads else (None, ())
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=init[0], initargs=init[1])
     connections: set = set()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(

@@ -27,9 +27,10 @@ N_DEVICES = 1
 
 
 class WorkerConfig:
-    def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None):
+    def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None, threads: int | None = None):
         self.budget = budget
         self.cache_dir = cache_dir
+        self.threads = threads  # numba threads of the compute thread (None: numba's default)
 
 
 class Session:
