@@ -210,7 +210,8 @@ def table() -> str:
     load_all()
     rows: dict[tuple, list[str]] = {}  # (lines) -> op labels sharing them
     for op, sub in sorted(KERNELS):
-        lines = describe(PROBES[op], accepted(op, sub))
+        combos = accepted(op, sub)  # first: it names an op that has no probe
+        lines = describe(PROBES[op], combos)
         rows.setdefault(tuple(lines), []).append(op_label(op, sub))
     out = ["| op | types accepted (src → dst) |", "|---|---|"]
     for lines, labels in sorted(rows.items(), key=lambda item: min(_op_order(l) for l in item[1])):
