@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import numba
 import numpy as np
@@ -30,12 +31,12 @@ from numba import prange
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from .copy import parallel_worthwhile
+from .copy import KIND_F16, KIND_F32, KINDS, load_f32, parallel_worthwhile, storage
 from .fmath import fma32, round_f16
 from .kv_quants import dequantize_iq4_nl_reference
 from .node import InvalidNode, Node, Tensor
 from .quants import QK, ROW_DOT, dequantize_rows, quantize_q8_ref, quantize_q8_rows, unpack_blocks
-from .registry import OpKernel, register
+from .registry import OpKernel, prepared, register
 from .softmax import NEG_INF, alibi_slope, vec_soft_max, widen_f16
 
 F32 = np.float32
@@ -51,54 +52,47 @@ BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time (bounds
 
 
 @numba.njit(inline="always", **_jit)
-def _lane_dots(kt2, q, b0, b1, f16, lanes, scores):
-    """scores[j] = ggml's vec_dot of K row b0+j with q, for j < b1-b0 (K given transposed, (DK, n_kv)).
+def _dot_kq(krow, kkind, q, lanes):
+    """ggml's vec_dot of one stored K row (F16 bits or F32, per kkind) with q (float32).
 
     ggml_vec_dot_f16/_f32 keep 32 lanes of FMA accumulators (lane t sums elements t, t+32, ...),
     add them up in a fixed tree, and finish the last DK % 32 elements in double (F16) or float (F32).
     """
-    n = b1 - b0
     dk = q.shape[0]
     nb = dk & ~31
-    for t in range(32):
-        lane = lanes[t]
-        lane[:n] = 0
-        for i in range(t, nb, 32):
-            qi = q[i]
-            krow = kt2[i, b0:b1]
-            for j in range(n):
-                lane[j] = fma32(krow[j], qi, lane[j])
-    for j in range(n):
-        l0 = (lanes[0, j] + lanes[16, j]) + (lanes[8, j] + lanes[24, j])
-        l1 = (lanes[1, j] + lanes[17, j]) + (lanes[9, j] + lanes[25, j])
-        l2 = (lanes[2, j] + lanes[18, j]) + (lanes[10, j] + lanes[26, j])
-        l3 = (lanes[3, j] + lanes[19, j]) + (lanes[11, j] + lanes[27, j])
-        l4 = (lanes[4, j] + lanes[20, j]) + (lanes[12, j] + lanes[28, j])
-        l5 = (lanes[5, j] + lanes[21, j]) + (lanes[13, j] + lanes[29, j])
-        l6 = (lanes[6, j] + lanes[22, j]) + (lanes[14, j] + lanes[30, j])
-        l7 = (lanes[7, j] + lanes[23, j]) + (lanes[15, j] + lanes[31, j])
-        scores[j] = ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7))
+    lanes[:] = 0
+    for i in range(0, nb, 32):
+        for t in range(32):
+            lanes[t] = fma32(load_f32(krow[i + t], kkind), q[i + t], lanes[t])
+    l0 = (lanes[0] + lanes[16]) + (lanes[8] + lanes[24])
+    l1 = (lanes[1] + lanes[17]) + (lanes[9] + lanes[25])
+    l2 = (lanes[2] + lanes[18]) + (lanes[10] + lanes[26])
+    l3 = (lanes[3] + lanes[19]) + (lanes[11] + lanes[27])
+    l4 = (lanes[4] + lanes[20]) + (lanes[12] + lanes[28])
+    l5 = (lanes[5] + lanes[21]) + (lanes[13] + lanes[29])
+    l6 = (lanes[6] + lanes[22]) + (lanes[14] + lanes[30])
+    l7 = (lanes[7] + lanes[23]) + (lanes[15] + lanes[31])
+    s = ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7))
     if nb < dk:
-        for j in range(n):
-            if f16:
-                total = np.float64(scores[j])
-                for i in range(nb, dk):
-                    total += np.float64(kt2[i, b0 + j] * q[i])
-                scores[j] = F32(total)
-            else:
-                s = scores[j]
-                for i in range(nb, dk):
-                    s = s + kt2[i, b0 + j] * q[i]  # not contracted in ggml_vec_dot_f32
-                scores[j] = s
+        if kkind == KIND_F16:
+            total = np.float64(s)
+            for i in range(nb, dk):
+                total += np.float64(load_f32(krow[i], kkind) * q[i])
+            s = F32(total)
+        else:
+            for i in range(nb, dk):
+                s = s + load_f32(krow[i], kkind) * q[i]  # not contracted in ggml_vec_dot_f32
+    return s
 
 
 @numba.njit(inline="always", **_jit)
-def _accumulate(scores, b0, b1, v2, mrow, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
+def _accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
     """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
-    scores[0 : b1-b0]; updates vkq in place and returns the new (M, S)."""
+    scores[0 : b1-b0] (masked positions' entries are not read); updates vkq in place and returns the
+    new (M, S). V rows and the mask are read in their stored kinds (vkind, mkind: copy.KIND_*)."""
     dv = vkq.shape[0]
     for ic in range(b0, b1):
-        mv = slope * mrow[ic] if has_mask else F32(0.0)
+        mv = slope * load_f32(mrow[ic], mkind) if has_mask else F32(0.0)
         if mv == NEG_INF:
             continue
         s = scores[ic - b0] * scale
@@ -122,35 +116,37 @@ def _accumulate(scores, b0, b1, v2, mrow, has_mask, slope, scale, softcap, f16_v
         vrow = v2[ic]
         if f16_v:
             for d in range(dv):
-                vkq[d] = round_f16(fma32(vrow[d], vs, vkq[d]))
+                vkq[d] = round_f16(fma32(load_f32(vrow[d], vkind), vs, vkq[d]))
         else:
             for d in range(dv):
-                vkq[d] = fma32(vrow[d], vs, vkq[d])
+                vkq[d] = fma32(load_f32(vrow[d], vkind), vs, vkq[d])
         S = fma32(S, ms, vs)
     return M, S
 
 
 @numba.njit(**_jit)
-def _row_one_chunk(qrow, kt2, v2, mrow, has_mask, slope, scale, softcap, ic0, ic1, f16_k, f16_v, vkq):
+def _row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v, vkq):
     """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
 
-    kt2 is one kv head's K transposed (DK, n_kv) and v2 its V rows (n_kv, DV), as float32; f16_k/f16_v
-    say whether ggml holds them as F16, which makes it round the query to F16 and keep the V
-    accumulator in F16.
+    k2 and v2 are one kv head's K and V rows (n_kv, D) as stored: F16 bits or F32 (kkind, vkind). An
+    F16 K makes ggml round the query to F16; f16_v says it keeps the V accumulator in F16. Only
+    unmasked positions are dotted, as in ggml.
     """
     dk = qrow.shape[0]
     q = np.empty(dk, F32)
     for i in range(dk):
-        q[i] = round_f16(qrow[i]) if f16_k else qrow[i]
-    lanes = np.empty((32, BLOCK_KV), F32)
+        q[i] = round_f16(qrow[i]) if kkind == KIND_F16 else qrow[i]
+    lanes = np.empty(32, F32)
     scores = np.empty(BLOCK_KV, F32)
     vkq[:] = 0
     S = F32(0.0)
     M = NEG_INF
     for b0 in range(ic0, ic1, BLOCK_KV):
         b1 = min(b0 + BLOCK_KV, ic1)
-        _lane_dots(kt2, q, b0, b1, f16_k, lanes, scores)
-        M, S = _accumulate(scores, b0, b1, v2, mrow, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
+        for ic in range(b0, b1):
+            if not has_mask or slope * load_f32(mrow[ic], mkind) != NEG_INF:
+                scores[ic - b0] = _dot_kq(k2[ic], kkind, q, lanes)
+        M, S = _accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
     return M, S
 
 
@@ -175,16 +171,17 @@ def _row_index(r, n_q, n_head):
 
 
 @numba.njit(**_jit)
-def _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out):
+def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v,
+                   out):
     n_seq, n_head, n_q, _ = q.shape
     iq3, iq2, iq1 = _row_index(r, n_q, n_head)
     slope = alibi_slope(max_bias, n_head, iq2)
-    kt2 = kt[iq3 // (n_seq // kt.shape[0]), iq2 // (n_head // kt.shape[1])]
+    k2 = k[iq3 // (n_seq // k.shape[0]), iq2 // (n_head // k.shape[1])]
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
     mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
     vkq = np.empty(v.shape[3], F32)
-    M, S = _row_one_chunk(q[iq3, iq2, iq1], kt2, v2, mrow, has_mask, slope, scale, softcap,
-                          0, kt.shape[3], f16_k, f16_v, vkq)
+    M, S = _row_one_chunk(q[iq3, iq2, iq1], k2, kkind, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap,
+                          0, k.shape[2], f16_v, vkq)
     if has_sinks:
         M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
     inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
@@ -193,15 +190,18 @@ def _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bia
 
 
 @numba.njit(parallel=True, **_jit)
-def _fa_one_chunk(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out,
+def _fa_one_chunk(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, out,
                   parallel):
+    """Every query row by itself; k, v and mask as stored (mask F16 bits)."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     if parallel:
         for r in prange(n_rows):
-            _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out)
+            _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
+                           f16_v, out)
     else:
         for r in range(n_rows):
-            _one_chunk_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, out)
+            _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
+                           f16_v, out)
 
 
 # --- quantized K: Q goes to K's vec_dot_type (q8_0 or q8_1) and K.Q is ggml_vec_dot_<K>_q8_* ---------
@@ -227,9 +227,10 @@ def _k_dot(kind, kmem, off, nblk, yq, yd, ys, col):
 
 
 @numba.njit(**_jit)
-def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks, scale,
+def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks, scale,
                       max_bias, softcap, f16_v, out):
-    """_one_chunk_row for a quantized K: kgeom = (byte offset, nb1, nb2, nb3, n_kv, ne2, ne3, blocks per row)."""
+    """_one_chunk_row for a quantized K: kgeom = (byte offset, nb1, nb2, nb3, n_kv, ne2, ne3, blocks per row);
+    v as stored (vkind) or dequantized to F32, mask as F16 bits."""
     n_seq, n_head, n_q = q_shape[0], q_shape[1], q_shape[2]
     koff, nb1, nb2, nb3, n_kv, ne2, ne3, nblk = kgeom
     iq3, iq2, iq1 = _row_index(r, n_q, n_head)
@@ -244,8 +245,10 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_ma
     for b0 in range(0, n_kv, BLOCK_KV):
         b1 = min(b0 + BLOCK_KV, n_kv)
         for ic in range(b0, b1):
-            scores[ic - b0] = _k_dot(kind, kmem, base + ic * nb1, nblk, yq, yd, ys, r)
-        M, S = _accumulate(scores, b0, b1, v2, mrow, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
+            if not has_mask or slope * load_f32(mrow[ic], KIND_F16) != NEG_INF:
+                scores[ic - b0] = _k_dot(kind, kmem, base + ic * nb1, nblk, yq, yd, ys, r)
+        M, S = _accumulate(scores, b0, b1, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap, f16_v, vkq, M,
+                           S)
     if has_sinks:
         M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
     inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
@@ -254,16 +257,16 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_ma
 
 
 @numba.njit(parallel=True, **_jit)
-def _fa_one_chunk_qk(kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks, scale, max_bias,
-                     softcap, f16_v, out, parallel):
+def _fa_one_chunk_qk(kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks, scale,
+                     max_bias, softcap, f16_v, out, parallel):
     n_rows = q_shape[0] * q_shape[1] * q_shape[2]
     if parallel:
         for r in prange(n_rows):
-            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks,
+            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks,
                               scale, max_bias, softcap, f16_v, out)
     else:
         for r in range(n_rows):
-            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, mask, has_mask, sinks, has_sinks,
+            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks,
                               scale, max_bias, softcap, f16_v, out)
 
 
@@ -280,11 +283,11 @@ def _quantized_query(q: np.ndarray, k_type: GGMLType):
 
 
 @numba.njit(**_jit)
-def _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v,
+def _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v,
                 part):
     """Head w // n_chunks over cache slice w % n_chunks: (M, S, unnormalized VKQ) into part."""
     n_head = q.shape[1]
-    n_kv = kt.shape[3]
+    n_kv = k.shape[2]
     chunk = (n_kv + n_chunks - 1) // n_chunks
     h, c = w // n_chunks, w % n_chunks
     ic0 = c * chunk
@@ -293,11 +296,11 @@ def _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, 
         part[h, c, 1] = F32(0.0)
         return
     slope = alibi_slope(max_bias, n_head, h)
-    kt2 = kt[0, h // (n_head // kt.shape[1])]
+    k2 = k[0, h // (n_head // k.shape[1])]
     v2 = v[0, h // (n_head // v.shape[1])]
     vkq = part[h, c, 2:]
-    M, S = _row_one_chunk(q[0, h, 0], kt2, v2, mask[0, h % mask.shape[1], 0], has_mask, slope, scale,
-                          softcap, ic0, min(ic0 + chunk, n_kv), f16_k, f16_v, vkq)
+    M, S = _row_one_chunk(q[0, h, 0], k2, kkind, v2, vkind, mask[0, h % mask.shape[1], 0], KIND_F16, has_mask, slope,
+                          scale, softcap, ic0, min(ic0 + chunk, n_kv), f16_v, vkq)
     if has_sinks and c == 0:  # ggml applies the sink with the first slice only
         M, S = _apply_sink(sinks[h], M, S, vkq, False)
     part[h, c, 0] = M
@@ -328,21 +331,21 @@ def _split_merge(h, part, out):
 
 
 @numba.njit(parallel=True, **_jit)
-def _fa_split_kv(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_k, f16_v, n_chunks, out,
-                 parallel):
+def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, n_chunks,
+                 out, parallel):
     """One query, every head, the cache cut into n_chunks slices merged the way ggml reduces them."""
     n_head = q.shape[1]
     part = np.zeros((n_head, n_chunks, 2 + v.shape[3]), F32)
     if parallel:
         for w in prange(n_head * n_chunks):
-            _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
-                        f16_k, f16_v, part)
+            _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
+                        softcap, f16_v, part)
         for h in prange(n_head):
             _split_merge(h, part, out)
     else:
         for w in range(n_head * n_chunks):
-            _split_part(w, n_chunks, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
-                        f16_k, f16_v, part)
+            _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
+                        softcap, f16_v, part)
         for h in range(n_head):
             _split_merge(h, part, out)
 
@@ -499,36 +502,50 @@ def check_flash_attn_ext(node: Node) -> None:
         raise InvalidNode(f"FLASH_ATTN_EXT: dst must be contiguous F32 {expect}, got {dst.type.name} {dst.ne}")
 
 
-def forward_flash_attn_ext(node: Node) -> None:
+def prepare_flash_attn_ext(node: Node):
     p = _Parts(node)
-    v = _f32(p.v)
-    mask = _f32(p.mask) if p.mask is not None else np.zeros((1, 1, 1, 1), F32)
-    sinks = p.sinks.array()[0, 0, 0] if p.sinks is not None else np.zeros(1, F32)
-    common = (mask, p.mask is not None, sinks, p.sinks is not None, p.scale, p.max_bias, p.softcap)
     out = node.dst.array()  # (n_seq, n_q, n_head, DV)
     q = p.q.array()
-    f16_k, f16_v = p.k.type == GGMLType.F16, p.v.type == GGMLType.F16
-    if p.k.is_quantized:
-        _forward_quantized_k(p, q, v, common, f16_v, out)
-        return
-    kt = _f32(p.k, transpose=True)
-    parallel = parallel_worthwhile(q.shape[0] * q.shape[1] * q.shape[2] * kt.shape[3], cost=q.shape[3] + v.shape[3])
+    has_mask, has_sinks = p.mask is not None, p.sinks is not None
+    sinks = p.sinks.array()[0, 0, 0] if has_sinks else np.zeros(1, F32)
+    f16_v = p.v.type == GGMLType.F16
+    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
+    parallel = parallel_worthwhile(n_rows * p.k.ne[1], cost=q.shape[3] + p.v.ne[0])
     path = p.path()
-    if path == "split":
-        _fa_split_kv(q, kt, v, *common, f16_k, f16_v, SPLIT_KV_THREADS, out, parallel)
-    elif path == "tiled":
-        _fa_tiled(q, kt, v, *common, out, parallel)
-    else:
-        _fa_one_chunk(q, kt, v, *common, f16_k, f16_v, out, parallel)
+    if path == "tiled":  # prompt batches: K widened and transposed once per run, so tile scores vectorize
 
+        def run_tiled():
+            mask = _f32(p.mask) if has_mask else np.zeros((1, 1, 1, 1), F32)
+            _fa_tiled(q, _f32(p.k, transpose=True), _f32(p.v), mask, has_mask, sinks, has_sinks, p.scale,
+                      p.max_bias, p.softcap, out, parallel)
 
-def _forward_quantized_k(p: _Parts, q: np.ndarray, v: np.ndarray, common, f16_v: bool, out: np.ndarray) -> None:
+        return run_tiled
+    # the per-row paths read K, V and the mask where they are stored (V dequantized first if quantized)
+    mask = storage(p.mask) if has_mask else np.zeros((1, 1, 1, 1), np.uint16)
+    common = (mask, has_mask, sinks, has_sinks, p.scale, p.max_bias, p.softcap, f16_v, out)
+
+    def values():
+        return (_dequantized(p.v), KIND_F32) if p.v.is_quantized else (storage(p.v), KINDS[p.v.type])
+
     k = p.k
-    yq, yd, ys = _quantized_query(q, k.type)
-    kgeom = np.array([k.offset, k.nb[1], k.nb[2], k.nb[3], k.ne[1], k.ne[2], k.ne[3], k.ne[0] // QK], np.int64)
-    q_shape = np.array(q.shape[:3], np.int64)
-    parallel = parallel_worthwhile(q.shape[0] * q.shape[1] * q.shape[2] * k.ne[1], cost=q.shape[3] + v.shape[3])
-    _fa_one_chunk_qk(int(k.type), k.mem, kgeom, yq, yd, ys, q_shape, v, *common, f16_v, out, parallel)
+    if k.is_quantized:
+        kgeom = np.array([k.offset, k.nb[1], k.nb[2], k.nb[3], k.ne[1], k.ne[2], k.ne[3], k.ne[0] // QK], np.int64)
+        q_shape = np.array(q.shape[:3], np.int64)
+
+        def run_quantized_k():
+            yq, yd, ys = _quantized_query(q, k.type)
+            _fa_one_chunk_qk(int(k.type), k.mem, kgeom, yq, yd, ys, q_shape, *values(), *common, parallel)
+
+        return run_quantized_k
+    kstore, kkind = storage(k), KINDS[k.type]
+    if path == "split":
+        return lambda: _fa_split_kv(q, kstore, kkind, *values(), *common[:-1], SPLIT_KV_THREADS, out, parallel)
+    if p.v.is_quantized:
+        return lambda: _fa_one_chunk(q, kstore, kkind, *values(), *common, parallel)
+    return partial(_fa_one_chunk, q, kstore, kkind, *values(), *common, parallel)
+
+
+forward_flash_attn_ext = prepared(prepare_flash_attn_ext)
 
 
 def _reference_scores(p: _Parts, q: np.ndarray) -> np.ndarray:
@@ -582,4 +599,5 @@ def reference_flash_attn_ext(node: Node) -> None:
     node.dst.array()[...] = o.transpose(0, 2, 1, 3).astype(F32)
 
 
-register(GGMLOp.FLASH_ATTN_EXT)(OpKernel(check_flash_attn_ext, forward_flash_attn_ext, reference_flash_attn_ext))
+register(GGMLOp.FLASH_ATTN_EXT)(OpKernel(check_flash_attn_ext, forward_flash_attn_ext, reference_flash_attn_ext,
+                                         prepare_flash_attn_ext))

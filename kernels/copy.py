@@ -10,6 +10,8 @@ The scalar F16/BF16 conversions it uses live in kernels/fmath.py (re-exported he
 
 from __future__ import annotations
 
+from functools import partial
+
 import numba
 import numpy as np
 from numba import prange
@@ -31,7 +33,7 @@ from .kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
 from .kv_quants import np_trunc_i32 as np_f32_to_i32  # noqa: F401  (float32 -> int32 as x86 casts)
 from .kv_quants import trunc_i32 as f32_to_i32
 from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, register
+from .registry import OpKernel, prepared, register
 
 # ---------------------------------------------------------------------------------------------
 # storage kinds: how a kernel reads/writes the elements of an array
@@ -351,17 +353,27 @@ def _set_rows(values, idx, dst, vkind, dkind, parallel):
     return True
 
 
-def _forward_set_rows(node: Node) -> None:
+def _prepare_set_rows(node: Node):
     values, dst = node.src[0], node.dst
     idx = node.src[1].array()
     parallel = parallel_worthwhile(_nelements(values))
     if dst.is_quantized:  # quantize every value row first (ggml's from_float), then scatter bytes
-        rows = quantize_rows(dst.type, widen_f32(values), parallel_worthwhile(_nelements(values), cost=8))
-        done = _set_rows(rows, idx, dst.rows(), KIND_RAW, KIND_RAW, parallel)
+        quantize_parallel, dst_rows = parallel_worthwhile(_nelements(values), cost=8), dst.rows()
+
+        def scatter():
+            rows = quantize_rows(dst.type, widen_f32(values), quantize_parallel)
+            return _set_rows(rows, idx, dst_rows, KIND_RAW, KIND_RAW, parallel)
     else:
-        done = _set_rows(storage(values), idx, storage(dst), KINDS[values.type], KINDS[dst.type], parallel)
-    if not done:
-        raise InvalidNode(f"SET_ROWS: row index out of range [0, {dst.ne[1]})")
+        scatter = partial(_set_rows, storage(values), idx, storage(dst), KINDS[values.type], KINDS[dst.type], parallel)
+
+    def run():  # the indices come with each run's inputs: checked as the kernel meets them
+        if not scatter():
+            raise InvalidNode(f"SET_ROWS: row index out of range [0, {dst.ne[1]})")
+
+    return run
+
+
+_forward_set_rows = prepared(_prepare_set_rows)
 
 
 def _reference_set_rows(node: Node) -> None:
@@ -379,4 +391,4 @@ def _reference_set_rows(node: Node) -> None:
                 out[i3, i2, row] = converted[i3, i2, i1]
 
 
-register(GGMLOp.SET_ROWS)(OpKernel(_check_set_rows, _forward_set_rows, _reference_set_rows))
+register(GGMLOp.SET_ROWS)(OpKernel(_check_set_rows, _forward_set_rows, _reference_set_rows, _prepare_set_rows))

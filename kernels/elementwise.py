@@ -11,6 +11,7 @@ Arithmetic follows ggml-cpu as built here (x86-64, AVX2 + FMA, GCC with contract
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numba
 import numpy as np
@@ -21,7 +22,7 @@ from rpcserver.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 from . import copy as cp
 from .fmath import JIT, f16_to_f32, f32_to_f16, fma32, v_expf
 from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, register
+from .registry import OpKernel, nothing, prepared, register
 
 F32 = np.float32
 
@@ -215,16 +216,19 @@ def _check_unary(node: Node) -> None:
         raise InvalidNode(f"{label}: rows must be contiguous")
 
 
-def _forward_unary(node: Node) -> None:
-    """Also SCALE's forward: a per-element map with op_params (s, b)."""
+def _prepare_unary(node: Node):
+    """Also SCALE's: a per-element map with op_params (s, b)."""
     src = node.src[0].array()
     if src.size == 0:
-        return
+        return nothing
     gelu, quick = gelu_tables()
     code = _unary_code(node)
     s, bias = (F32(node.param_f32(0)), F32(node.param_f32(1))) if code == _SCALE else (F32(1.0), F32(0.0))
     parallel = cp.parallel_worthwhile(src.size, cost=1 if code == _SCALE else 8)
-    _unary_rows(code, src, node.dst.array(), gelu, quick, s, bias, parallel)
+    return partial(_unary_rows, code, src, node.dst.array(), gelu, quick, s, bias, parallel)
+
+
+_forward_unary = prepared(_prepare_unary)
 
 
 def _reference_unary_values(code: int, x: np.ndarray) -> np.ndarray:
@@ -278,7 +282,7 @@ def _reference_unary(node: Node) -> None:
     node.dst.array()[...] = _reference_unary_values(_unary_code(node), node.src[0].array())
 
 
-_UNARY_KERNEL = OpKernel(_check_unary, _forward_unary, _reference_unary)
+_UNARY_KERNEL = OpKernel(_check_unary, _forward_unary, _reference_unary, _prepare_unary)
 for _sub in _UNARY_SUPPORTED:
     register(GGMLOp.UNARY, _sub)(_UNARY_KERNEL)
 register(GGMLOp.SQR)(_UNARY_KERNEL)
@@ -369,13 +373,16 @@ def _check_glu(node: Node) -> None:
             raise InvalidNode(f"{label}: operands must be contiguous beyond dim 1 (ggml_is_contiguous_1)")
 
 
-def _forward_glu(node: Node) -> None:
+def _prepare_glu(node: Node):
     x, g = _glu_operands(node)
     dst = node.dst.array()
     if dst.size == 0:
-        return
+        return nothing
     gelu, quick = gelu_tables()
-    _glu_rows(node.param_i32(0), x, g, dst, gelu, quick, cp.parallel_worthwhile(dst.size, cost=8))
+    return partial(_glu_rows, node.param_i32(0), x, g, dst, gelu, quick, cp.parallel_worthwhile(dst.size, cost=8))
+
+
+_forward_glu = prepared(_prepare_glu)
 
 
 _GLU_ACTIVATION = {G.SWIGLU: U.SILU, G.REGLU: U.RELU, G.GEGLU: U.GELU, G.GEGLU_QUICK: U.GELU_QUICK,
@@ -391,7 +398,7 @@ def _reference_glu(node: Node) -> None:
     node.dst.array()[...] = np.where(zero_where, F32(0), out)
 
 
-_GLU_KERNEL = OpKernel(_check_glu, _forward_glu, _reference_glu)
+_GLU_KERNEL = OpKernel(_check_glu, _forward_glu, _reference_glu, _prepare_glu)
 for _sub in _GLU_SUPPORTED:
     register(GGMLOp.GLU, _sub)(_GLU_KERNEL)
 
@@ -456,22 +463,27 @@ def _check_binary(node: Node) -> None:
             raise InvalidNode(f"{name}: {what} elements must be contiguous within rows")
 
 
-def _forward_binary(node: Node) -> None:
+def _prepare_binary(node: Node):
     a, b, dst = node.src[0], node.src[1], node.dst
     if 0 in a.ne:
-        return
+        return nothing
     code = _BINARY_CODES[node.op]
     parallel = cp.parallel_worthwhile(a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3])
     if a.type == b.type == dst.type == GGMLType.F32:
-        _binary_rows(code, a.array(), b.array(), dst.array(), parallel)
-        return
-    # half-float operands: widen to f32 (exact), compute in f32, round once into the result type
-    xa = cp.widen_f32(a)
-    xb = b.array() if b.type == GGMLType.F32 else cp.widen_f32(b)
-    out = dst.array() if dst.type == GGMLType.F32 else np.empty_like(xa)
-    _binary_rows(code, xa, xb, out, parallel)
-    if dst.type != GGMLType.F32:
-        cp.convert_into(out, cp.storage(dst), cp.KIND_F32, cp.KINDS[dst.type])
+        return partial(_binary_rows, code, a.array(), b.array(), dst.array(), parallel)
+
+    def run_widened():  # half-float operands: widen to f32 (exact), compute in f32, round once into dst
+        xa = cp.widen_f32(a)
+        xb = b.array() if b.type == GGMLType.F32 else cp.widen_f32(b)
+        out = dst.array() if dst.type == GGMLType.F32 else np.empty_like(xa)
+        _binary_rows(code, xa, xb, out, parallel)
+        if dst.type != GGMLType.F32:
+            cp.convert_into(out, cp.storage(dst), cp.KIND_F32, cp.KINDS[dst.type])
+
+    return run_widened
+
+
+_forward_binary = prepared(_prepare_binary)
 
 
 _NP_BINARY = {GGMLOp.ADD: np.add, GGMLOp.SUB: np.subtract, GGMLOp.MUL: np.multiply, GGMLOp.DIV: np.divide}
@@ -488,7 +500,7 @@ def _reference_binary(node: Node) -> None:
     cp.storage(dst)[...] = cp.from_f32_reference(z, dst.type)
 
 
-_BINARY_KERNEL = OpKernel(_check_binary, _forward_binary, _reference_binary)
+_BINARY_KERNEL = OpKernel(_check_binary, _forward_binary, _reference_binary, _prepare_binary)
 for _op in _BINARY_CODES:
     register(_op)(_BINARY_KERNEL)
 
@@ -517,4 +529,4 @@ def _reference_scale(node: Node) -> None:
     node.dst.array()[...] = y.astype(F32)
 
 
-register(GGMLOp.SCALE)(OpKernel(_check_scale, _forward_unary, _reference_scale))
+register(GGMLOp.SCALE)(OpKernel(_check_scale, _forward_unary, _reference_scale, _prepare_unary))

@@ -8,6 +8,8 @@ formats through kernels.kquants' decoded form, which keeps ggml's (d*S)*q - dmin
 
 from __future__ import annotations
 
+from functools import partial
+
 import numba
 import numpy as np
 
@@ -18,7 +20,7 @@ from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import bf16_to_f32, f16_to_f32
 from .quants import LOAD_WEIGHT, QK, QUANT_TYPES
-from .registry import OpKernel, register
+from .registry import OpKernel, prepared, register
 
 PLAIN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32)
 SOURCE_TYPES = PLAIN_TYPES + QUANT_TYPES + KQUANT_TYPES
@@ -139,24 +141,26 @@ def _get_rows_plain(kind, src, idx, out):
                 o[i] = s[i]
 
 
-def forward(node: Node) -> None:
+def prepare(node: Node):
     src0 = node.src[0]
-    idx = _indices(node)
     out = node.dst.array()  # (ne12, ne11, ne10, ne00): one output row per index
     if 0 in node.dst.ne:
-        return
+        return lambda: _indices(node) is None  # nothing to gather, but the indices are still checked
     if src0.type in QUANT_TYPES:
-        _get_rows_quant(int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
-                        src0.ne[0] // QK, idx, out)
-        return
-    if src0.type in KQUANT_TYPES:
+        gather = partial(_get_rows_quant, int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
+                         src0.ne[0] // QK)
+    elif src0.type in KQUANT_TYPES:
         tt = TYPE_TRAITS[src0.type]
-        _get_rows_kquant(int(src0.type), kquants.HAS_MIN[src0.type], tt.type_size, tt.block_size, src0.mem,
-                         src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[0] // tt.block_size, idx, out)
-        return
-    kind = {GGMLType.F16: 1, GGMLType.BF16: 2}.get(src0.type, 0)
-    src = src0.array()
-    _get_rows_plain(kind, src.view(np.uint16) if kind else src, idx, out)
+        gather = partial(_get_rows_kquant, int(src0.type), kquants.HAS_MIN[src0.type], tt.type_size, tt.block_size,
+                         src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[0] // tt.block_size)
+    else:
+        kind = {GGMLType.F16: 1, GGMLType.BF16: 2}.get(src0.type, 0)
+        src = src0.array()
+        gather = partial(_get_rows_plain, kind, src.view(np.uint16) if kind else src)
+    return lambda: gather(_indices(node), out)  # the indices come with each run's inputs
+
+
+forward = prepared(prepare)
 
 
 def reference(node: Node) -> None:
@@ -174,4 +178,4 @@ def reference(node: Node) -> None:
                 out[i12, i11] = quants.dequantize_rows(src0.type, picked)
 
 
-register(GGMLOp.GET_ROWS)(OpKernel(check, forward, reference))
+register(GGMLOp.GET_ROWS)(OpKernel(check, forward, reference, prepare))

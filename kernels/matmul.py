@@ -28,7 +28,7 @@ from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32
 from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT
-from .registry import OpKernel, prepared, register
+from .registry import OpKernel, nothing, prepared, register
 from .tasks import ROWS_PER_TASK, task_tile
 
 T = GGMLType
@@ -301,15 +301,11 @@ def _mul_mat_float(kind, tiny, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize
                 out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, (col0 + i11) * ne00, ne00)
 
 
-def _nothing() -> None:
-    pass
-
-
 def prepare(node: Node):
     src0, src1 = node.src[:2]
     dst = node.dst
     if 0 in src0.ne or 0 in dst.ne:
-        return _nothing
+        return nothing
     if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
         return partial(forward_fwht, node)
     x = src1.array()

@@ -10,6 +10,7 @@ The sums are replayed in ggml-cpu's order and precision (ops.cpp and vec.cpp, AV
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numba
 import numpy as np
@@ -18,8 +19,9 @@ from numba import prange
 from rpcserver.ggml import GGMLOp, GGMLType
 
 from .copy import JIT, parallel_worthwhile, row_coords
+from .fmath import fma32
 from .node import InvalidNode, Node
-from .registry import OpKernel, register
+from .registry import OpKernel, nothing, prepared, register
 
 F32 = np.float32
 
@@ -90,7 +92,7 @@ def _centre(src, dst, i3, i2, i1, contiguous):
     for i0 in range(n0):
         d = src[i3, i2, i1, i0] - mean
         dst[i3, i2, i1, i0] = d
-        variance += d * d
+        variance = fma32(d, d, variance)  # gcc contracts `variance += v * v` (-ffp-contract=fast)
     return variance / F32(n0)
 
 
@@ -140,14 +142,17 @@ def _check_norm(node: Node) -> None:
         raise InvalidNode("RMS_NORM: rows must be contiguous")
 
 
-def _forward(node: Node) -> None:
+def _prepare(node: Node):
     src, dst = node.src[0].array(), node.dst.array()
     if src.size == 0:
-        return
+        return nothing
     # NORM has a fast path for rows contiguous on both sides and a scalar one otherwise
     contiguous = node.src[0].nb[0] == 4 and node.dst.nb[0] == 4
     parallel = parallel_worthwhile(src.size, cost=2)
-    _norm_rows(_CODES[node.op], src, dst, F32(node.param_f32(0)), contiguous, parallel)
+    return partial(_norm_rows, _CODES[node.op], src, dst, F32(node.param_f32(0)), contiguous, parallel)
+
+
+_forward = prepared(_prepare)
 
 
 def _reference(node: Node) -> None:
@@ -170,6 +175,6 @@ def _reference(node: Node) -> None:
     node.dst.array()[...] = y
 
 
-_KERNEL = OpKernel(_check_norm, _forward, _reference)
+_KERNEL = OpKernel(_check_norm, _forward, _reference, _prepare)
 for _op in (GGMLOp.RMS_NORM, GGMLOp.NORM, GGMLOp.L2_NORM):
     register(_op)(_KERNEL)

@@ -31,6 +31,10 @@ class OpKernel:
         return self.prepare(node) if self.prepare is not None else partial(self.forward, node)
 
 
+def nothing() -> None:
+    """The bound call of a node without work (an empty tensor)."""
+
+
 def prepared(prepare: Callable[[Node], Callable[[], None]]) -> Callable[[Node], None]:
     """The forward of a kernel that has a prepare: bind and run at once."""
     return lambda node: prepare(node)()

@@ -13,6 +13,7 @@ attn_factor, beta_fast, beta_slow (float32), [11..14] mrope sections, [15] n_off
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numba
 import numpy as np
@@ -22,7 +23,7 @@ from rpcserver.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
 from .copy import parallel_worthwhile
 from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, register
+from .registry import OpKernel, prepared, register
 from .fmath import f16_to_f32, f32_to_f16, fma32, np_fma
 from .softmax import u16_view
 
@@ -199,16 +200,20 @@ def _cache(node: Node, p: RopeParams) -> np.ndarray:
     return _last_cache[1]
 
 
-def forward_rope(node: Node) -> None:
+def prepare_rope(node: Node):
     p = RopeParams(node)
     src, dst = node.src[0], node.dst
-    cache = _cache(node, p)
     neox = p.mode == ROPE_MODE_NEOX
     if src.type == GGMLType.F16:
         x, y, rows = u16_view(src), u16_view(dst), _rope_rows_f16
     else:
         x, y, rows = src.array(), dst.array(), _rope_rows_f32
-    rows(x, y, cache, p.n_dims, p.n_offs, neox, parallel_worthwhile(x.size, cost=4))
+    rotate = partial(rows, x, y)
+    tail = (p.n_dims, p.n_offs, neox, parallel_worthwhile(x.size, cost=4))
+    return lambda: rotate(_cache(node, p), *tail)  # the positions are read on every run
+
+
+forward_rope = prepared(prepare_rope)
 
 
 def reference_rope(node: Node) -> None:
@@ -261,4 +266,4 @@ def _powf_jit(base, exponent):
     return math.pow(base, exponent)
 
 
-register(GGMLOp.ROPE)(OpKernel(check_rope, forward_rope, reference_rope))
+register(GGMLOp.ROPE)(OpKernel(check_rope, forward_rope, reference_rope, prepare_rope))

@@ -11,6 +11,7 @@ The float helpers (`fma32`, `v_expf`, fp16 conversions) live in kernels/fmath.py
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numba
 import numpy as np
@@ -27,7 +28,7 @@ from .fmath import (
     v_expf,
 )
 from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, register
+from .registry import OpKernel, prepared, register
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
@@ -215,13 +216,20 @@ def check_soft_max(node: Node) -> None:
             raise InvalidNode("SOFT_MAX: sinks must be an F32 vector with one value per head (src0.ne2)")
 
 
-def forward_soft_max(node: Node) -> None:
+def prepare_soft_max(node: Node):
     src, mask, sinks, scale, max_bias = _soft_max_parts(node)
-    m = as_f32(mask) if mask is not None else np.zeros((1, 1, 1, 1), F32)
     sk = sinks.array()[0, 0, 0] if sinks is not None else np.zeros(1, F32)
     x = src.array()
-    _soft_max_rows(x, node.dst.array(), m, mask is not None, sk, sinks is not None, F32(scale), F32(max_bias),
-                   parallel_worthwhile(x.size, cost=8))
+    rows = partial(_soft_max_rows, x, node.dst.array())
+    tail = (mask is not None, sk, sinks is not None, F32(scale), F32(max_bias), parallel_worthwhile(x.size, cost=8))
+    if mask is None:
+        return partial(rows, np.zeros((1, 1, 1, 1), F32), *tail)
+    if mask.type == GGMLType.F32:
+        return partial(rows, mask.array(), *tail)
+    return lambda: rows(as_f32(mask), *tail)  # an F16 mask is widened on every run
+
+
+forward_soft_max = prepared(prepare_soft_max)
 
 
 # numpy twin: the same float32 steps, vectorized over all rows
@@ -266,4 +274,4 @@ def reference_soft_max(node: Node) -> None:
     node.dst.array()[...] = y * (1.0 / total).astype(F32)[..., None]
 
 
-register(GGMLOp.SOFT_MAX)(OpKernel(check_soft_max, forward_soft_max, reference_soft_max))
+register(GGMLOp.SOFT_MAX)(OpKernel(check_soft_max, forward_soft_max, reference_soft_max, prepare_soft_max))
