@@ -78,6 +78,20 @@ def test_tensor_record_layout_matches_the_c_struct():
     assert struct.unpack_from("<i", rec, 292)[0] == 2
 
 
+@settings(max_examples=200, deadline=None)
+@given(raw=st.binary(min_size=296, max_size=296))
+def test_any_tensor_record_decodes_as_the_c_struct_reads_it(raw):
+    t = p.RpcTensor.decode(raw)
+    assert (t.id, t.type, t.buffer) == struct.unpack_from("<QIQ", raw, 0)
+    assert t.ne == struct.unpack_from("<4I", raw, 20) and t.nb == struct.unpack_from("<4I", raw, 36)
+    assert t.op == struct.unpack_from("<I", raw, 52)[0] and t.op_params == raw[56:120]
+    assert t.flags == struct.unpack_from("<i", raw, 120)[0] and t.src == struct.unpack_from("<10Q", raw, 124)
+    assert (t.view_src, t.view_offs, t.data) == struct.unpack_from("<3Q", raw, 204)
+    assert t.name == raw[228:292].split(b"\0", 1)[0].decode("utf-8", "replace")
+    assert t.use_count == struct.unpack_from("<i", raw, 292)[0]
+    assert all(type(v) is int for v in (t.id, t.type, t.buffer, t.op, t.flags, t.data, *t.ne, *t.nb, *t.src))
+
+
 def _frames(data: bytes, step: int | None):
     r = reader()
     if step is None:
