@@ -203,8 +203,10 @@ class Session:
 
 HANDLERS = {command: getattr(Session, f"handle_{command.name.lower()}") for command in Command}
 
-# commands whose work is proportional to data or compute: run off the event loop
+# commands whose work is proportional to data or compute: run off the event loop (FREE_BUFFER too:
+# unmapping a large touched buffer takes tens of milliseconds)
 HEAVY = frozenset({
     Command.SET_TENSOR, Command.SET_TENSOR_HASH, Command.GET_TENSOR, Command.COPY_TENSOR,
     Command.MEMSET_TENSOR, Command.BUFFER_CLEAR, Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE,
+    Command.FREE_BUFFER,
 })
