@@ -9,9 +9,9 @@ bit-identical to the reference worker:
   * float weights: when llamafile's tinyBLAS takes the batch (>= 2 columns, rows % 4 == 0, and for
     F32 a contiguous src1) each dot keeps 8 fma lanes (k mod 8); otherwise ggml_vec_dot_<f16|bf16|f32>
     keeps 32 lanes over 32-element steps, with its own reduction tree and tail handling.
-K-quant and IQ4 weights (kernels.kquants) take the same route through Q8_K (Q8_0 for IQ4_NL)
-activations and integer block sums; their float reduction order differs from ggml's AVX2 code, so
-they agree to rounding rather than bit for bit.
+K-quant and IQ4 weights (kernels.kquants) go through Q8_K (Q8_0 for IQ4_NL) activations and integer
+block sums along whichever of ggml's three routes the shape selects (tiled, vec_dot, tinyBLAS), also
+bit for bit.
 """
 
 from __future__ import annotations
