@@ -15,7 +15,6 @@ node; only this module of the worker imports it.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -24,8 +23,6 @@ from . import protocol as p
 from .ggml import TYPE_TRAITS, GGMLType, contiguous_strides, nbytes
 from .memory import MemoryBudget
 from .session import Session, WorkerConfig
-
-log = logging.getLogger("rpcserver")
 
 # one layer per weight type (the mixes of Q4_0/Q4_1/Q8_0/F16 files and of Q4_K_M: Q4_K with Q6_K
 # ffn_down); the output head is Q8_0 as in SmolLM2's tied embeddings
@@ -65,14 +62,12 @@ class _Model:
         def add(name, type_, ne):
             ne = tuple(ne) + (1,) * (4 - len(ne))
             size = nbytes(type_, ne, contiguous_strides(type_, ne))
-            # random bytes: finite scales matter little to numba, but keep quantized blocks plausible
-            if TYPE_TRAITS[type_].is_quantized:
+            if TYPE_TRAITS[type_].is_quantized:  # random blocks with small legacy-quant scales
                 data = rng.integers(0, 256, size, dtype=np.uint8)
+                _sane_scales(type_, data)
             else:
                 values = 0.02 * rng.standard_normal(size // TYPE_TRAITS[type_].type_size)
                 data = values.astype(_NUMPY[type_]).view(np.uint8)
-            if TYPE_TRAITS[type_].is_quantized:
-                _sane_scales(type_, data)
             self.weights[name] = WeightInfo(name, type_, ne, data)
 
         for il, types in enumerate(LAYER_TYPES):
