@@ -33,6 +33,7 @@ from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .copy import KIND_F16, KIND_F32, KINDS, load_f32, parallel_worthwhile, storage
 from .fmath import fma32, round_f16
+from .kquants import IQ4_NL_KIND, iq4_nl_vec_dot
 from .kv_quants import dequantize_iq4_nl_reference
 from .node import InvalidNode, Node, Tensor
 from .quants import QK, ROW_DOT, dequantize_rows, quantize_q8_ref, quantize_q8_rows, unpack_blocks
@@ -206,15 +207,17 @@ def _fa_one_chunk(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale
 
 # --- quantized K: Q goes to K's vec_dot_type (q8_0 or q8_1) and K.Q is ggml_vec_dot_<K>_q8_* ---------
 
-QUANT_K_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0)
+QUANT_K_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL)
 Q8_1_DOTTED = (GGMLType.Q4_1, GGMLType.Q5_1)  # the _1 formats, dotted with q8_1 (carrying d*sum)
 (_dot_q4_0, _), (_dot_q4_1, _), (_dot_q5_0, _), (_dot_q5_1, _), (_dot_q8_0, _) = (
-    ROW_DOT[t] for t in QUANT_K_TYPES)
+    ROW_DOT[t] for t in QUANT_K_TYPES[:5])
 
 
 @numba.njit(inline="always", **_jit)
 def _k_dot(kind, kmem, off, nblk, yq, yd, ys, col):
     """ggml's vec_dot of the K row at byte `off` of kmem with quantized query row `col`."""
+    if kind == IQ4_NL_KIND:
+        return iq4_nl_vec_dot(kmem, off, nblk, yq, yd, col)
     if kind == 2:
         return _dot_q4_0(kmem, off, nblk, yq, yd, ys, col)[0]
     if kind == 3:
@@ -444,7 +447,7 @@ class _Parts:
 
 FLOAT_KV_TYPES = (GGMLType.F16, GGMLType.F32)
 K_TYPES = FLOAT_KV_TYPES + QUANT_K_TYPES
-V_TYPES = K_TYPES + (GGMLType.IQ4_NL,)  # V is only dequantized (to_float): no vec_dot needed
+V_TYPES = K_TYPES
 
 
 def _dequantized(t: Tensor) -> np.ndarray:
@@ -561,9 +564,12 @@ def _reference_scores(p: _Parts, q: np.ndarray) -> np.ndarray:
     dk, nb, tt = q.shape[3], q.shape[3] // QK, TYPE_TRAITS[p.k.type]
     qs, qd, qsum = quantize_q8_ref(q.reshape(-1, dk).astype(F32), with_sum=p.k.type in Q8_1_DOTTED)
     qv = (qs.reshape(-1, nb, QK).astype(np.float64) * qd[:, :, None]).reshape(q.shape)
-    kq, kd, km = unpack_blocks(p.k.type, np.ascontiguousarray(p.k.rows()).reshape(-1, tt.type_size))
     kshape = (p.k.ne[3], p.k.ne[2], p.k.ne[1])
-    kv = np.repeat((kq.astype(np.float64) * kd[:, None]).reshape(*kshape, dk), n_head // p.k.ne[2], axis=1)
+    if p.k.type == GGMLType.IQ4_NL:  # d * grid value is exact in float32: the dequantized row is the row
+        kv, km = np.repeat(_dequantized(p.k).astype(np.float64), n_head // p.k.ne[2], axis=1), None
+    else:
+        kq, kd, km = unpack_blocks(p.k.type, np.ascontiguousarray(p.k.rows()).reshape(-1, tt.type_size))
+        kv = np.repeat((kq.astype(np.float64) * kd[:, None]).reshape(*kshape, dk), n_head // p.k.ne[2], axis=1)
     s = np.einsum("shqd,shkd->shqk", qv, kv)
     if km is not None:  # the minimum's share: m_k * (d_q * sum(qs)) per block, that sum kept as fp16
         kmin = np.repeat(km.astype(np.float64).reshape(*kshape, nb), n_head // p.k.ne[2], axis=1)

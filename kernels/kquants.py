@@ -720,6 +720,7 @@ _q2k_sumi, _q3k_sumi, _q4k_sumi, _q5k_sumi, _q6k_sumi, _iq4xs_sumi = (
     _make_block_sumi(t) for t in BIT_TYPES + (T.IQ4_XS,))
 _q2k_vec, _q3k_vec, _q4k_vec, _q5k_vec, _q6k_vec, _iq4xs_vec = (_make_vec_dot(t) for t in BIT_TYPES + (T.IQ4_XS,))
 _iq4nl_vec, _iq4nl_tiny = _make_iq4_nl_dot(False), _make_iq4_nl_dot(True)
+iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K.Q for an IQ4_NL K cache
 
 
 @numba.njit(nogil=True, inline="always")

@@ -477,7 +477,7 @@ def issue4_cases():
         yield _set_rows_case(kt, I64, nmse=_quantized_store_nmse(kt, 64 * 12 * 2))
     yield _case("CPY-F32-Q8_0", [Leaf("src", F32, (64, 5, 3), d.uniform(-1, 1)), Leaf("dst", T.Q8_0, (64, 5, 3))],
                 _cpy_into_quantized, _quantized_store_nmse(T.Q8_0, 64 * 15))
-    for kvt in (T.Q8_0, T.Q4_0):
+    for kvt in (T.Q8_0, T.Q4_0, T.IQ4_NL):
         n_kv, n_q = 37, 7
         yield _case(f"FLASH_ATTN_EXT-{kvt.name}-kv{n_kv}-q{n_q}", [
             Leaf("q", F32, (64, n_q, 4)), Leaf("k", kvt, (64, n_kv, 2)), Leaf("v", kvt, (64, n_kv, 2)),

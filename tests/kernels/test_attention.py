@@ -94,7 +94,7 @@ def dequantize_cache(stored, type_, d):
     return flat.reshape(*stored.shape[:-1], d).astype(np.float64)
 
 
-QUANT_KV = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+QUANT_KV = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL)
 CASES = {
     "decode": dict(n_q=1),
     "prompt-short": dict(n_q=7, dk=40, dv=72, n_kv=100),
@@ -122,6 +122,7 @@ CASES = {
     "k-Q8_0-v-F16": dict(n_q=5, kt=T.Q8_0, n_kv=50, max_bias=8.0, n_head=12, n_head_kv=4),
     "k-F16-v-Q4_1": dict(n_q=5, vt=T.Q4_1, n_kv=50, mask_heads=9),
     "k-Q5_1-v-IQ4_NL-2-seqs": dict(n_q=2, kt=T.Q5_1, vt=T.IQ4_NL, n_kv=40, n_seq=2, dk=96),
+    "k-IQ4_NL-odd-blocks-v-F16": dict(n_q=1, kt=T.IQ4_NL, n_kv=45, dk=96),  # 3 blocks: the odd-block fma
 }
 PATHS = {"tiled": "tiled", "split": "split"}
 
@@ -222,8 +223,8 @@ def test_check_refusals():
         with pytest.raises(InvalidNode, match=match):
             lookup(node).check(node)
 
-    iq4 = Tensor(T.IQ4_NL, (64, 32, 3, 1), (18, 36, 1152, 3456), np.zeros(3456 + 64, np.uint8), 0)
-    refused([q, iq4, v, mask], match="k of type IQ4_NL is not supported")  # no IQ4_NL x q8_0 dot here
+    iq4_xs = Tensor.new(T.IQ4_XS, (256, 32, 3, 1))
+    refused([q, iq4_xs, v, mask], match="k of type IQ4_XS is not supported")  # not a KV-cache type
     refused([q, k, Tensor.new(T.Q4_K, (256, 32, 3, 1)), mask], match="v of type Q4_K is not supported")
     refused([q, k, Tensor.new(T.I32, (64, 32, 3, 1)), mask], match="v of type I32")
     refused([q, Tensor.new(T.Q8_0, (48, 32, 3, 1)), v, mask], match="whole Q8_0 blocks")
