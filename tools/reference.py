@@ -251,7 +251,7 @@ class Worker:
 
 
 def start_worker(kind: str, log_dir: Path, *, port: int | None = None, threads: int = 2,
-                 mem_mib: int | None = None, timeout: float = 120.0) -> Worker:
+                 mem_mib: int | None = None, timeout: float = 600.0) -> Worker:
     """Start a worker on 127.0.0.1 (a free port unless given) and wait until it accepts connections."""
     port = free_port() if port is None else port
     cmd = worker_command(kind, port, threads=threads, mem_mib=mem_mib)
