@@ -138,6 +138,16 @@ def llama(bin_dir) -> LlamaRunner:
     return LlamaRunner(bin_dir)
 
 
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """The perplexity corpus (see perplexity.corpus_text) as a file."""
+    from .perplexity import corpus_text  # noqa: PLC0415 - perplexity.py imports this module
+
+    path = tmp_path_factory.mktemp("perplexity") / "corpus.txt"
+    path.write_text(corpus_text(), encoding="utf-8")
+    return path
+
+
 def assert_fully_offloaded(stderr: str) -> None:
     """The client log (at -lv 4) must say every layer went to the RPC device, so no run passes on CPU alone."""
     match = OFFLOAD_RE.search(stderr)

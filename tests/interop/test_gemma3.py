@@ -13,19 +13,8 @@ import re
 import pytest
 
 from .conftest import CPU_TIMEOUT, RPC_TIMEOUT, assert_fully_offloaded, text_diff
+from .perplexity import CPU_ONLY, assert_kl_matches_cpu, corpus_text, perplexity_args
 from .test_completion import completion_args
-from .test_perplexity import (  # noqa: F401 - text_file is a fixture
-    CPU_ONLY,
-    MAX_MEAN_KLD,
-    MEAN_KLD_RE,
-    MIN_SAME_TOP_P,
-    N_CHUNKS,
-    SAME_TOP_P_RE,
-    corpus_text,
-    parse_statistic,
-    perplexity_args,
-    text_file,
-)
 
 pytestmark = pytest.mark.interop
 
@@ -38,19 +27,7 @@ def test_kl_divergence_against_cpu(llama, gemma3_path, worker, text_file, tmp_pa
     base = tmp_path / "cpu.kld"  # ~200 MB of logits (262k vocabulary): one file at a time
     llama("llama-perplexity", perplexity_args(gemma3_path, text_file, flash_attn, "f16") + CPU_ONLY
           + ["--kl-divergence-base", base], timeout=CPU_TIMEOUT)
-    args = perplexity_args(gemma3_path, text_file, flash_attn, "f16") + [
-        "--rpc", worker.address, "-ngl", 99, "--kl-divergence-base", base, "--kl-divergence"]
-    done = llama("llama-perplexity", args, timeout=RPC_TIMEOUT, worker=worker)
-    assert_fully_offloaded(done.stderr)
-
-    output = done.stdout + done.stderr
-    chunk_rows = re.findall(r"^\s*(\d+)\s+[\d.]+\s*±", done.stdout, flags=re.MULTILINE)
-    assert len(chunk_rows) == N_CHUNKS, f"expected {N_CHUNKS} scored chunks, got {len(chunk_rows)}:\n{output[-3000:]}"
-    same_top_p = parse_statistic(SAME_TOP_P_RE, output, "Same top p")
-    mean_kld = parse_statistic(MEAN_KLD_RE, output, "Mean KLD")
-    print(f"gemma3 fa {flash_attn}: same top p {same_top_p}%, mean KLD {mean_kld}")  # shown by pytest -rP
-    assert same_top_p >= MIN_SAME_TOP_P, f"Same top p {same_top_p}% < {MIN_SAME_TOP_P}%\n{done.stdout}"
-    assert mean_kld <= MAX_MEAN_KLD, f"Mean KLD {mean_kld} > {MAX_MEAN_KLD}\n{done.stdout}"
+    assert_kl_matches_cpu(llama, worker, gemma3_path, text_file, base, flash_attn, "f16", f"gemma3 fa {flash_attn}")
 
 
 def long_prompt() -> str:
