@@ -49,29 +49,28 @@ def _unavailable(message: str):
     pytest.skip(message)
 
 
-@pytest.fixture(scope="session")
-def bin_dir() -> Path:
+def _located(locate) -> Path:
+    """A reference piece, or the missing-reference outcome (a failure in CI, a skip elsewhere)."""
     try:
-        return reference.bin_dir()
+        return locate()
     except reference.ReferenceMissing as exc:
         _unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
+def bin_dir() -> Path:
+    return _located(reference.bin_dir)
 
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    try:
-        return reference.model_path()
-    except reference.ReferenceMissing as exc:
-        _unavailable(str(exc))
+    return _located(reference.model_path)
 
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     """Gemma 3 270M Q4_K_M, assembled once from its four PyPI part packages."""
-    try:
-        return reference.gemma3_model_path()
-    except reference.ReferenceMissing as exc:
-        _unavailable(str(exc))
+    return _located(reference.gemma3_model_path)
 
 
 @pytest.fixture(scope="session")
