@@ -183,21 +183,27 @@ def _dot4(kind, w, off, nb, yq, yd, ys, col):
     return _q80_4(w, off, nb, yq, yd, ys, col)
 
 
+@numba.njit(nogil=True, inline="always")
+def _quantize_activation_row(x, r, yq, yd, ys, with_sum):
+    """Flat activation row r of x (ne13, ne12, ne11, K) into its slice of the flat q8 scratch."""
+    ne11, ne12, k = x.shape[2], x.shape[1], x.shape[3]
+    nblk = k // QK
+    i11, i12, i13 = r % ne11, (r // ne11) % ne12, r // (ne11 * ne12)
+    quants.quantize_q8_row(x[i13, i12, i11], yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk],
+                           ys[r * nblk:(r + 1) * nblk], with_sum)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq, yd, ys, with_sum, out):
     """x: the (ne13, ne12, ne11, K) f32 activations, quantized first into the flat scratch yq/yd/ys."""
-    ne13, ne12, ne11, k = x.shape
+    ne13, ne12, ne11, _ = x.shape
     n_rows = ne13 * ne12 * ne11
     if n_rows >= QUANTIZE_PARALLEL_ROWS:
         for r in numba.prange(n_rows):
-            i11, i12, i13 = r % ne11, (r // ne11) % ne12, r // (ne11 * ne12)
-            quants.quantize_q8_row(x[i13, i12, i11], yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk],
-                                   ys[r * nblk:(r + 1) * nblk], with_sum)
+            _quantize_activation_row(x, r, yq, yd, ys, with_sum)
     else:  # a decode step's single row: not worth waking the other threads for
         for r in range(n_rows):
-            i11, i12, i13 = r % ne11, (r // ne11) % ne12, r // (ne11 * ne12)
-            quants.quantize_q8_row(x[i13, i12, i11], yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk],
-                                   ys[r * nblk:(r + 1) * nblk], with_sum)
+            _quantize_activation_row(x, r, yq, yd, ys, with_sum)
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         i11 = 0
