@@ -103,3 +103,21 @@ class RpcClient:
 
     def graph_recompute(self, device: int = 0) -> None:
         self.send(Command.GRAPH_RECOMPUTE, p.DeviceRequest(device))
+
+
+class InProcessClient(RpcClient):
+    """RpcClient's interface over a worker Session in this process (the worker's warm-up, profiling):
+    requests still go through the codec, only the socket and the handshake are left out."""
+
+    def __init__(self, session, endpoint: str = "in-process"):
+        self.session, self.endpoint, self.version = session, endpoint, p.PROTOCOL_VERSION
+
+    def close(self) -> None:
+        self.session.close()
+
+    def call(self, command: Command, message=None) -> bytes:
+        payload = memoryview(p.encode_request(command, message))[9:]  # drop the frame header
+        return self.session.handle(command, p.decode_request(command, payload)) or b""
+
+    def send(self, command: Command, message=None) -> None:
+        self.call(command, message)

@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 
-from . import protocol as p
 from .ggml import TYPE_TRAITS, GGMLType, contiguous_strides, nbytes
 from .memory import MemoryBudget
 from .session import Session, WorkerConfig
@@ -103,27 +102,6 @@ def _sane_scales(type_: GGMLType, data: np.ndarray) -> None:
             blocks[:, 2:4] = np.frombuffer(np.float16(-0.001).tobytes(), np.uint8)
 
 
-def _in_process_client(session: Session):
-    """The orchestrator's client over a Session in this process: requests still go through the codec."""
-    from orchestrator.client import RpcClient  # noqa: PLC0415
-
-    class InProcessClient(RpcClient):
-        def __init__(self):  # no socket, no handshake
-            self.endpoint, self.version = "warm-up", p.PROTOCOL_VERSION
-
-        def call(self, command, message=None) -> bytes:
-            payload = memoryview(p.encode_request(command, message))[9:]
-            return session.handle(command, p.decode_request(command, payload)) or b""
-
-        def send(self, command, message=None) -> None:
-            self.call(command, message)
-
-        def close(self) -> None:
-            session.close()
-
-    return InProcessClient()
-
-
 def warm_up() -> float:
     """Run the warm-up graphs; returns the seconds it took. Errors propagate: they are our bugs."""
     import numba  # noqa: PLC0415
@@ -145,10 +123,10 @@ def warm_up() -> float:
 
 def _run(model: _Model, flash_attn: bool) -> None:
     """Upload, prompts and single tokens through a private session, as llama-completion drives a worker."""
+    from orchestrator.client import InProcessClient  # noqa: PLC0415
     from orchestrator.runner import Pipeline  # noqa: PLC0415
 
-    session = Session(WorkerConfig(MemoryBudget(BUDGET)))
-    client = _in_process_client(session)
+    client = InProcessClient(Session(WorkerConfig(MemoryBudget(BUDGET))), "warm-up")
     try:
         pipe = Pipeline(model, [client], n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS),
                         flash_attn=flash_attn, log=lambda *args: None)

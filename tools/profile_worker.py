@@ -21,30 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.registry import op_label, sub_op  # noqa: E402
-from orchestrator.client import RpcClient  # noqa: E402
+from orchestrator.client import InProcessClient  # noqa: E402
 from orchestrator.model import ModelFile  # noqa: E402
 from orchestrator.runner import Pipeline  # noqa: E402
-from rpcserver import protocol as p  # noqa: E402
 from rpcserver.memory import MemoryBudget  # noqa: E402
 from rpcserver.session import Session, WorkerConfig  # noqa: E402
 from tools import reference  # noqa: E402
-
-
-class InProcessClient(RpcClient):
-    """RpcClient's interface over a Session in this process: encode, decode, handle."""
-
-    def __init__(self, session: Session):
-        self.session, self.endpoint, self.version = session, "in-process", p.PROTOCOL_VERSION
-
-    def close(self) -> None:
-        self.session.close()
-
-    def call(self, command, message=None) -> bytes:
-        payload = p.encode_request(command, message)[9:]  # drop the frame header
-        return self.session.handle(command, p.decode_request(command, payload)) or b""
-
-    def send(self, command, message=None) -> None:
-        self.call(command, message)
 
 
 def main(argv=None) -> int:

@@ -35,14 +35,14 @@ def smollm2():
 
 @pytest.mark.parametrize("flash_attn", [True, False])
 def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, flash_attn):
+    from orchestrator.client import InProcessClient
     from orchestrator.runner import Pipeline
 
     warmup.warm_up()
     before = numba_signatures()
     assert sum(before.values()) > 10  # the warm-up did load kernels
 
-    session = Session(WorkerConfig(MemoryBudget()))
-    client = warmup._in_process_client(session)
+    client = InProcessClient(Session(WorkerConfig(MemoryBudget())))
     try:
         # llama-completion's shapes: its 2-token warm-up decode, a prompt, then single tokens
         pipe = Pipeline(smollm2, [client], n_ctx=512, n_batch=64, n_ubatch=64, flash_attn=flash_attn,
