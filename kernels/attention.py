@@ -87,6 +87,12 @@ def _dot_kq(krow, kkind, q, lanes):
 
 
 @numba.njit(inline="always", **_jit)
+def _visible(mrow, ic, mkind, has_mask, slope):
+    """Whether position ic takes part (ggml skips a -inf mask entry before computing its dot)."""
+    return not has_mask or slope * load_f32(mrow[ic], mkind) != NEG_INF
+
+
+@numba.njit(inline="always", **_jit)
 def _accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
     """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
     scores[0 : b1-b0] (masked positions' entries are not read); updates vkq in place and returns the
@@ -145,7 +151,7 @@ def _row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, sca
     for b0 in range(ic0, ic1, BLOCK_KV):
         b1 = min(b0 + BLOCK_KV, ic1)
         for ic in range(b0, b1):
-            if not has_mask or slope * load_f32(mrow[ic], mkind) != NEG_INF:
+            if _visible(mrow, ic, mkind, has_mask, slope):
                 scores[ic - b0] = _dot_kq(k2[ic], kkind, q, lanes)
         M, S = _accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
     return M, S
@@ -167,6 +173,16 @@ def _apply_sink(sink, M, S, vkq, fused):
 
 
 @numba.njit(inline="always", **_jit)
+def _finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2):
+    """A per-row path's end: fold in head iq2's sink, normalize by S, store the row (out is permuted)."""
+    if has_sinks:
+        M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
+    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
+    for d in range(vkq.shape[0]):
+        out[iq3, iq1, iq2, d] = vkq[d] * inv
+
+
+@numba.njit(inline="always", **_jit)
 def _row_index(r, n_q, n_head):
     return r // (n_head * n_q), (r // n_q) % n_head, r % n_q
 
@@ -183,11 +199,7 @@ def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, s
     vkq = np.empty(v.shape[3], F32)
     M, S = _row_one_chunk(q[iq3, iq2, iq1], k2, kkind, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap,
                           0, k.shape[2], f16_v, vkq)
-    if has_sinks:
-        M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
-    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
-    for d in range(vkq.shape[0]):
-        out[iq3, iq1, iq2, d] = vkq[d] * inv
+    _finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
 @numba.njit(parallel=True, **_jit)
@@ -248,15 +260,11 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask,
     for b0 in range(0, n_kv, BLOCK_KV):
         b1 = min(b0 + BLOCK_KV, n_kv)
         for ic in range(b0, b1):
-            if not has_mask or slope * load_f32(mrow[ic], KIND_F16) != NEG_INF:
+            if _visible(mrow, ic, KIND_F16, has_mask, slope):
                 scores[ic - b0] = _k_dot(kind, kmem, base + ic * nb1, nblk, yq, yd, ys, r)
         M, S = _accumulate(scores, b0, b1, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap, f16_v, vkq, M,
                            S)
-    if has_sinks:
-        M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
-    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
-    for d in range(vkq.shape[0]):
-        out[iq3, iq1, iq2, d] = vkq[d] * inv
+    _finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
 @numba.njit(parallel=True, **_jit)

@@ -145,7 +145,7 @@ def prepare(node: Node):
     src0 = node.src[0]
     out = node.dst.array()  # (ne12, ne11, ne10, ne00): one output row per index
     if 0 in node.dst.ne:
-        return lambda: _indices(node) is None  # nothing to gather, but the indices are still checked
+        return partial(_indices, node)  # nothing to gather, but the indices are still checked
     if src0.type in QUANT_TYPES:
         gather = partial(_get_rows_quant, int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
                          src0.ne[0] // QK)
