@@ -4,6 +4,12 @@ Everything that could let a kernel touch memory it should not is checked here, o
 first kernel runs: tensor types, block alignment, every tensor's byte span inside a buffer this
 connection owns, views inside their source, and each op's own shape rules (the kernel's `check`).
 The resulting plan is kept so GRAPH_RECOMPUTE re-runs it without decoding or validating again.
+
+As in ggml-rpc's server, a tensor may come without memory: a client sends buffer 0 and data 0 for
+a tensor that lives on another server, and a buffer handle this connection does not own counts as
+none. Such a tensor is refused only where a node would read or write it; a data pointer without a
+buffer is refused at once. As in ggml-cpu, a node whose result is empty (a dimension of 0: e.g. the
+last layer of a batch that selects no output rows) computes nothing and is not checked further.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ load_all()
 
 class GraphError(ValueError):
     """A graph this worker refuses: malformed, out of bounds, or using what it does not support."""
+
+
+_NO_MEMORY = np.zeros(0, dtype=np.uint8)  # what a tensor without a buffer points at; never computed on
 
 
 @dataclass
@@ -72,8 +81,10 @@ def _make_tensor(rec: RpcTensor, records, views, buffers: BufferTable) -> Tensor
         raise GraphError(f"tensor {label} has invalid type {rec.type}")
     if traits.is_quantized and rec.nb[0] != traits.type_size:
         raise GraphError(f"quantized tensor {label} must have contiguous blocks (nb[0]={rec.nb[0]})")
-    if rec.buffer == 0:
-        raise GraphError(f"tensor {label} has no buffer")
+    if not buffers.owns(rec.buffer):  # none, or another connection's / server's: "no buffer"
+        if rec.data != 0:
+            raise GraphError(f"tensor {label} has a data pointer but no buffer of this connection")
+        return Tensor(GGMLType(rec.type), rec.ne, rec.nb, _NO_MEMORY, 0, rec.name)
     try:
         buf, offset, size = buffers.locate(rec)
     except AddressError as exc:
@@ -83,7 +94,7 @@ def _make_tensor(rec: RpcTensor, records, views, buffers: BufferTable) -> Tensor
         raise GraphError(f"tensor {label} is not aligned to its element size {itemsize}")
     if rec.view_src:
         src = records[rec.view_src]
-        if src.buffer != rec.buffer:
+        if src.buffer != rec.buffer or views[rec.view_src].mem is _NO_MEMORY:
             raise GraphError(f"view {label} is not in the buffer of its source")
         _, src_offset, src_size = buffers.locate(src)
         if not (src_offset <= offset and offset + size <= src_offset + src_size):
@@ -111,12 +122,17 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable) -> Plan:
             op = GGMLOp(rec.op)
         except ValueError:
             raise GraphError(f"node {_tensor_label(rec)} has unknown op {rec.op}") from None
-        if op in VIEW_OPS or not rec.flags & FLAG_COMPUTE:
-            continue  # memory validated above; a view or an unselected branch computes nothing
+        dst = views[tid]
+        if op in VIEW_OPS or not rec.flags & FLAG_COMPUTE or 0 in dst.ne:
+            continue  # memory validated above; a view, an unselected branch or an empty result computes nothing
         src = [views[s] if s else None for s in rec.src]
         while src and src[-1] is None:
             src.pop()
-        node = Node(op, views[tid], src, np.frombuffer(rec.op_params, dtype="<i4"), rec.name)
+        for t, tensor_id in ((dst, tid), *zip(src, rec.src)):
+            if t is not None and t.mem is _NO_MEMORY:
+                raise GraphError(f"node {_tensor_label(rec)} ({op.name}) uses "
+                                 f"{_tensor_label(records[tensor_id])}, which has no buffer here")
+        node = Node(op, dst, src, np.frombuffer(rec.op_params, dtype="<i4"), rec.name)
         try:
             kernel = lookup(node)
             kernel.check(node)

@@ -1,0 +1,147 @@
+"""Graph validation of empty results and of tensors without memory, for every registered kernel.
+
+ggml-cpu computes nothing for a node whose result has a dimension of 0 (llama-perplexity's default
+batch ends its last layer on such nodes), and ggml-rpc's server treats a tensor with buffer 0 and
+data 0, or a buffer handle it does not own, as a tensor without memory that only a computing node may
+not touch (llama.cpp's test-rpc-multi-server sends one). Each kernel's node comes from the support
+matrix's probes, so a new op is covered as soon as it is registered.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels.registry import KERNELS
+from rpcserver.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
+from rpcserver.graph import GraphError, build_plan, run_plan
+from rpcserver.memory import BufferTable, MemoryBudget
+from rpcserver.protocol import GraphComputeRequest, RpcTensor
+
+pytestmark = pytest.mark.unit
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "support_matrix.py"
+CANARY = 0xA5
+
+
+def _support_matrix():
+    name = "pyrpc_tools_support_matrix"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, TOOL)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+@functools.cache
+def _probe_node(op: int, sub: int):
+    """One node the kernel accepts (its first accepted type combination in the support matrix)."""
+    tool = _support_matrix()
+    tool.load_all()
+    combo = min(tool.accepted(op, sub), key=lambda c: [str(t) for t in c])
+    return tool.PROBES[op].build(GGMLOp(op), sub, *combo)
+
+
+def _emptied(ne: tuple) -> tuple:
+    """The shape with its outermost non-trivial dimension set to 0 (a batch with no rows)."""
+    last = max(i for i, n in enumerate(ne) if n != 1) if any(n != 1 for n in ne) else 0
+    return ne[:last] + (0,) + ne[last + 1:]
+
+
+class Wire:
+    """Lays a kernel node's tensors out in one buffer of a connection and encodes the graph."""
+
+    _ids = itertools.count(0x100, 0x10)
+
+    def __init__(self):
+        self.buffers = BufferTable(MemoryBudget(64 << 20))
+        self.buf = self.buffers.alloc(1 << 20)
+        self.buf.mem[:] = CANARY
+        self.used = 0
+        self.records: list[RpcTensor] = []
+
+    def tensor(self, t, *, op=GGMLOp.NONE, src=(), params=b"", ne=None) -> RpcTensor:
+        ne = tuple(ne or t.ne)
+        nb = contiguous_strides(GGMLType(t.type), ne)
+        rec = RpcTensor(id=next(self._ids), type=int(t.type), buffer=self.buf.handle, ne=ne, nb=nb, op=int(op),
+                        op_params=bytes(params), src=tuple(s.id for s in src), data=self.buf.base + self.used,
+                        flags=FLAG_COMPUTE if op != GGMLOp.NONE else 0)
+        self.used += (nbytes(GGMLType(t.type), ne, nb) + 31) // 32 * 32
+        self.records.append(rec)
+        return rec
+
+    def node(self, node, dst_ne=None) -> tuple[RpcTensor, list[RpcTensor]]:
+        srcs = [self.tensor(s) if s is not None else None for s in node.src]
+        wired = [s for s in srcs if s is not None]
+        dst = self.tensor(node.dst, op=node.op, src=[s or RpcTensor() for s in srcs],
+                          params=node.params.tobytes(), ne=dst_ne)
+        return dst, wired
+
+    def plan(self, *nodes: RpcTensor):
+        records = np.concatenate([r.to_record() for r in self.records])
+        request = GraphComputeRequest(0, np.array([n.id for n in nodes], dtype="<u8"), records)
+        return build_plan(request, self.buffers)
+
+
+KERNEL_KEYS = sorted(KERNELS) or pytest.fail("no kernels registered")
+
+
+@pytest.mark.parametrize("op,sub", KERNEL_KEYS, ids=lambda v: str(v))
+def test_a_node_with_an_empty_result_computes_nothing(op, sub):
+    node = _probe_node(op, sub)
+    wire = Wire()
+    dst, _ = wire.node(node, dst_ne=_emptied(node.dst.ne))
+    plan = wire.plan(dst)
+    assert plan.steps == []
+    run_plan(plan)
+    assert np.all(wire.buf.mem == CANARY)
+
+
+@pytest.mark.parametrize("op,sub", KERNEL_KEYS, ids=lambda v: str(v))
+@pytest.mark.parametrize("where", ["dst", "src"])
+@pytest.mark.parametrize("how", ["no buffer", "foreign buffer"])
+def test_a_computing_node_may_not_touch_a_tensor_without_memory(op, sub, where, how):
+    wire = Wire()
+    dst, srcs = wire.node(_probe_node(op, sub))
+    victim = dst if where == "dst" else srcs[0]
+    victim.buffer, victim.data = (0, 0) if how == "no buffer" else (0xBEEF, 0)
+    with pytest.raises(GraphError, match="no buffer"):
+        wire.plan(dst)
+
+
+@pytest.mark.parametrize("where", ["dst", "src"])
+def test_a_data_pointer_without_a_buffer_is_refused(where):
+    wire = Wire()
+    dst, srcs = wire.node(_probe_node(GGMLOp.ADD, 0))
+    victim = dst if where == "dst" else srcs[0]
+    victim.buffer = 0xBEEF  # another connection's or another server's handle: no buffer here
+    with pytest.raises(GraphError, match="data pointer but no buffer"):
+        wire.plan(dst)
+
+
+def test_a_none_node_in_another_servers_buffer_is_accepted():
+    """test-rpc-multi-server: server B gets a one-node graph (op NONE) whose tensor lives on server A;
+    the client sends it with buffer 0 and data 0."""
+    wire = Wire()
+    t = wire.tensor(_probe_node(GGMLOp.ADD, 0).dst)
+    t.buffer, t.data = 0, 0
+    plan = wire.plan(t)
+    assert plan.steps == []
+    run_plan(plan)
+
+
+def test_perplexity_default_batch_last_layer():
+    """The node llama-perplexity -b 2048 sent: MUL of an empty (576, 0) activation by a (576, 1) norm."""
+    from kernels import Tensor
+
+    wire = Wire()
+    a = wire.tensor(Tensor.new(GGMLType.F32, (576, 0)), ne=(576, 0, 1, 1))
+    w = wire.tensor(Tensor.new(GGMLType.F32, (576, 1)))
+    out = wire.tensor(Tensor.new(GGMLType.F32, (576, 0)), op=GGMLOp.MUL, src=(a, w), ne=(576, 0, 1, 1))
+    plan = wire.plan(out)
+    assert plan.steps == []
