@@ -103,7 +103,7 @@ def run(*, rpc, workers, threads, **options) -> int:
     if rpc:
         return generate([e.strip() for e in rpc.split(",") if e.strip()], **options)
     log(f"no --rpc given: starting {workers} local Python worker(s)")
-    with LocalWorkers(workers, threads) as local:
+    with LocalWorkers(workers, threads, log=log) as local:
         return generate(local.endpoints, **options)
 
 

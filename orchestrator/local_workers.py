@@ -9,10 +9,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from orchestrator.client import WorkerError
 
 HOST = "127.0.0.1"
+STALL_SECONDS = 120.0  # a starting worker that uses no CPU for this long is given up on
+NOTICE_AFTER = 5.0  # seconds before saying that the kernels are being compiled
 
 
 def _free_port() -> int:
@@ -21,33 +24,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalWorkers:
-    """Starts n `python -m rpcserver` processes on free ports; stops them on exit."""
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time a process has used so far (Linux /proc), or None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
 
-    def __init__(self, count: int, threads: int, timeout: float = 120.0):
+
+class LocalWorkers:
+    """Starts n `python -m rpcserver` processes on free ports; stops them on exit.
+
+    The first worker starts alone: before it listens, its warm-up compiles the kernels into numba's
+    on-disk cache (a minute or more the first time, longer on a busy machine), and the others then
+    load them from that cache instead of compiling the same code at once. There is no fixed deadline:
+    a worker is waited for as long as it is alive and using CPU, and given up on when it exits or
+    makes no progress for `stall` seconds. `log` receives the progress lines (the CLI prints them).
+    """
+
+    def __init__(self, count: int, threads: int, *, log: Callable[[str], None] = lambda line: None,
+                 stall: float = STALL_SECONDS, command: Callable[[int], list[str]] | None = None):
         self.procs: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
+        self.log = log
+        self.stall = stall
         self.log_dir = Path(tempfile.mkdtemp(prefix="orchestrator-workers-"))
         repo_root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+        self.command = command or (lambda port: [sys.executable, "-m", "rpcserver", "-H", HOST, "-p", str(port),
+                                                 "-t", str(threads)])
         try:
-            for _ in range(count):
-                port = _free_port()
-                log = open(self.log_dir / f"worker-{port}.log", "wb")
-                cmd = [sys.executable, "-m", "rpcserver", "-H", HOST, "-p", str(port), "-t", str(threads)]
-                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                   stdin=subprocess.DEVNULL))
-                self.endpoints.append(f"{HOST}:{port}")
-            for proc, endpoint in zip(self.procs, self.endpoints):
-                self._wait(proc, endpoint, timeout)
+            self._wait(*self._start(), first=True)
+            rest = [self._start() for _ in range(count - 1)]
+            for proc, endpoint in rest:
+                self._wait(proc, endpoint, first=False)
         except BaseException:
             self.stop()
             raise
 
-    def _wait(self, proc: subprocess.Popen, endpoint: str, timeout: float) -> None:
+    def _start(self) -> tuple[subprocess.Popen, str]:
+        port = _free_port()
+        log = open(self.log_dir / f"worker-{port}.log", "wb")
+        proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
+        log.close()
+        self.procs.append(proc)
+        self.endpoints.append(f"{HOST}:{port}")
+        return proc, f"{HOST}:{port}"
+
+    def _wait(self, proc: subprocess.Popen, endpoint: str, *, first: bool) -> None:
         host, port = endpoint.rsplit(":", 1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        started = last_progress = time.monotonic()
+        last_cpu = cpu_seconds(proc.pid)
+        noticed = not first
+        while True:
             if proc.poll() is not None:
                 raise WorkerError(f"local worker {endpoint} exited with status {proc.returncode}; "
                                   f"see {self.log_dir}")
@@ -55,8 +86,18 @@ class LocalWorkers:
                 socket.create_connection((host, int(port)), timeout=1).close()
                 return
             except OSError:
-                time.sleep(0.1)
-        raise WorkerError(f"local worker {endpoint} did not start listening within {timeout:.0f}s")
+                pass
+            now = time.monotonic()
+            if not noticed and now - started > NOTICE_AFTER:
+                self.log("compiling the worker kernels (first run only; a few minutes on a busy machine)...")
+                noticed = True
+            cpu = cpu_seconds(proc.pid)
+            if cpu is None or cpu != last_cpu:  # unknown counts as progress: the process is alive
+                last_cpu, last_progress = cpu, now
+            elif now - last_progress > self.stall:
+                raise WorkerError(f"local worker {endpoint} has made no progress for {self.stall:.0f}s "
+                                  f"and is not listening; see {self.log_dir}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         for proc in self.procs:

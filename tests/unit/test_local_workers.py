@@ -1,0 +1,72 @@
+"""Local workers start one at a time and are waited for while they make progress, not against a clock.
+
+Stand-in workers (small Python scripts) play the part of `python -m rpcserver`: one that computes for a
+while before it listens (the first run's kernel compilation on a busy machine), one that hangs without
+using CPU, one that exits.
+"""
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from orchestrator.client import WorkerError
+from orchestrator.local_workers import NOTICE_AFTER, LocalWorkers
+
+pytestmark = pytest.mark.unit
+
+# computes (burns CPU) for `busy` seconds, appends "<port> listening" to the journal, then serves
+BUSY_THEN_LISTEN = textwrap.dedent("""
+    import socket, sys, time
+    port, busy, journal = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+    with open(journal, "a") as f:
+        f.write(f"{port} started\\n")
+    end = time.monotonic() + busy
+    while time.monotonic() < end:
+        sum(i * i for i in range(10000))
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    with open(journal, "a") as f:
+        f.write(f"{port} listening\\n")
+    while True:
+        s.accept()[0].close()
+""")
+
+
+def script(tmp_path, source: str):
+    path = tmp_path / "fake_worker.py"
+    path.write_text(source)
+    return path
+
+
+def test_a_slow_first_start_is_waited_for_and_the_others_start_after_it(tmp_path):
+    fake = script(tmp_path, BUSY_THEN_LISTEN)
+    journal = tmp_path / "journal"
+    lines = []
+    # the first worker computes for longer than the stall limit: only progress keeps it alive
+    stall = 2.0
+    busy = max(NOTICE_AFTER, stall) + 2.0
+    command = lambda port: [sys.executable, str(fake), str(port), str(busy), str(journal)]  # noqa: E731
+    with LocalWorkers(3, 1, log=lines.append, stall=stall, command=command) as workers:
+        assert len(workers.endpoints) == 3
+    events = journal.read_text().split("\n")
+    first = workers.endpoints[0].rsplit(":", 1)[1]
+    # nobody else started before the first worker listened (its compiled kernels are then cached)
+    assert events[:2] == [f"{first} started", f"{first} listening"], events
+    assert sum(e.endswith("listening") for e in events) == 3
+    assert any("compiling" in line and "first run" in line for line in lines), lines
+
+
+def test_a_worker_that_makes_no_progress_is_given_up(tmp_path):
+    fake = script(tmp_path, "import time\ntime.sleep(600)\n")
+    with pytest.raises(WorkerError, match="no progress for 1s"):
+        LocalWorkers(1, 1, stall=1.0, command=lambda port: [sys.executable, str(fake)])
+
+
+def test_a_worker_that_exits_is_reported(tmp_path):
+    fake = script(tmp_path, "raise SystemExit(3)\n")
+    with pytest.raises(WorkerError, match="exited with status 3"):
+        LocalWorkers(2, 1, command=lambda port: [sys.executable, str(fake)])
