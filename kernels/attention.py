@@ -33,10 +33,11 @@ from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .copy import KIND_F16, KIND_F32, KINDS, load_f32, parallel_worthwhile, storage
 from .fmath import fma32, round_f16
+from .formats import dequantize_rows
 from .kquants import IQ4_NL_KIND, iq4_nl_vec_dot
 from .kv_quants import dequantize_iq4_nl_reference
 from .node import InvalidNode, Node, Tensor
-from .quants import QK, ROW_DOT, dequantize_rows, quantize_q8_ref, quantize_q8_rows, unpack_blocks
+from .quants import QK, ROW_DOT, quantize_q8_ref, quantize_q8_rows, unpack_blocks
 from .registry import OpKernel, prepared, register
 from .softmax import NEG_INF, alibi_slope, vec_soft_max, widen_f16
 

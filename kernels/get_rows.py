@@ -15,7 +15,7 @@ import numpy as np
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from . import kquants, quants
+from . import formats, kquants, quants
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import bf16_to_f32, f16_to_f32
@@ -175,7 +175,7 @@ def reference(node: Node) -> None:
             if src0.type == GGMLType.I32:
                 out[i12, i11] = np.ascontiguousarray(picked).view("<i4")
             else:
-                out[i12, i11] = quants.dequantize_rows(src0.type, picked)
+                out[i12, i11] = formats.dequantize_rows(src0.type, picked)
 
 
 register(GGMLOp.GET_ROWS)(OpKernel(check, forward, reference, prepare))

@@ -156,7 +156,6 @@ def _dequantize_blocks(type_):
 
 
 DEQUANTIZE = {t: _dequantize_blocks(t) for t in KQUANT_TYPES}
-quants.DEQUANTIZE.update(DEQUANTIZE)  # quants.dequantize_rows serves every block format
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import numpy as np
 
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from . import kquants, quants
+from . import formats, kquants, quants
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32
@@ -437,7 +437,7 @@ def reference(node: Node) -> None:
             elif src0.type in KQUANT_TYPES:
                 out[i13, i12] = kquants.dot_ref(src0.type, rows, np.ascontiguousarray(x[i13, i12], np.float32)).T
             else:
-                w = quants.dequantize_rows(src0.type, rows)
+                w = formats.dequantize_rows(src0.type, rows)
                 out[i13, i12] = _slice_float(src0.type, w, _activations(src0.type, x[i13, i12]), tiny).T
 
 

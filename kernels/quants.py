@@ -19,7 +19,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLType
+from rpcserver.ggml import GGMLType
 
 from .fmath import np_bf16_bits_to_f32, round_f16
 
@@ -85,14 +85,6 @@ DEQUANTIZE = {
     GGMLType.BF16: lambda b: np_bf16_bits_to_f32(b.copy().view("<u2")),
     **{t: _dequantize_blocks(t) for t in QUANT_TYPES},
 }
-
-
-def dequantize_rows(type_: GGMLType, rows: np.ndarray) -> np.ndarray:
-    """(..., row_bytes) uint8 rows of `type_` -> (..., ne0) float32."""
-    tt = TYPE_TRAITS[type_]
-    ne0 = rows.shape[-1] // tt.type_size * tt.block_size
-    blocks = np.ascontiguousarray(rows).reshape(-1, tt.type_size)
-    return DEQUANTIZE[type_](blocks).reshape(*rows.shape[:-1], ne0)
 
 
 # ----------------------------------------------------------------------------------------------

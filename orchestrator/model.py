@@ -189,17 +189,23 @@ class ModelFile:
     def _check_tensors(self) -> None:
         hp = self.hparams
         missing = [n for il in range(hp.n_layer) for n in self.layer_tensor_names(il).values() if n not in self.weights]
-        missing += [n for n in self.output_tensor_names().values() if n not in self.weights]
+        missing += [n for n in ("token_embd.weight", *self.output_tensor_names().values()) if n not in self.weights]
         if self.arch.qk_norm:
             missing += [f"blk.{il}.attn_{x}_norm.weight" for il in range(hp.n_layer) for x in "qk"
                         if f"blk.{il}.attn_{x}_norm.weight" not in self.weights]
         if missing:
             raise ModelError(f"{self.path.name}: missing tensors {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        from kernels.formats import DEQUANTIZE  # noqa: PLC0415 - the kernels package loads numba
+
+        embd = self.weights["token_embd.weight"]
+        if embd.type not in DEQUANTIZE:
+            raise ModelError(f"{self.path.name}: token_embd.weight has type {embd.type.name}, which the orchestrator "
+                             f"cannot look up embeddings in (it can: {', '.join(t.name for t in DEQUANTIZE)})")
 
     def token_embeddings(self, tokens: list[int]) -> np.ndarray:
         """Rows of token_embd as float32 [n_tokens, n_embd], dequantized as ggml's get_rows does on the CPU."""
-        from kernels.quants import dequantize_rows  # noqa: PLC0415 - numpy-only path of the kernels package
+        from kernels.formats import dequantize_rows  # noqa: PLC0415 - numpy-only path of the kernels package
 
         w = self.weights["token_embd.weight"]
         rows = w.data.reshape(w.ne[1], -1)[np.asarray(tokens, dtype=np.int64)]

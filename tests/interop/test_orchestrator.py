@@ -165,3 +165,33 @@ def test_layers_split_like_llama_cpp(llama, model_path, unequal_pair, split):
     assert ours == expected
     if split is None:
         assert sum(1 for d in expected.values() if d == 1) > sum(1 for d in expected.values() if d == 0)
+
+
+# -- an ordinary K-quant file ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_model(llama, model_path, tmp_path_factory):
+    """A llama whose width is a multiple of 256, quantized by llama-quantize to Q4_K_M as downloaded files
+    are: its tied token_embd becomes Q6_K, its layers Q4_K with Q6_K ffn_down/attn_v."""
+    from tools.make_model import write_model  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("q4_k_m")
+    source = write_model(folder / "f16.gguf", "llama", vocab_from=model_path, seed=5, weight_type="F16",
+                         n_embd=512, n_ff=1024, n_head=8, n_head_kv=4)
+    quantized = folder / "q4_k_m.gguf"
+    llama("llama-quantize", [source, quantized, "Q4_K_M"], timeout=CPU_TIMEOUT)
+    return quantized
+
+
+def test_q4_k_m_file_with_a_k_quant_embedding(q4_k_m_model, mixed_pair, cpu_text):
+    import gguf  # noqa: PLC0415
+
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(q4_k_m_model).tensors}
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q6_K
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_K
+    args = ["-m", q4_k_m_model, "-p", PROMPTS["list"], "-n", 32, "--temp", 0, "--ignore-eos"]
+    # --no-repack: the CPU backend computes on the file's layout, as every RPC worker does
+    expected = cpu_text([*args, "--no-repack"])
+    done = run_orchestrator(["--rpc", ",".join(w.address for w in mixed_pair), *args], mixed_pair)
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")

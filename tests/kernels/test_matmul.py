@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import matmul, quants
+from kernels import formats, matmul, quants
 from kernels.node import InvalidNode, Node, Tensor
 from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
@@ -193,7 +193,7 @@ def test_reference_close_to_float64(type_):
     w, x = weights(rng, type_, (256, 9)), activations(rng, (256, 4), scale=3.0)
     node = mul_mat(w, x)
     got = run(matmul.reference, node)[0, 0]
-    wf = quants.dequantize_rows(type_, w.rows()[0, 0]).astype(np.float64)
+    wf = formats.dequantize_rows(type_, w.rows()[0, 0]).astype(np.float64)
     xf = x.array()[0, 0].astype(np.float64)
     exact = xf @ wf.T
     scale = np.abs(xf) @ np.abs(wf).T

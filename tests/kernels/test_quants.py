@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import matmul, quants
+from kernels import formats, matmul, quants
 from rpcserver.ggml import TYPE_TRAITS, GGMLType
 
 pytestmark = pytest.mark.kernels
@@ -65,7 +65,7 @@ def test_dequantize_plain(type_):
     else:
         raw, want = x, x
     rows = raw.view(np.uint8).reshape(3, -1)
-    np.testing.assert_array_equal(quants.dequantize_rows(type_, rows), want.reshape(3, -1))
+    np.testing.assert_array_equal(formats.dequantize_rows(type_, rows), want.reshape(3, -1))
 
 
 # ----------------------------------------------------------------------------------------------
