@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,6 +235,8 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
 
 
 def default_vocab_source() -> Path:
+    # run as a script (python tools/make_model.py) the repository is not on sys.path: put it there
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tools import reference  # noqa: PLC0415 - only the CLI needs the installed test model
 
     return reference.model_path()

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
+
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -146,6 +150,19 @@ def test_llama_cpp_runs_the_model(llama, models, arch, tmp_path):
                       timeout=CPU_TIMEOUT)
     ids = ast.literal_eval(tokenized.stdout.strip().splitlines()[-1])
     assert len(set(ids)) >= MIN_DISTINCT_TOKENS, f"generated {done.stdout!r} -> ids {ids}"
+
+
+def test_the_command_line_as_the_readme_runs_it(model_path, tmp_path):
+    """`python tools/make_model.py --arch llama -o x.gguf`, from another folder and without --vocab-from:
+    the default tokenizer source is the installed SmolLM2 model, found through tools/reference.py."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / "make_model.py"
+    done = subprocess.run([sys.executable, str(tool), "--arch", "llama", "-o", "x.gguf"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=CPU_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reader = gguf.GGUFReader(tmp_path / "x.gguf")
+    assert field_value(reader, "general.architecture") == "llama"
+    assert field_value(reader, "tokenizer.ggml.tokens") == field_value(gguf.GGUFReader(model_path),
+                                                                       "tokenizer.ggml.tokens")
 
 
 def test_qwen2_refuses_a_head_dim_its_loader_cannot_take(model_path, tmp_path):
