@@ -29,7 +29,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .copy import KIND_F16, KIND_F32, KINDS, load_f32, parallel_worthwhile, storage
 from .fmath import fma32, round_f16

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .fmath import (
     JIT,

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from rpcserver.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from .ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 from . import copy as cp
 from .fmath import JIT, f16_to_f32, f32_to_f16, fma32, v_expf

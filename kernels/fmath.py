@@ -276,8 +276,16 @@ def np_f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
 
 
 def np_fma(a, b, c):
-    """a*b + c rounded once to float32 (exact product in float64; double rounding is vanishingly rare)."""
-    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(F32)
+    """Correctly rounded float32 a*b + c (numpy has no fma). The product is exact in float64; TwoSum
+    gives the exact sum as s + err, and err's sign only matters when s is a float32 halfway point."""
+    a, b, c = (np.asarray(v, np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    z = s - p
+    err = (p - (s - z)) + (c - z)
+    tie = (s.view(np.int64) & 0x1FFFFFFF) == 0x10000000
+    s = np.where(tie & (err != 0), np.nextafter(s, np.copysign(np.inf, err)), s)
+    return s.astype(F32)
 
 
 def np_v_expf(x: np.ndarray) -> np.ndarray:

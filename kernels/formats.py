@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLType
+from .ggml import TYPE_TRAITS, GGMLType
 
 from . import kquants, quants
 

@@ -13,7 +13,7 @@ from functools import partial
 import numba
 import numpy as np
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import formats, kquants, quants
 from .kquants import KQUANT_TYPES

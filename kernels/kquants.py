@@ -20,11 +20,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLType
+from .ggml import TYPE_TRAITS, GGMLType
 
 from . import quants
 from .tasks import ROWS_PER_TASK, task_tile
-from .fmath import fma32
+from .fmath import fma32, np_fma
 from .quants import (HAS_AVX2, LOAD_WEIGHT, PREFETCH_AHEAD, _byte_ptr, _elem_ptr, _hsum8, _lanes, _llvm_fn,
                      _prefetch, _shuffle, _splat, _vec)
 
@@ -266,7 +266,6 @@ def _pairs_np(v):
 def dot_ref(type_: GGMLType, rows: np.ndarray, x: np.ndarray, ne11: int | None = None) -> np.ndarray:
     """rows (R, row_bytes) weights . x (C, K) f32 activations -> (R, C), in the float order of the
     route ggml-cpu takes for src1->ne[1] == ne11 (default C)."""
-    from .matmul import fma32_np  # exact float32 fma; matmul imports this module
 
     how = route(type_, len(x) if ne11 is None else ne11)
     qb = FORMATS[type_][0]
@@ -289,8 +288,8 @@ def dot_ref(type_: GGMLType, rows: np.ndarray, x: np.ndarray, ne11: int | None =
         for b in range(nb):
             r = d[:, None, b] * lanes[:, :, b].sum(axis=-1).astype(f32)
             if mins is not None:
-                r = fma32_np(-dmin[:, None, b], mins[:, :, b].sum(axis=-1).astype(f32), r)
-            acc = fma32_np(r, yd[None, :, b], acc)
+                r = np_fma(-dmin[:, None, b], mins[:, :, b].sum(axis=-1).astype(f32), r)
+            acc = np_fma(r, yd[None, :, b], acc)
         return acc
     if type_ == T.Q6_K:
         lanes = lanes - 32 * _pairs_np(s.reshape(n_rows, 1, nb, -1) * ys)
@@ -298,28 +297,28 @@ def dot_ref(type_: GGMLType, rows: np.ndarray, x: np.ndarray, ne11: int | None =
     acc = np.zeros((n_rows, n_cols, 8), f32)
     if how == TINYBLAS:
         for b in range(nb):
-            acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
+            acc = np_fma(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
         return _hsum8_np(acc)
     if type_ == T.IQ4_NL:  # two accumulators over block pairs, then a scalar odd block (an fma: see _make_iq4_nl_dot)
         acc2 = acc.copy()
         for b in range(0, nb - 1, 2):
-            acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
-            acc2 = fma32_np(d_xy[..., b + 1, None], lanes[:, :, b + 1].astype(f32), acc2)
+            acc = np_fma(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
+            acc2 = np_fma(d_xy[..., b + 1, None], lanes[:, :, b + 1].astype(f32), acc2)
         total = _hsum8_np(acc + acc2)
         if nb % 2:
-            total = fma32_np(d_xy[..., nb - 1], lanes[:, :, nb - 1].sum(axis=-1).astype(f32), total)
+            total = np_fma(d_xy[..., nb - 1], lanes[:, :, nb - 1].sum(axis=-1).astype(f32), total)
         return total
     d_min = -yd[None, :, :] * dmin[:, None, :]
     acc_m = np.zeros((n_rows, n_cols, 4), f32)  # Q4_K's four minimum lanes
     summs = np.zeros((n_rows, n_cols), f32)  # Q5_K's scalar minimum sum
     for b in range(nb):
         if type_ == T.Q2_K:
-            acc = fma32_np(d_min[..., b, None], _pairs_np(mins[:, :, b]).astype(f32), acc)
+            acc = np_fma(d_min[..., b, None], _pairs_np(mins[:, :, b]).astype(f32), acc)
         elif type_ == T.Q4_K:
-            acc_m = fma32_np(d_min[..., b, None], _pairs_np(_pairs_np(mins[:, :, b])).astype(f32), acc_m)
+            acc_m = np_fma(d_min[..., b, None], _pairs_np(_pairs_np(mins[:, :, b])).astype(f32), acc_m)
         elif type_ == T.Q5_K:
-            summs = fma32_np(d_min[..., b], mins[:, :, b].sum(axis=-1).astype(f32), summs)
-        acc = fma32_np(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
+            summs = np_fma(d_min[..., b], mins[:, :, b].sum(axis=-1).astype(f32), summs)
+        acc = np_fma(d_xy[..., b, None], lanes[:, :, b].astype(f32), acc)
     total = _hsum8_np(acc)
     if type_ == T.Q4_K:
         total = total + ((acc_m[..., 0] + acc_m[..., 2]) + (acc_m[..., 1] + acc_m[..., 3]))

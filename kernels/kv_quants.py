@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLType
+from .ggml import TYPE_TRAITS, GGMLType
 
 from .fmath import f32_to_f16
 from .kquants import DEQUANTIZE as _DEQUANTIZE_SUPER, KVALUES_IQ4NL

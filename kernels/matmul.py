@@ -21,12 +21,12 @@ from functools import partial
 import numba
 import numpy as np
 
-from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import formats, kquants, quants
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
-from .fmath import fma32
+from .fmath import fma32, np_fma
 from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT
 from .registry import OpKernel, nothing, prepared, register
 from .tasks import ROWS_PER_TASK, task_tile
@@ -343,19 +343,6 @@ forward = prepared(prepare)
 # numpy reference: the same arithmetic, vectorized over (weight rows x activation rows)
 
 
-def fma32_np(a, b, c):
-    """Correctly rounded float32 a*b + c (numpy has no fma). The product is exact in float64; TwoSum
-    gives the exact sum as s + err, and err's sign only matters when s is a float32 halfway point."""
-    a, b, c = (np.asarray(v, np.float64) for v in (a, b, c))
-    p = a * b
-    s = p + c
-    z = s - p
-    err = (p - (s - z)) + (c - z)
-    tie = (s.view(np.int64) & 0x1FFFFFFF) == 0x10000000
-    s = np.where(tie & (err != 0), np.nextafter(s, np.copysign(np.inf, err)), s)
-    return s.astype(np.float32)
-
-
 def _hsum8_np(acc):
     t = acc[..., 4:] + acc[..., :4]
     return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
@@ -373,9 +360,9 @@ def _slice_quant(type_, rows, x):
     mins = np.zeros((len(rows), len(x)), np.float32)
     for b in range(nb):
         scale = d[:, None, b] * yd[None, :, b]  # float32 product, as ggml
-        acc = fma32_np(scale[..., None], lanes[:, :, b], acc)
+        acc = np_fma(scale[..., None], lanes[:, :, b], acc)
         if m is not None:
-            mins = fma32_np(m.reshape(len(rows), nb)[:, None, b], ys[None, :, b], mins)
+            mins = np_fma(m.reshape(len(rows), nb)[:, None, b], ys[None, :, b], mins)
     return _hsum8_np(acc) + mins if m is not None else _hsum8_np(acc)
 
 
@@ -388,12 +375,12 @@ def _slice_float(type_, w, x, tiny):
         for i in range(0, n, 8):
             a, b = prod(i, i + 8)
             pad = 8 - a.shape[-1]
-            acc = fma32_np(np.pad(a, [(0, 0)] * 2 + [(0, pad)]), np.pad(b, [(0, 0)] * 2 + [(0, pad)]), acc)
+            acc = np_fma(np.pad(a, [(0, 0)] * 2 + [(0, pad)]), np.pad(b, [(0, 0)] * 2 + [(0, pad)]), acc)
         return _hsum8_np(acc)
     full = n & ~31
     acc = np.zeros((len(w), len(x), 32), np.float32)
     for i in range(0, full, 32):
-        acc = fma32_np(*prod(i, i + 32), acc)
+        acc = np_fma(*prod(i, i + 32), acc)
     v = (acc[..., 0:8] + acc[..., 16:24]) + (acc[..., 8:16] + acc[..., 24:32])
     t = v[..., :4] + v[..., 4:]
     if type_ == GGMLType.BF16:
@@ -413,7 +400,7 @@ def _slice_float(type_, w, x, tiny):
             res = res + w[:, None, j] * x[None, :, j]
         i += step
     for j in range(i, n):
-        res = fma32_np(w[:, None, j], x[None, :, j], res)
+        res = np_fma(w[:, None, j], x[None, :, j], res)
     return res
 
 

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from rpcserver.ggml import GGMLOp, GGMLType
+from .ggml import GGMLOp, GGMLType
 
 from .copy import JIT, parallel_worthwhile, row_coords
 from .fmath import fma32

@@ -19,7 +19,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from rpcserver.ggml import GGMLType
+from .ggml import GGMLType
 
 from .fmath import np_bf16_bits_to_f32, round_f16
 

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from rpcserver.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
+from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
 from .copy import parallel_worthwhile
 from .node import InvalidNode, Node, Tensor

@@ -11,7 +11,7 @@ import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from rpcserver.ggml import MAX_DIMS, TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import MAX_DIMS, TYPE_TRAITS, GGMLOp, GGMLType
 
 from .copy import raw_storage
 from .fmath import JIT

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from rpcserver.ggml import GGMLOp, GGMLType
+from .ggml import GGMLOp, GGMLType
 
 from .copy import parallel_worthwhile
 from .fmath import (

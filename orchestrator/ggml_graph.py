@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rpcserver import protocol as p
-from rpcserver.ggml import (
+from kernels.ggml import (
     FLAG_COMPUTE,
     MAX_DIMS,
     MAX_NAME,

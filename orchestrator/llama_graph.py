@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from orchestrator.ggml_graph import GGML_PREC_F32, Graph, Tensor, new_tensor
 from orchestrator.model import HParams
-from rpcserver.ggml import FLAG_INPUT, FLAG_OUTPUT, GGMLType, row_size
+from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, GGMLType, row_size
 
 @dataclass(frozen=True)
 class Shape:

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from rpcserver.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_TRAITS, GGMLType, nbytes, contiguous_strides
+from kernels.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_TRAITS, GGMLType, nbytes, contiguous_strides
 
 
 class ModelError(Exception):

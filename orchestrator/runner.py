@@ -22,8 +22,8 @@ from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
 from orchestrator.model import ModelFile
 from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
 from orchestrator.planner import plan_memory, round_up
-from rpcserver.hashing import fnv1a64
-from rpcserver.ggml import GGMLType
+from kernels.hashing import fnv1a64
+from kernels.ggml import GGMLType
 
 KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB

@@ -20,7 +20,7 @@ import numpy as np
 
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
-from .ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, GGMLType, type_traits
+from kernels.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, GGMLType, type_traits
 from .memory import BufferTable, AddressError
 from .protocol import GraphComputeRequest, RpcTensor
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ggml import GGMLType, nbytes, type_traits
+from kernels.ggml import GGMLType, nbytes, type_traits
 from .protocol import RpcTensor
 
 ALIGNMENT = 32  # as ggml's CPU buffers (TENSOR_ALIGNMENT)

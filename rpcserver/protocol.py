@@ -15,7 +15,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from .ggml import MAX_DIMS, MAX_NAME, MAX_OP_PARAMS, MAX_SRC
+from kernels.ggml import MAX_DIMS, MAX_NAME, MAX_OP_PARAMS, MAX_SRC
 
 PROTOCOL_VERSION = (7, 0, 0)
 CONN_CAPS_SIZE = 24

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from . import protocol as p
-from .ggml import GGMLType, nbytes, type_traits
+from kernels.ggml import GGMLType, nbytes, type_traits
 from .graph import GraphError, Plan, build_plan, run_plan
-from .hashing import fnv1a64
+from kernels.hashing import fnv1a64
 from .memory import ALIGNMENT, BufferTable, MemoryBudget, AddressError
 from .protocol import Command, ProtocolError
 

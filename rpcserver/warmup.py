@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .ggml import TYPE_TRAITS, GGMLType, contiguous_strides, nbytes
+from kernels.ggml import TYPE_TRAITS, GGMLType, contiguous_strides, nbytes
 from .memory import MemoryBudget
 from .session import Session, WorkerConfig
 

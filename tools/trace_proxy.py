@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rpcserver import protocol as p  # noqa: E402
-from rpcserver.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp  # noqa: E402
+from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp  # noqa: E402
 from rpcserver.protocol import Command  # noqa: E402
 
 MAX_FRAME = 1 << 34

@@ -5,7 +5,7 @@ import pytest
 
 from orchestrator.client import RpcClient
 from rpcserver import protocol as p
-from rpcserver.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
+from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
 from tools import reference
 
 

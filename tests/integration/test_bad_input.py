@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.client import WorkerError
 from rpcserver import protocol as p
-from rpcserver.ggml import GGMLOp, GGMLType
+from kernels.ggml import GGMLOp, GGMLType
 from rpcserver.protocol import Command
 
 from .conftest import GraphBuilder

@@ -9,8 +9,8 @@ import pytest
 
 from orchestrator.client import RpcClient
 from rpcserver import protocol as p
-from rpcserver.ggml import GGMLType
-from rpcserver.hashing import fnv1a64_reference
+from kernels.ggml import GGMLType
+from kernels.hashing import fnv1a64_reference
 from rpcserver.protocol import Command
 from tools import reference
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kernels.node import Node, Tensor
-from rpcserver.ggml import MAX_SRC, GGMLOp, GGMLType, nbytes
+from kernels.ggml import MAX_SRC, GGMLOp, GGMLType, nbytes
 
 
 class _InitParams(C.Structure):
@@ -148,7 +148,7 @@ def result_bytes(out) -> np.ndarray:
 
 
 def our_bytes(t: Tensor) -> np.ndarray:
-    from rpcserver.ggml import nbytes as span
+    from kernels.ggml import nbytes as span
 
     return t.mem[t.offset : t.offset + span(t.type, t.ne, t.nb)].copy()
 

@@ -11,7 +11,7 @@ from kernels import copy as cp
 from kernels import kv_quants
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from rpcserver.ggml import GGMLOp, GGMLType
+from kernels.ggml import GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

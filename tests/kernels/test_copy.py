@@ -11,7 +11,7 @@ from kernels import fmath as fm
 from kernels import kv_quants as kvq
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

@@ -12,7 +12,7 @@ from kernels import elementwise as ew
 from kernels import fmath as fm
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from rpcserver.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 pytestmark = pytest.mark.kernels
 

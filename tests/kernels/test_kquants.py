@@ -14,7 +14,7 @@ import pytest
 import ggml_oracle
 from kernels import formats, get_rows, kquants, matmul, quants
 from kernels.node import InvalidNode, Node, Tensor
-from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

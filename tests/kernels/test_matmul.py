@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import formats, matmul, quants
+from kernels import fmath, formats, matmul, quants
 from kernels.node import InvalidNode, Node, Tensor
-from rpcserver.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 
@@ -206,7 +206,7 @@ def test_reference_close_to_float64(type_):
     assert np.abs(got - exact).max() > 0 or type_ == T.F32  # the rounding model is not vacuous
 
 
-def test_fma32_np_is_correctly_rounded():
+def test_np_fma_is_correctly_rounded():
     rng = np.random.default_rng(3)
     a = rng.standard_normal(3000).astype(np.float32)
     b = rng.standard_normal(3000).astype(np.float32)
@@ -214,7 +214,7 @@ def test_fma32_np_is_correctly_rounded():
     # halfway cases: c = -(a*b rounded to f32) + a tiny residue, and exact ties through large c
     c[:500] = -(a[:500] * b[:500]) + np.float32(1e-9)
     c[500:1000] = np.float32(2.0**24) * np.sign(c[500:1000])
-    got = matmul.fma32_np(a, b, c)
+    got = fmath.np_fma(a, b, c)
     for i in range(len(a)):
         exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
         lo = np.float32(float(exact))

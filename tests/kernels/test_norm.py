@@ -8,7 +8,7 @@ from kernels import copy as cp
 from kernels import norm  # noqa: F401  (registers the kernels)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from rpcserver.ggml import GGMLOp, GGMLType
+from kernels.ggml import GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

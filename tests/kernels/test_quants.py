@@ -12,7 +12,7 @@ import pytest
 
 import ggml_oracle
 from kernels import formats, matmul, quants
-from rpcserver.ggml import TYPE_TRAITS, GGMLType
+from kernels.ggml import TYPE_TRAITS, GGMLType
 
 pytestmark = pytest.mark.kernels
 

@@ -10,7 +10,7 @@ from kernels import copy as cp
 from kernels import rope
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from rpcserver.ggml import ROPE_MODE_MROPE, ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
+from kernels.ggml import ROPE_MODE_MROPE, ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

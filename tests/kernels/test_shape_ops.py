@@ -8,7 +8,7 @@ from kernels import fmath as fm
 from kernels import shape_ops  # noqa: F401  (registers the kernels)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from rpcserver.ggml import GGMLOp, GGMLType
+from kernels.ggml import GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

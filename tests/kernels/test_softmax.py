@@ -12,7 +12,7 @@ from kernels import softmax as sm
 from kernels import fmath as fm
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from rpcserver.ggml import GGMLOp, GGMLType
+from kernels.ggml import GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

@@ -5,7 +5,7 @@ import pytest
 
 from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor
 from rpcserver import protocol as p
-from rpcserver.ggml import FLAG_COMPUTE, GGMLOp, GGMLType
+from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType
 
 
 def small_graph():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kernels.registry import KERNELS
-from rpcserver.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
+from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
 from rpcserver.graph import GraphError, build_plan, run_plan
 from rpcserver.memory import BufferTable, MemoryBudget
 from rpcserver.protocol import GraphComputeRequest, RpcTensor
