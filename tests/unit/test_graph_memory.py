@@ -9,10 +9,7 @@ matrix's probes, so a new op is covered as soon as it is registered.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,26 +19,17 @@ from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nby
 from rpcserver.graph import GraphError, build_plan, run_plan
 from rpcserver.memory import BufferTable, MemoryBudget
 from rpcserver.protocol import GraphComputeRequest, RpcTensor
+from tool_modules import load_tool
 
 pytestmark = pytest.mark.unit
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "support_matrix.py"
 CANARY = 0xA5
-
-
-def _support_matrix():
-    name = "pyrpc_tools_support_matrix"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TOOL)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 @functools.cache
 def _probe_node(op: int, sub: int):
     """One node the kernel accepts (its first accepted type combination in the support matrix)."""
-    tool = _support_matrix()
+    tool = load_tool("support_matrix")
     tool.load_all()
     combo = min(tool.accepted(op, sub), key=lambda c: [str(t) for t in c])
     return tool.PROBES[op].build(GGMLOp(op), sub, *combo)

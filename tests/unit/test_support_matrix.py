@@ -1,28 +1,18 @@
 """The README's support matrix is generated from the kernel table and must not go stale or overstate."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tool_modules import load_tool
 
 pytestmark = pytest.mark.unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOL = REPO_ROOT / "tools" / "support_matrix.py"
-
-
-def _load_tool():
-    # by path, registered under a private name: a stray top-level "tools" package must not shadow ours
-    name = "pyrpc_tools_support_matrix"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TOOL)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def test_readme_matrix_is_current():
@@ -33,7 +23,7 @@ def test_readme_matrix_is_current():
 def test_rendered_rows_cover_exactly_the_accepted_combinations():
     """Every line of the table expands to combinations the kernel's check accepts, and together they
     name all of them: merging into "A/B → C" lines never claims a pair that is refused."""
-    tool = _load_tool()
+    tool = load_tool("support_matrix")
     tool.load_all()
     for op, sub in tool.KERNELS:
         combos = tool.accepted(op, sub)
