@@ -53,7 +53,6 @@ SAMPLES = {
 
 def test_every_command_has_a_sample_and_the_table_matches_the_pinned_protocol():
     assert set(SAMPLES) == set(Command)
-    assert p.UPSTREAM_COMMAND_COUNT == 18 and Command.HELLO == 14 and Command.MEMSET_TENSOR == 17
     assert p.TENSOR_SIZE == 296
     assert p.COMMANDS[Command.GET_ALLOC_SIZE].request_size == 4 + 296 * 11
     assert p.COMMANDS[Command.HELLO].request_size == 24 and p.HelloResponse.wire_size() == 28
