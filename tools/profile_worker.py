@@ -40,8 +40,10 @@ def main(argv=None) -> int:
     model = ModelFile(args.model or reference.model_path())
     session = Session(WorkerConfig(MemoryBudget()))
     client = InProcessClient(session)
-    pipe = Pipeline(model, [client], n_ctx=512, n_batch=512, n_ubatch=512, flash_attn=args.fa == "on",
-                    log=lambda *a: None)
+    pipe = Pipeline(model, n_ctx=512, n_batch=512, n_ubatch=512, flash_attn=args.fa == "on")
+    pipe.connect([client])
+    pipe.place()
+    pipe.allocate()
     pipe.upload()
     token = 1
     pipe.evaluate_prompt([token] * args.prompt)

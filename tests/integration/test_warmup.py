@@ -1,5 +1,6 @@
 """The start-up warm-up: after it, a real model's graphs make numba compile or load nothing more."""
 
+import os
 import sys
 
 import numba.core.registry
@@ -29,7 +30,9 @@ def smollm2():
 
     try:
         return ModelFile(reference.model_path())
-    except reference.ReferenceMissing as exc:
+    except reference.ReferenceMissing as exc:  # the test policy for a missing reference: fail in CI, skip locally
+        if os.environ.get("CI", "").strip().lower() == "true":
+            pytest.fail(str(exc), pytrace=False)
         pytest.skip(str(exc))
 
 
@@ -45,10 +48,11 @@ def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, 
     client = InProcessClient(Session(WorkerConfig(MemoryBudget())))
     try:
         # llama-completion's shapes: its 2-token warm-up decode, a prompt, then single tokens
-        pipe = Pipeline(smollm2, [client], n_ctx=512, n_batch=64, n_ubatch=64, flash_attn=flash_attn,
-                        log=lambda *args: None)
-        for stage in pipe.stages:
-            stage.upload(lambda n: None)
+        pipe = Pipeline(smollm2, n_ctx=512, n_batch=64, n_ubatch=64, flash_attn=flash_attn)
+        pipe.connect([client])
+        pipe.place()
+        pipe.allocate()
+        pipe.upload()
         pipe.evaluate_prompt([1, 2])
         pipe.evaluate_prompt(list(range(10, 47)))
         for token in (5, 6):

@@ -8,21 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import sampling
-from orchestrator.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplingParams
+from orchestrator import cxx
+from orchestrator.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplingParams, sorting
 
 
 def test_mt19937_matches_the_cpp_standard():
     # [rand.predef]: the 10000th output of a default-constructed std::mt19937 (seed 5489) is 4123659995.
-    gen = sampling.mt19937(5489)
+    gen = cxx.mt19937(5489)
     for _ in range(9999):
         gen.getrandbits(32)
     assert gen.getrandbits(32) == 4123659995
 
 
 def test_uniform_canonical_is_in_unit_interval():
-    gen = sampling.mt19937(1)
-    draws = [sampling.uniform_canonical(gen) for _ in range(1000)]
+    gen = cxx.mt19937(1)
+    draws = [cxx.uniform_canonical(gen) for _ in range(1000)]
     assert all(0.0 <= d < 1.0 for d in draws)
 
 
@@ -41,7 +41,7 @@ def test_expf_matches_libm(libm_expf):
     x = np.concatenate([rng.uniform(-110, 0, 20000), rng.normal(0, 5, 20000), rng.uniform(80, 90, 2000),
                         [0.0, -0.0, np.inf, -np.inf, -103.9, -88.0, 88.7, 88.8]]).astype(np.float32)
     want = np.array([libm_expf(float(v)) for v in x], dtype=np.float32)
-    np.testing.assert_array_equal(sampling.expf(x), want)
+    np.testing.assert_array_equal(cxx.expf(x), want)
 
 
 keys = st.lists(st.sampled_from([-np.inf, -1.5, -0.0, 0.0, 0.25, 1.0, 3.0, 1e9]), min_size=0, max_size=300)
@@ -51,7 +51,7 @@ keys = st.lists(st.sampled_from([-np.inf, -1.5, -0.0, 0.0, 0.25, 1.0, 3.0, 1e9])
 @given(keys)
 def test_std_sort_orders_descending_and_permutes(values):
     seq = list(range(len(values)))
-    sampling.std_sort(seq, values, 0, len(seq))
+    cxx.std_sort(seq, values, 0, len(seq))
     assert sorted(seq) == list(range(len(values)))
     assert all(values[a] >= values[b] for a, b in zip(seq, seq[1:]))
 
@@ -61,7 +61,7 @@ def test_std_sort_orders_descending_and_permutes(values):
 def test_std_partial_sort_gives_the_top_in_order(values, middle):
     middle = min(middle, len(values))
     seq = list(range(len(values)))
-    sampling.std_partial_sort(seq, values, 0, middle, len(seq))
+    cxx.std_partial_sort(seq, values, 0, middle, len(seq))
     head = [values[i] for i in seq[:middle]]
     assert head == sorted(values, reverse=True)[:middle]
     assert sorted(seq) == list(range(len(values)))
@@ -69,12 +69,12 @@ def test_std_partial_sort_gives_the_top_in_order(values, middle):
 
 def test_bucket_sort_of_distinct_logits_is_plain_descending():
     logits = np.random.default_rng(1).permutation(np.linspace(-12, 12, 5000)).astype(np.float32)
-    order = sampling.bucket_partial_sort(logits, 700)
+    order = sorting.bucket_partial_sort(logits, 700)
     np.testing.assert_array_equal(logits[order], np.sort(logits)[::-1][:700])
 
 
 def test_huge_logits_fall_into_the_lowest_bucket_like_x86():
-    buckets = sampling._bucket_of(np.array([1e9, np.inf, -1e9, 9.99, -10.0, 0.0], dtype=np.float32))
+    buckets = sorting._bucket_of(np.array([1e9, np.inf, -1e9, 9.99, -10.0, 0.0], dtype=np.float32))
     assert buckets.tolist() == [0, 0, 0, 127, 0, 64]
 
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.tokenizer import PRE_TOKENIZERS, TokenizerError, Vocab, codepoint_flags, unordered_map_order
+from orchestrator.cxx import unordered_map_order
+from orchestrator.tokenizer import PRE_TOKENIZERS, TokenizerError, Vocab, codepoint_flags
 
 CONTROL, USER_DEFINED, NORMAL, BYTE = 3, 4, 1, 6
 

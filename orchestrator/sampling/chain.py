@@ -1,0 +1,95 @@
+"""The sampler chain of one sequence: its options (SamplingParams) and the chain built from them (Sampler)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.cxx import F32
+from orchestrator.sampling.samplers import Candidates, Dist, MinP, Penalties, Temperature, TopK, TopP
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # "pick a random seed", as in include/llama.h
+
+
+@dataclass
+class SamplingParams:
+    """The sampling options of llama-completion, with common_params_sampling's defaults."""
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int = LLAMA_DEFAULT_SEED
+
+    def validate(self) -> None:
+        """The checks common_sampler_init makes before building the chain."""
+        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0
+                and math.isfinite(1.0 / F32(self.repeat_penalty))):
+            raise ValueError("repeat_penalty must be finite and greater than 0")
+        if not (math.isfinite(self.frequency_penalty) and math.isfinite(self.presence_penalty)):
+            raise ValueError("frequency_penalty and presence_penalty must be finite")
+        if self.repeat_last_n < 0:
+            raise ValueError("repeat_last_n must be >= 0")
+
+def random_seed() -> int:
+    """What get_rng_seed does for LLAMA_DEFAULT_SEED: a fresh 32-bit seed from the OS."""
+    return secrets.randbits(32)
+
+
+class Sampler:
+    """One sequence's sampler: call sample() for a token, then accept() it (and accept every
+    prompt token first, as llama-completion does, so penalties see the prompt too)."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int):
+        params.validate()
+        self.params = params
+        self.n_vocab = n_vocab
+        self._penalties = None
+        if params.repeat_last_n != 0 and not (F32(params.repeat_penalty) == 1.0 and F32(params.frequency_penalty) == 0.0
+                                              and F32(params.presence_penalty) == 0.0):
+            self._penalties = Penalties(params.repeat_last_n, params.repeat_penalty,
+                                        params.frequency_penalty, params.presence_penalty)
+        optional = [
+            (params.top_k > 0, lambda: TopK(params.top_k)),
+            (F32(params.top_p) < 1.0, lambda: TopP(params.top_p)),
+            (F32(params.min_p) > 0.0, lambda: MinP(params.min_p)),
+            (F32(params.temp) != 1.0, lambda: Temperature(params.temp)),
+        ]
+        self._filters = [make() for enabled, make in optional if enabled]
+        self.reset()
+
+    def reset(self) -> None:
+        """common_sampler_reset: forget the history and reseed (a fresh random seed if it was random)."""
+        if self._penalties is not None:
+            self._penalties.window.clear()
+            self._penalties.count.clear()
+        seed = self.params.seed & 0xFFFFFFFF  # --seed goes through stoul into a uint32_t
+        self.seed = random_seed() if seed == LLAMA_DEFAULT_SEED else seed
+        self._dist = Dist(self.seed)
+
+    def candidates(self, logits: np.ndarray) -> Candidates:
+        """Run every sampler up to and including the draw; the chosen one is at `.selected`."""
+        logits = np.asarray(logits)
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"expected {self.n_vocab} logits, got shape {logits.shape}")
+        c = Candidates(logits)
+        if self._penalties is not None:
+            self._penalties.apply(c)
+        for sampler in self._filters:
+            sampler.apply(c)
+        self._dist.apply(c)
+        return c
+
+    def sample(self, logits: np.ndarray) -> int:
+        c = self.candidates(logits)
+        return int(c.ids[c.selected])
+
+    def accept(self, token: int) -> None:
+        if self._penalties is not None:
+            self._penalties.accept(int(token))
