@@ -54,13 +54,13 @@ def main(host, port, threads, device, cache, mem, verbose, no_warmup):
         # before listening, as llama.cpp's worker is ready when it listens: the first request a
         # client sends is then as fast as any later one, and loading kernels cannot compete for
         # the GIL with the client's weight upload
-        from .warmup import warm_up
+        from .warmup import WarmupError, warm_up
 
-        print("warming up the kernels...", file=sys.stderr, flush=True)
+        print("loading the kernels (the first run compiles them: a minute or more)...", file=sys.stderr, flush=True)
         try:
             logging.getLogger("rpcserver").info("warm-up took %.1f s", warm_up())
-        except Exception:  # a kernel bug must not keep the worker from serving the models it can
-            logging.getLogger("rpcserver").exception("warm-up failed; serving anyway (first graphs compile)")
+        except WarmupError as exc:
+            raise click.ClickException(f"warm-up: {exc} (--no-warmup starts without it)") from None
     from .memory import MemoryBudget
     from .server import serve
     from .session import WorkerConfig

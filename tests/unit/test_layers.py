@@ -1,0 +1,108 @@
+"""The packages' import graph points one way and has no cycle.
+
+kernels (ggml's numberings, formats and the numba kernels) is the bottom layer; rpcserver (the codec
+and the worker) stands on it; orchestrator stands on kernels and on rpcserver's codec only. Every
+import statement counts, including those inside functions: a deferred import is still a dependency.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("kernels", "rpcserver", "orchestrator")
+# what each package may import from the others (its own modules are always allowed)
+ALLOWED = {
+    "kernels": set(),
+    "rpcserver": {"kernels"},
+    "orchestrator": {"kernels", "rpcserver.protocol"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path) for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """Absolute names of the project modules a file imports (relative imports resolved)."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod itself
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.split(".")[0] in PACKAGES)
+    return found
+
+
+def project_modules() -> dict[str, set[str]]:
+    graph = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            graph[module_name(path)] = imports(path)
+    return {m: deps & MODULES for m, deps in graph.items()}
+
+
+GRAPH = project_modules()
+
+
+def allowed(source: str, target: str) -> bool:
+    src_pkg, dst_pkg = source.split(".")[0], target.split(".")[0]
+    if src_pkg == dst_pkg:
+        return True
+    return any(target == a or target.startswith(a + ".") for a in ALLOWED[src_pkg])
+
+
+def test_imports_point_down():
+    upward = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps if not allowed(m, d))
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    # package __init__ modules are left out of the edges into them: importing kernels.x runs kernels/__init__
+    edges = {m: {d for d in deps if d not in PACKAGES} for m, deps in GRAPH.items()}
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    for start in edges:
+        stack = [(start, iter(sorted(edges[start])))]
+        path = [start]
+        if state.get(start):
+            continue
+        state[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(child) == 1:
+                cycle = path[path.index(child):] + [child]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            elif not state.get(child):
+                state[child] = 1
+                stack.append((child, iter(sorted(edges[child]))))
+                path.append(child)
+
+
+def test_the_graph_is_read():
+    """The checks above see the real imports (a parser that found nothing would pass them vacuously)."""
+    assert "kernels.ggml" in GRAPH["rpcserver.protocol"]
+    assert "rpcserver.protocol" in GRAPH["orchestrator.client"]
+    assert "kernels.registry" in GRAPH["kernels.matmul"]

@@ -1,0 +1,68 @@
+"""The recorded warm-up session covers what a real client sends, so the worker's start-up compiles it.
+
+The oracle is a census of the ops and types llama-cli sent through the trace proxy
+(tests/interop/data/llama-cli-ops-summary.json, SmolLM2 with default settings): every (op, result type,
+source types) there must occur in the recording's graphs, else the first real client would compile
+kernels in its first GRAPH_COMPUTE.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from rpcserver import protocol as p
+from rpcserver import warmup
+
+pytestmark = pytest.mark.unit
+
+CENSUS = Path(__file__).resolve().parents[1] / "interop" / "data" / "llama-cli-ops-summary.json"
+
+
+def label(op: int, params: np.ndarray) -> str:
+    name = GGMLOp(op).name
+    if op == GGMLOp.UNARY:
+        return f"UNARY:{GGMLUnaryOp(int(params[0])).name}"
+    if op == GGMLOp.GLU:
+        return f"GLU:{GGMLGluOp(int(params[0])).name}"
+    return name
+
+
+def recorded_ops() -> set[tuple]:
+    ops = set()
+    for frames in warmup.decode(warmup.RECORDING.read_bytes()):
+        for command, payload in frames:
+            if command != p.Command.GRAPH_COMPUTE:
+                continue
+            graph = p.GraphComputeRequest.decode(memoryview(payload))
+            records = {int(r["id"]): r for r in graph.tensors}
+            for rec in records.values():
+                if rec["op"] == GGMLOp.NONE:
+                    continue
+                srcs = tuple(GGMLType(int(records[int(s)]["type"])).name for s in rec["src"] if s)
+                ops.add((label(int(rec["op"]), rec["op_params"]), GGMLType(int(rec["type"])).name, srcs))
+    return ops
+
+
+def test_the_recording_covers_a_real_clients_ops():
+    census = {(op, dst, tuple(srcs)) for (op, dst, srcs), _count in json.loads(CENSUS.read_text())["ops"]}
+    missing = census - recorded_ops()
+    assert not missing, f"ops llama-cli sends that the warm-up recording never runs: {sorted(missing)}"
+
+
+def test_the_recording_replays_through_a_session():
+    sessions = warmup.decode(warmup.RECORDING.read_bytes())
+    assert len(sessions) == 3  # flash attention on, off; the input nodes of llama.cpp's graphs
+    commands = {command for frames in sessions for command, _ in frames}
+    assert {p.Command.SET_TENSOR, p.Command.GRAPH_COMPUTE, p.Command.GRAPH_RECOMPUTE, p.Command.GET_TENSOR} <= commands
+
+
+def test_a_damaged_recording_is_an_error(tmp_path, monkeypatch):
+    bad = tmp_path / "warmup.rec"
+    bad.write_bytes(b"not zlib")
+    monkeypatch.setattr(warmup, "RECORDING", bad)
+    with pytest.raises(warmup.WarmupError, match="cannot read"):
+        warmup.warm_up()

@@ -1,0 +1,192 @@
+"""Record the worker's start-up warm-up: a small random llama driven by the orchestrator, as wire frames.
+
+    python tools/record_warmup.py            # rewrites rpcserver/warmup.rec
+
+The worker must not depend on the orchestrator, yet its warm-up should send exactly what a real
+client sends, so numba compiles (or loads) every kernel signature a llama graph needs before the
+first client arrives. This tool runs the orchestrator's Pipeline over a private in-process Session
+and records each request's frame: weights upload, KV cache clear, GRAPH_COMPUTE for prompts of 8 and
+2 tokens (ggml routes batches of 8+ and of 2+ differently) and single tokens, GRAPH_RECOMPUTE,
+GET_TENSOR, with flash attention on and off (off adds SOFT_MAX, CPY and F16 products). Its layers
+carry the weight types llama.cpp's common files use. rpcserver/warmup.py replays the recording.
+
+Weight data is not kept (a SET_TENSOR over SMALL bytes keeps only its header; the replay writes zeros):
+which kernels run depends on shapes, types and layouts, not on values.
+"""
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.ggml import FLAG_INPUT, TYPE_TRAITS, GGMLOp, GGMLType, contiguous_strides, nbytes  # noqa: E402
+from orchestrator.client import InProcessClient  # noqa: E402
+from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor, wire_tensor  # noqa: E402
+from orchestrator.model import HParams, WeightInfo  # noqa: E402
+from orchestrator.planner import round_up  # noqa: E402
+from orchestrator.runner import Pipeline  # noqa: E402
+from rpcserver import protocol as p  # noqa: E402
+from rpcserver import warmup  # noqa: E402
+from rpcserver.memory import MemoryBudget  # noqa: E402
+from rpcserver.session import Session, WorkerConfig  # noqa: E402
+
+SMALL = 4096  # SET_TENSOR data up to this size (token ids, positions, masks) is kept
+
+# one layer per weight type (the mixes of Q4_0/Q4_1/Q8_0/F16 files and of Q4_K_M: Q4_K with Q6_K
+# ffn_down); the output head is Q8_0 as in SmolLM2's tied embeddings
+LAYER_TYPES = (
+    {"*": GGMLType.Q4_0},
+    {"*": GGMLType.Q4_1},
+    {"*": GGMLType.Q8_0},
+    {"*": GGMLType.F16},
+    {"*": GGMLType.Q4_K, "ffn_down": GGMLType.Q6_K, "attn_v": GGMLType.Q6_K},
+)
+OUTPUT_TYPE = GGMLType.Q8_0
+N_EMBD, N_FF, N_HEAD, N_HEAD_KV, N_VOCAB, N_CTX = 256, 512, 4, 2, 256, 256  # K-quants need rows of 256
+PROMPTS = (8, 2)  # tokens per prompt step; then two single-token steps (the second a recompute)
+BUDGET = 64 << 20
+
+
+class _Model:
+    """What the orchestrator's Pipeline reads of a ModelFile, for a small random llama."""
+
+    def __init__(self):
+        head_dim = N_EMBD // N_HEAD
+        self.hparams = HParams(
+            arch="llama", n_layer=len(LAYER_TYPES), n_embd=N_EMBD, n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV,
+            head_dim_k=head_dim, head_dim_v=head_dim, n_rot=head_dim, n_vocab=N_VOCAB, n_ctx_train=N_CTX,
+            n_ctx_orig=N_CTX, rms_eps=1e-5, rope_freq_base=10000.0, rope_freq_scale=1.0, rope_ext_factor=0.0,
+            kq_scale=1.0 / np.sqrt(head_dim),
+        )
+        rng = np.random.default_rng(0)
+        kv = N_HEAD_KV * head_dim
+        shapes = {"attn_norm": (N_EMBD,), "attn_q": (N_EMBD, N_EMBD), "attn_k": (N_EMBD, kv),
+                  "attn_v": (N_EMBD, kv), "attn_output": (N_EMBD, N_EMBD), "ffn_norm": (N_EMBD,),
+                  "ffn_gate": (N_EMBD, N_FF), "ffn_up": (N_EMBD, N_FF), "ffn_down": (N_FF, N_EMBD)}
+        self.weights = {}
+
+        def add(name, type_, ne):
+            ne = tuple(ne) + (1,) * (4 - len(ne))
+            size = nbytes(type_, ne, contiguous_strides(type_, ne))
+            if TYPE_TRAITS[type_].is_quantized:  # random blocks with small legacy-quant scales
+                data = rng.integers(0, 256, size, dtype=np.uint8)
+                _sane_scales(type_, data)
+            else:
+                values = 0.02 * rng.standard_normal(size // TYPE_TRAITS[type_].type_size)
+                data = values.astype(_NUMPY[type_]).view(np.uint8)
+            self.weights[name] = WeightInfo(name, type_, ne, data)
+
+        for il, types in enumerate(LAYER_TYPES):
+            for role, ne in shapes.items():
+                type_ = GGMLType.F32 if role.endswith("norm") else types.get(role, types["*"])
+                add(f"blk.{il}.{role}.weight", type_, ne)
+        add("output_norm.weight", GGMLType.F32, (N_EMBD,))
+        add("token_embd.weight", OUTPUT_TYPE, (N_EMBD, N_VOCAB))
+
+    def layer_tensor_names(self, il: int) -> dict[str, str]:
+        return {name.split(".")[2]: name for name in self.weights if name.startswith(f"blk.{il}.")}
+
+    def output_tensor_names(self) -> dict[str, str]:
+        return {"output_norm": "output_norm.weight", "output": "token_embd.weight"}
+
+    def token_embeddings(self, tokens: list[int]) -> np.ndarray:
+        rng = np.random.default_rng(len(tokens))
+        return rng.standard_normal((len(tokens), N_EMBD)).astype(np.float32)
+
+
+_NUMPY = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
+
+
+def _sane_scales(type_: GGMLType, data: np.ndarray) -> None:
+    """Give every block a small finite f16 scale where the format starts with one (legacy quants),
+    so the products stay finite; K-quant super-block scales are left random (their f16 d sits at
+    the end or start depending on the type, and NaNs there do not change which code runs)."""
+    traits = TYPE_TRAITS[type_]
+    if type_ in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0):
+        blocks = data.reshape(-1, traits.type_size)
+        blocks[:, 0:2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        if type_ in (GGMLType.Q4_1, GGMLType.Q5_1):
+            blocks[:, 2:4] = np.frombuffer(np.float16(-0.001).tobytes(), np.uint8)
+
+
+
+class RecordingClient(InProcessClient):
+    """An in-process client that also keeps every request as (command, payload, dropped data bytes)."""
+
+    def __init__(self, session):
+        super().__init__(session, "warm-up recorder")
+        self.frames: list[tuple[int, bytes, int]] = []
+
+    def call(self, command: p.Command, message=None) -> bytes:
+        payload = p.encode_request(command, message)[9:]
+        dropped = 0
+        if command == p.Command.SET_TENSOR and len(payload) - p.SetTensorRequest.HEADER > SMALL:
+            dropped = len(payload) - p.SetTensorRequest.HEADER
+            payload = payload[: p.SetTensorRequest.HEADER]
+        self.frames.append((int(command), payload, dropped))
+        return super().call(command, message)
+
+
+def record_input_nodes(client: RecordingClient) -> None:
+    """The two nodes llama.cpp's own graphs start with and ours do not: a DUP of the embeddings and a
+    SET_ROWS of them into an F32 tensor by I64 row ids (llama-cli-graphs.jsonl, shapes [n_embd, 2])."""
+    rows, n_rows = 2, 8
+    graph = Graph()
+    embd = new_tensor(GGMLType.F32, (N_EMBD, rows), "inp_embd", FLAG_INPUT)
+    idxs = new_tensor(GGMLType.I64, (rows,), "inp_rows", FLAG_INPUT)
+    table = new_tensor(GGMLType.F32, (N_EMBD, n_rows), "table")
+    copied = graph._node(GGMLType.F32, embd.ne, GGMLOp.DUP, (embd,), name="node_2")
+    graph.set_rows(table, copied, idxs)
+    leaves = [embd, idxs, table, copied]
+    size = sum(round_up(t.nbytes, 32) for t in leaves)
+    handle, base = client.alloc_buffer(size)
+    buffer, offset = RemoteBuffer(handle, base, size), 0
+    for t in leaves:
+        t.place(buffer, offset)
+        offset += round_up(t.nbytes, 32)
+    client.set_tensor(wire_tensor(idxs), np.arange(rows, dtype=np.int64).tobytes())
+    client.graph_compute(*graph.serialize())
+    client.get_tensor(wire_tensor(table), table.nbytes)
+
+
+def record() -> bytes:
+    """The warm-up frames of both flash-attention settings, encoded for rpcserver.warmup."""
+    model = _Model()
+    frames = []
+    for flash_attn in (True, False):
+        client = RecordingClient(Session(WorkerConfig(MemoryBudget(warmup.BUDGET))))
+        try:
+            pipe = Pipeline(model, n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
+            pipe.connect([client])
+            pipe.place()
+            pipe.allocate()
+            pipe.upload()
+            with np.errstate(all="ignore"):
+                for n in PROMPTS:
+                    pipe.evaluate_prompt([1] * n)
+                for _ in range(2):
+                    pipe.evaluate_token(1)
+        finally:
+            client.close()
+        frames.append(client.frames)
+    client = RecordingClient(Session(WorkerConfig(MemoryBudget(warmup.BUDGET))))
+    try:
+        record_input_nodes(client)
+    finally:
+        client.close()
+    frames.append(client.frames)
+    return warmup.encode(frames)
+
+
+def main() -> int:
+    data = record()
+    warmup.RECORDING.write_bytes(data)
+    print(f"{warmup.RECORDING}: {len(data)} bytes, {len(zlib.decompress(data))} uncompressed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
