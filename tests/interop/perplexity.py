@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -40,8 +41,11 @@ def corpus_text() -> str:
     return "\n\n".join(docs)
 
 
-def perplexity_args(model_path, text_file, flash_attn: str, cache_type: str) -> list[str]:
-    return ["-m", model_path, "-f", text_file, "-c", N_CTX, "-b", N_CTX, "--chunks", N_CHUNKS,
+def perplexity_args(model_path, text_file, flash_attn: str, cache_type: str, n_ctx: int = N_CTX,
+                    batch: list | None = None) -> list[str]:
+    """`batch` replaces the default "-b n_ctx" (one chunk per batch); [] leaves llama.cpp's defaults."""
+    batch = ["-b", n_ctx] if batch is None else batch
+    return ["-m", model_path, "-f", text_file, "-c", n_ctx, *batch, "--chunks", N_CHUNKS,
             "-t", CLIENT_THREADS, "-fa", flash_attn, "-ctk", cache_type, "-ctv", cache_type, "-fit", "off", "-lv", 4]
 
 
@@ -52,10 +56,10 @@ def parse_statistic(pattern: re.Pattern, output: str, what: str) -> float:
 
 
 def assert_kl_matches_cpu(llama, worker, model_path, text_file, base: Path, flash_attn: str, cache_type: str,
-                          label: str) -> None:
+                          label: str, n_ctx: int = N_CTX, batch: list | None = None) -> subprocess.CompletedProcess:
     """Run llama-perplexity through `worker` against the CPU logits in `base`; the same top token and
     the mean KL-divergence must meet the thresholds (printed too: pytest -rP shows them)."""
-    args = perplexity_args(model_path, text_file, flash_attn, cache_type) + [
+    args = perplexity_args(model_path, text_file, flash_attn, cache_type, n_ctx, batch) + [
         "--rpc", worker.address, "-ngl", 99, "--kl-divergence-base", base, "--kl-divergence"]
     done = llama("llama-perplexity", args, timeout=RPC_TIMEOUT, worker=worker)
     assert_fully_offloaded(done.stderr)
@@ -67,3 +71,4 @@ def assert_kl_matches_cpu(llama, worker, model_path, text_file, base: Path, flas
     print(f"{label}: same top p {same_top_p}%, mean KLD {mean_kld}")
     assert same_top_p >= MIN_SAME_TOP_P, f"{label}: Same top p {same_top_p}% < {MIN_SAME_TOP_P}%\n{done.stdout}"
     assert mean_kld <= MAX_MEAN_KLD, f"{label}: Mean KLD {mean_kld} > {MAX_MEAN_KLD}\n{done.stdout}"
+    return done

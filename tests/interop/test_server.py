@@ -28,11 +28,11 @@ CHATS = {
 class LlamaServer:
     """A llama-server process on a free port, logging to a file."""
 
-    def __init__(self, bin_dir, model_path, log_path, extra_args: list[str]):
+    def __init__(self, bin_dir, model_path, log_path, extra_args: list[str], n_ctx: int = 1024, n_parallel: int = 1):
         self.port = reference.free_port()
         self.log_path = log_path
         self.cmd = [str(bin_dir / "llama-server"), "-m", str(model_path), "--host", reference.LOCALHOST,
-                    "--port", str(self.port), "-t", str(CLIENT_THREADS), "-c", "1024", "-np", "1",
+                    "--port", str(self.port), "-t", str(CLIENT_THREADS), "-c", str(n_ctx), "-np", str(n_parallel),
                     "--no-webui", "-fit", "off", "-lv", "4", *map(str, extra_args)]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log,
