@@ -44,8 +44,10 @@ from .softmax import NEG_INF, alibi_slope, vec_soft_max, widen_f16
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)
 
-# The split-KV result depends on the thread count of the ggml we imitate: ggml-rpc-server runs
-# hardware_concurrency()/2 threads unless given -t. Set this to match the reference being compared to.
+# The split-KV result depends on the thread count of the ggml we imitate: ggml cuts the cache into one
+# slice per thread, and ggml-rpc-server runs -t threads (default hardware_concurrency()/2). The worker
+# sets this to its own -t (rpcserver.server.serve), so the same flags give the same bytes; tests set it
+# to the thread count they run ggml with.
 SPLIT_KV_THREADS = max(1, (os.cpu_count() or 2) // 2)
 SPLIT_KV_MIN = 512  # n_kv from which ggml splits a single query over threads
 TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path

@@ -8,14 +8,19 @@ Bytes pass through unchanged in both directions. The client's side is parsed wit
 [op, name, ne, type, op_params[:6], sources (type, ne, nb)] in <trace>.graphs.jsonl, one line per
 graph; <trace>.summary.json counts commands and the distinct (op, result type, source types).
 That is how we learn which ops and types a real client sends for a given model.
+
+With --record FILE it also saves the session for tools/replay.py: every request frame of every
+connection and every reply, in the order they passed (see Recording for the format).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import socket
+import struct
 import sys
 import threading
 from pathlib import Path
@@ -97,10 +102,41 @@ class Trace:
                 out.write(json.dumps(graph) + "\n")
 
 
+class Recording:
+    """A session file for tools/replay.py: MAGIC, then entries of ENTRY header + payload.
+
+    An entry is (connection number, kind, command, payload): a REQUEST is a frame's payload as the
+    client sent it, a REPLY the worker's reply payload to the connection's oldest request still
+    awaiting one, CLOSED the end of a connection. Each entry is written before its bytes are passed
+    on, so a reply always follows its request and precedes the requests that could depend on it.
+    """
+
+    MAGIC = b"PYRPCREC\x01\x00\x00\x00"
+    ENTRY = struct.Struct("<IBBQ")  # connection, kind, command, payload size
+    REQUEST, REPLY, CLOSED = 0, 1, 2
+
+    def __init__(self, path: Path):
+        self.lock = threading.Lock()
+        self.file = open(path, "wb")
+        self.file.write(self.MAGIC)
+
+    def write(self, conn: int, kind: int, command: int, payload=b"") -> None:
+        with self.lock:
+            if not self.file.closed:
+                self.file.write(self.ENTRY.pack(conn, kind, command, len(payload)))
+                self.file.write(payload)
+
+    def close(self) -> None:
+        with self.lock:
+            self.file.close()
+
+
 class TraceProxy:
     """Listens on `listen`; each client connection gets its own connection to `worker`."""
 
-    def __init__(self, worker: str, listen: str = "127.0.0.1:0"):
+    def __init__(self, worker: str, listen: str = "127.0.0.1:0", record: Path | None = None):
+        self.recording = Recording(Path(record)) if record is not None else None
+        self._conn_ids = itertools.count()
         host, _, port = worker.rpartition(":")
         self.worker = (host, int(port))
         lhost, _, lport = listen.rpartition(":")
@@ -124,25 +160,43 @@ class TraceProxy:
                 continue
             for s in (client, upstream):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+            conn = next(self._conn_ids)
+            awaiting: collections.deque = collections.deque()  # commands whose replies are still to come
+            threading.Thread(target=self._pump, args=(client, upstream, conn, awaiting, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, conn, awaiting, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, parse: bool) -> None:
-        reader = p.FrameReader(lambda command: MAX_FRAME) if parse else None
+    def _pump(self, src: socket.socket, dst: socket.socket, conn: int, awaiting: collections.deque,
+              requests: bool) -> None:
+        """Relay src to dst; parse (and record) what passes before it is passed on."""
+        rec = self.recording
+        if requests:
+            reader = p.FrameReader(lambda command: MAX_FRAME)
+        else:
+            reader = p.ResponseReader(MAX_FRAME) if rec is not None else None
         try:
             while chunk := src.recv(1 << 20):
-                dst.sendall(chunk)
                 if reader is not None:
                     try:
                         reader.feed(chunk)
-                        while (frame := reader.next_frame()) is not None:
-                            self.trace.record(frame)
+                        if requests:
+                            while (frame := reader.next_frame()) is not None:
+                                self.trace.record(frame)
+                                if rec is not None:
+                                    rec.write(conn, rec.REQUEST, frame.command, frame.payload)
+                                    if p.COMMANDS[frame.command].response is not None:
+                                        awaiting.append(frame.command)
+                        else:
+                            while awaiting and (reply := reader.next_payload(awaiting[0])) is not None:
+                                rec.write(conn, rec.REPLY, awaiting.popleft(), reply)
                     except (p.ProtocolError, ValueError) as exc:
                         self.parse_errors.append(str(exc))
                         reader = None  # keep relaying, stop parsing this connection
+                dst.sendall(chunk)
         except OSError:
             pass
         finally:
+            if requests and rec is not None:
+                rec.write(conn, rec.CLOSED, 0)
             for s in (src, dst):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
@@ -153,6 +207,8 @@ class TraceProxy:
     def close(self) -> None:
         self._closed = True
         self.server.close()
+        if self.recording is not None:
+            self.recording.close()
 
     def __enter__(self):
         return self
@@ -166,8 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", required=True, help="host:port of the worker to forward to")
     ap.add_argument("--listen", default="127.0.0.1:50060", help="host:port to accept clients on")
     ap.add_argument("-o", "--out", default="trace", help="output stem: <out>.summary.json, <out>.graphs.jsonl")
+    ap.add_argument("--record", default=None, help="also save the session to this file for tools/replay.py")
     args = ap.parse_args(argv)
-    proxy = TraceProxy(args.worker, args.listen)
+    proxy = TraceProxy(args.worker, args.listen, record=args.record)
     print(f"tracing {proxy.address} -> {args.worker}; Ctrl-C writes {args.out}.summary.json and .graphs.jsonl",
           file=sys.stderr)
     try:
