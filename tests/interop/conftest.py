@@ -8,31 +8,18 @@ binary or model fails the run; elsewhere those tests are skipped.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tool_modules import load_tool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_reference_tools():
-    # Loaded by path: a stray top-level "tools" package elsewhere on sys.path must not shadow ours.
-    name = "pyrpc_tools_reference"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "reference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-reference = _load_reference_tools()
+reference = load_tool("reference")
 
 IN_CI = os.environ.get("CI", "").strip().lower() == "true"
 CLIENT_THREADS = 2
