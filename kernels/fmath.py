@@ -4,12 +4,16 @@ Everything here matches what this x86-64 build of ggml-cpu (AVX2 + FMA + F16C, G
 - `fma32`: a*b + c rounded once in float32 (llvm.fma, i.e. vfmadd);
 - `f32_to_bits` / `f32_from_bits`: IEEE bit casts;
 - `v_expf`: one lane of ggml's AVX2 `ggml_v_expf` (vec.h), with its numpy twin `np_v_expf`;
+  `v_expf16` / `np_v_expf16` the AVX-512 one;
+- `hsum16` / `np_hsum16`: the tree in which gcc's `_mm512_reduce_add_ps` adds 16 lanes;
 - fp16: `f16_to_f32`, `f32_to_f16` (F16C round to nearest even), `round_f16` (to the nearest fp16
   value, kept as float32), with bit-level software fallbacks for hosts without F16C;
 - bf16: `bf16_to_f32`, `f32_to_bf16` (ggml's own rounding formula).
 """
 
 from __future__ import annotations
+
+import math
 
 import llvmlite.binding as llvm_binding
 import numba
@@ -116,6 +120,35 @@ def v_expf(x):
     mid = fma32(s2, j, s2) * s1
     far = F32(0.0) if low else F32(np.inf)  # = s1 * s1, which under- or overflows
     return near if not wide else (far if abs(n) > F32(192.0) else mid)
+
+
+@numba.njit(inline="always", **JIT)
+def v_expf16(x):
+    """One lane of ggml's AVX-512 ggml_v_expf: the same range reduction and polynomial, but 1 + P4*b is
+    inside the polynomial and 2**n is applied by VSCALEFPS (one rounding, into the subnormals too)."""
+    z = fma32(x, _EXP_LOG2E, _EXP_SHIFT)
+    n = z - _EXP_SHIFT
+    b = fma32(-n, _EXP_LN2_LO, fma32(-n, _EXP_LN2_HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(_EXP_P0, b, _EXP_P1), u, fma32(_EXP_P2, b, _EXP_P3)), u, fma32(_EXP_P4, b, F32(1.0)))
+    if abs(n) <= F32(126.0):  # 2**n is a normal float32: one multiply, one rounding
+        return j * f32_from_bits(np.uint32((np.int32(n) + 127) << 23))
+    if abs(n) > F32(192.0):
+        return F32(0.0) if n <= F32(0.0) else F32(np.inf)
+    if n != n:
+        return n
+    return F32(math.ldexp(np.float64(j), int(n)))  # j * 2**n is exact in float64: one rounding to float32
+
+
+@numba.njit(inline="always", **JIT)
+def hsum16(a, i):
+    """a[i] + ... + a[i + 15] as gcc's _mm512_reduce_add_ps adds them: 256-bit halves, 128-bit halves,
+    lanes {2,3} onto {0,1}, then lane 0 + lane 1."""
+    t0 = (a[i + 12] + a[i + 4]) + (a[i + 8] + a[i + 0])
+    t1 = (a[i + 13] + a[i + 5]) + (a[i + 9] + a[i + 1])
+    t2 = (a[i + 14] + a[i + 6]) + (a[i + 10] + a[i + 2])
+    t3 = (a[i + 15] + a[i + 7]) + (a[i + 11] + a[i + 3])
+    return (t0 + t2) + (t1 + t3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,3 +337,24 @@ def np_v_expf(x: np.ndarray) -> np.ndarray:
         s2 = ((e - g) & _M32).astype(np.uint32).view(F32)
         far = np.where(np.abs(n) > 192, s1 * s1, np_fma(s2, j, s2) * s1)
         return np.where(np.abs(n) > 126, far, np_fma(k, j, k)).astype(F32)
+
+
+def np_v_expf16(x: np.ndarray) -> np.ndarray:
+    """Vectorized twin of v_expf16."""
+    x = np.asarray(x, F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = np_fma(x, _EXP_LOG2E, _EXP_SHIFT)
+        n = z - _EXP_SHIFT
+        b = np_fma(-n, _EXP_LN2_LO, np_fma(-n, _EXP_LN2_HI, x))
+        u = b * b
+        j = np_fma(np_fma(np_fma(_EXP_P0, b, _EXP_P1), u, np_fma(_EXP_P2, b, _EXP_P3)), u, np_fma(_EXP_P4, b, F32(1)))
+        scaled = np.ldexp(j, np.where(np.abs(n) > 192, 0, np.nan_to_num(n)).astype(np.int32))
+        far = np.where(n <= 0, F32(0), F32(np.inf))
+        return np.where(np.abs(n) > 192, far, np.where(np.isnan(n), n, scaled)).astype(F32)
+
+
+def np_hsum16(a: np.ndarray) -> np.ndarray:
+    """Twin of hsum16 over the last axis (16 lanes)."""
+    t = a[..., 8:16] + a[..., 0:8]
+    t = t[..., 4:8] + t[..., 0:4]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .ggml import MAX_DIMS, PLAIN_DTYPES, TYPE_TRAITS, GGMLOp, GGMLType, row_size
+from .target import AVX2, Target
 
 
 class InvalidNode(ValueError):
@@ -89,11 +90,12 @@ class Tensor:
 
 
 class Node:
-    """One graph node: an op writing `dst` from `src` (positional; None where a slot is empty)."""
+    """One graph node: an op writing `dst` from `src` (positional; None where a slot is empty), computed
+    as the ggml-cpu build `target` computes it."""
 
-    __slots__ = ("op", "dst", "src", "params", "name")
+    __slots__ = ("op", "dst", "src", "params", "name", "target")
 
-    def __init__(self, op: GGMLOp, dst: Tensor, src, params=None, name: str = ""):
+    def __init__(self, op: GGMLOp, dst: Tensor, src, params=None, name: str = "", target: Target = AVX2):
         self.op = GGMLOp(op)
         self.dst = dst
         self.src = tuple(src)
@@ -103,6 +105,7 @@ class Node:
             p[: raw.size] = raw.view(np.int32) if raw.dtype.itemsize == 4 else raw.astype(np.int32)
         self.params = p
         self.name = name
+        self.target = target
 
     def param_i32(self, i: int) -> int:
         return int(self.params[i])

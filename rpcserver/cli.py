@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from kernels.target import TARGETS, resolve
+
 from .protocol import PROTOCOL_VERSION
 
 
@@ -40,15 +42,19 @@ def _skip_numba_blas_probe() -> None:
 @click.option("-m", "--mem", type=click.IntRange(min=1), default=None,
               help="memory to report and enforce, in MiB (default: the machine's)")
 @click.option("-v", "--verbose", is_flag=True, help="log every connection")
+@click.option("--isa", type=click.Choice(["auto", *TARGETS]), default="auto", show_default=True, envvar="PYRPC_ISA",
+              help="compute as llama.cpp's ggml-cpu built for this instruction set does (auto: as a native build "
+                   "on this host; avx2: GGML_NATIVE=OFF) [env: PYRPC_ISA]")
 @click.option("--no-warmup", is_flag=True,
               help="listen at once instead of loading/compiling the kernels first (the first graph is then slow)")
-def main(host, port, threads, device, cache, mem, verbose, no_warmup):
+def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup):
     """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for dev in device.split(","):
         if dev.strip().upper() != "CPU":
             raise click.BadParameter(f"unknown device: {dev} (available devices: CPU)", param_hint="-d")
 
+    target = resolve(isa)
     _skip_numba_blas_probe()
     if not no_warmup:
         # before listening, as llama.cpp's worker is ready when it listens: the first request a
@@ -76,6 +82,7 @@ def main(host, port, threads, device, cache, mem, verbose, no_warmup):
     print("Devices:")
     print(f"  CPU: Python/numba CPU ({total >> 20} MiB, {free >> 20} MiB free)")
     print(f"  threads        : {threads}")
+    print(f"  float orders   : ggml-cpu built for {target.name}")
     if host != "127.0.0.1":
         print(f"WARNING: Host ('{host}') is != '127.0.0.1'. Never expose the RPC server to an open network!",
               file=sys.stderr)
@@ -87,7 +94,7 @@ def main(host, port, threads, device, cache, mem, verbose, no_warmup):
     except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
         runner = asyncio.run
     try:
-        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads)))
+        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target)))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:

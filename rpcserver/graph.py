@@ -20,6 +20,7 @@ import numpy as np
 
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
+from kernels.target import AVX2, Target
 from kernels.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, GGMLType, type_traits
 from .memory import BufferTable, AddressError
 from .protocol import GraphComputeRequest, RpcTensor
@@ -102,7 +103,8 @@ def _make_tensor(rec: RpcTensor, records, views, buffers: BufferTable) -> Tensor
     return Tensor(GGMLType(rec.type), rec.ne, rec.nb, buf.mem, offset, rec.name)
 
 
-def build_plan(request: GraphComputeRequest, buffers: BufferTable) -> Plan:
+def build_plan(request: GraphComputeRequest, buffers: BufferTable, target: Target = AVX2) -> Plan:
+    """The checked, bound nodes of a graph, each computed as the ggml-cpu build `target` computes it."""
     records: dict[int, RpcTensor] = {}
     for raw in request.tensors:
         rec = RpcTensor.from_record(raw)
@@ -132,7 +134,7 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable) -> Plan:
             if t is not None and t.mem is _NO_MEMORY:
                 raise GraphError(f"node {_tensor_label(rec)} ({op.name}) uses "
                                  f"{_tensor_label(records[tensor_id])}, which has no buffer here")
-        node = Node(op, dst, src, np.frombuffer(rec.op_params, dtype="<i4"), rec.name)
+        node = Node(op, dst, src, np.frombuffer(rec.op_params, dtype="<i4"), rec.name, target)
         try:
             kernel = lookup(node)
             kernel.check(node)

@@ -12,8 +12,6 @@ import collections
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from kernels import attention
-
 from . import protocol as p
 from .protocol import FrameReader, ProtocolError
 from .session import HEAVY, Session, WorkerConfig
@@ -141,8 +139,6 @@ async def serve(host: str, port: int, config: WorkerConfig, ready=None) -> None:
     """Serve until cancelled; `ready(server)` is called once the socket listens."""
     # numba's thread count is per calling thread: set it on the compute thread itself
     init = (_set_numba_threads, (config.threads,)) if config.threads else (None, ())
-    if config.threads:  # -t is also the thread count of the ggml we imitate (its split-KV attention)
-        attention.SPLIT_KV_THREADS = config.threads
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=init[0], initargs=init[1])
     connections: set = set()
     loop = asyncio.get_running_loop()

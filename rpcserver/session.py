@@ -17,6 +17,7 @@ from . import protocol as p
 from kernels.ggml import GGMLType, nbytes, type_traits
 from .graph import GraphError, Plan, build_plan, run_plan
 from kernels.hashing import fnv1a64
+from kernels.target import AVX2, Target
 from .memory import ALIGNMENT, BufferTable, MemoryBudget, AddressError
 from .protocol import Command, ProtocolError
 
@@ -27,10 +28,13 @@ N_DEVICES = 1
 
 
 class WorkerConfig:
-    def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None, threads: int | None = None):
+    def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None, threads: int | None = None,
+                 target: Target = AVX2):
         self.budget = budget
         self.cache_dir = cache_dir
         self.threads = threads  # numba threads of the compute thread (None: numba's default)
+        # the ggml-cpu build whose results we reproduce; -t is its thread count too (split-KV attention)
+        self.target = target.with_threads(threads) if threads else target
 
 
 class Session:
@@ -164,7 +168,7 @@ class Session:
     def handle_graph_compute(self, req: p.GraphComputeRequest) -> None:
         self._device(Command.GRAPH_COMPUTE, req.device)
         self.plan = None
-        plan = build_plan(req, self.buffers)
+        plan = build_plan(req, self.buffers, self.config.target)
         run_plan(plan)
         self.plan = plan
 

