@@ -8,7 +8,8 @@ bit-identical to the reference worker:
     for batches, does the same arithmetic for these types;
   * float weights: when llamafile's tinyBLAS takes the batch (>= 2 columns, rows % 4 == 0, and for
     F32 a contiguous src1) each dot keeps 8 fma lanes (k mod 8); otherwise ggml_vec_dot_<f16|bf16|f32>
-    keeps 32 lanes over 32-element steps, with its own reduction tree and tail handling.
+    keeps 32 lanes over 32-element steps, with its own reduction tree and tail handling. A node whose
+    target has 16 lanes (the AVX-512 build) takes kernels.float_dot512 instead.
 K-quant and IQ4 weights (kernels.kquants) go through Q8_K (Q8_0 for IQ4_NL) activations and integer
 block sums along whichever of ggml's three routes the shape selects (tiled, vec_dot, tinyBLAS), also
 bit for bit.
@@ -24,6 +25,7 @@ import numpy as np
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import formats, kquants, quants
+from .float_dot512 import SCRATCH, dot16, np_dot16
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32, np_fma
@@ -297,14 +299,19 @@ def _dot_float(kind, tiny, w, off, esize, y, yoff, n):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _mul_mat_float(kind, tiny, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize, y, out):
+def _mul_mat_float(kind, tiny, lanes, pairs, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize, y, out):
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     ne00 = y.size // max(1, ne11 * ne12 * ne13)
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
+        acc = np.empty(SCRATCH, np.float32)
         for i11 in range(ne11):
+            yoff = (col0 + i11) * ne00
             for ir in range(lo, hi):
-                out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, (col0 + i11) * ne00, ne00)
+                if lanes == 16:
+                    out[i13, i12, i11, ir] = dot16(kind, tiny, pairs, w, base + ir * nb01, esize, y, yoff, ne00, acc)
+                else:
+                    out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, yoff, ne00)
 
 
 def prepare(node: Node):
@@ -318,9 +325,10 @@ def prepare(node: Node):
     out = dst.array()
     if src0.type in FLOAT_TYPES:
         kind, tiny = FLOAT_TYPES.index(src0.type), _tinyblas_takes(node)
+        lanes, pairs = node.target.lanes, node.target.bf16_pairs
 
         def run_float():  # the activations are rounded to the weights' float type on every run
-            _mul_mat_float(kind, tiny, src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1],
+            _mul_mat_float(kind, tiny, lanes, pairs, src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1],
                            src0.ne[2], src0.ne[3], src0.nb[0], _activations(src0.type, x).reshape(-1), out)
 
         return run_float
@@ -425,7 +433,11 @@ def reference(node: Node) -> None:
                 out[i13, i12] = kquants.dot_ref(src0.type, rows, np.ascontiguousarray(x[i13, i12], np.float32)).T
             else:
                 w = formats.dequantize_rows(src0.type, rows)
-                out[i13, i12] = _slice_float(src0.type, w, _activations(src0.type, x[i13, i12]), tiny).T
+                xa = _activations(src0.type, x[i13, i12])
+                if node.target.lanes == 16:
+                    out[i13, i12] = np_dot16(src0.type, w, xa, tiny, node.target.bf16_pairs).T
+                else:
+                    out[i13, i12] = _slice_float(src0.type, w, xa, tiny).T
 
 
 register(GGMLOp.MUL_MAT)(OpKernel(check, forward, reference, prepare))
