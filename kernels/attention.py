@@ -6,23 +6,30 @@ dst F32 [DV, n_head, n_q, n_seq]: the result is stored permuted, query rows oute
 op_params: [0] scale, [1] max_bias, [2] logit_softcap (float32), [3] precision (0 or 10: both F32).
 
 ggml-cpu (ops.cpp ggml_compute_forward_flash_attn_ext_f16) has three numerically different paths and
-we follow the one it would take, to the last bit of an AVX2+FMA build:
+we follow the one it would take, to the last bit of the build the node's target names (AVX2+FMA or
+AVX-512; see kernels/target.py):
 - one query row at a time ("one_chunk"): Q rounded to F16 for an F16 K, dot products in the SIMD
-  lane order of ggml_vec_dot_f16, online softmax with glibc expf, and for an F16 V an accumulator
-  kept in F16 (rounded after every update);
+  lane order of ggml_vec_dot_f16/_f32 (4 accumulators of 8 or 16 lanes), online softmax with glibc
+  expf, and for an F16 V an accumulator kept in F16 (rounded after every update);
 - tiled, when n_q >= 64 and K, V share a type: F32 Q, KQ by sequential FMA, 64-wide KV tiles whose
-  softmax uses ggml's vector exp, F32 accumulator;
+  softmax uses the build's vector exp and lane sums (softmax.vec_soft_max), F32 accumulator;
 - split KV, for one decoded token over n_kv >= 512: each of ggml's threads takes a slice of the cache
-  and the partial results are merged, so the result depends on ggml's thread count (SPLIT_KV_THREADS).
+  and the partial results are merged, so the result depends on ggml's thread count (the node's target.threads).
 A quantized K or V always takes the per-row path: Q is quantized to K's vec_dot_type (q8_0/q8_1) and
 K.Q is that type's integer block dot product (quants.ROW_DOT); V rows are dequantized and accumulated
 in F32.
+
+Only the float K.Q dot products and the tiled softmax depend on the lane width (target.lanes): the V
+updates (ggml_vec_mad_*, ggml_vec_scale_*) are one FMA or product per element in the vector part and
+in the leftovers alike, simd_gemm keeps one FMA chain per output whatever its register blocking, and
+the rest is scalar.
+
+The per-row inner loop (float K.Q dot, online softmax, V update, sink) is in kernels/attention_rows.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 
 import numba
@@ -31,8 +38,9 @@ from numba import prange
 
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from .copy import KIND_F16, KIND_F32, KINDS, load_f32, parallel_worthwhile, storage
-from .fmath import fma32, round_f16
+from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible
+from .copy import KIND_F16, KIND_F32, KINDS, parallel_worthwhile, storage
+from .fmath import fma32
 from .formats import dequantize_rows
 from .kquants import IQ4_NL_KIND, iq4_nl_vec_dot
 from .kv_quants import dequantize_iq4_nl_reference
@@ -45,179 +53,41 @@ F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)
 
 # The split-KV result depends on the thread count of the ggml we imitate: ggml cuts the cache into one
-# slice per thread, and ggml-rpc-server runs -t threads (default hardware_concurrency()/2). The worker
-# sets this to its own -t (rpcserver.server.serve), so the same flags give the same bytes; tests set it
-# to the thread count they run ggml with.
-SPLIT_KV_THREADS = max(1, (os.cpu_count() or 2) // 2)
+# slice per thread, and ggml-rpc-server runs -t threads (default hardware_concurrency()/2). The worker's
+# nodes carry its own -t (Target.threads), so the same flags give the same bytes.
 SPLIT_KV_MIN = 512  # n_kv from which ggml splits a single query over threads
 TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path
 TILE_KV = 64  # GGML_FA_TILE_KV
-BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time (bounds its scratch)
-
-
-@numba.njit(inline="always", **_jit)
-def _dot_kq(krow, kkind, q, lanes):
-    """ggml's vec_dot of one stored K row (F16 bits or F32, per kkind) with q (float32).
-
-    ggml_vec_dot_f16/_f32 keep 32 lanes of FMA accumulators (lane t sums elements t, t+32, ...),
-    add them up in a fixed tree, and finish the last DK % 32 elements in double (F16) or float (F32).
-    """
-    dk = q.shape[0]
-    nb = dk & ~31
-    lanes[:] = 0
-    for i in range(0, nb, 32):
-        for t in range(32):
-            lanes[t] = fma32(load_f32(krow[i + t], kkind), q[i + t], lanes[t])
-    l0 = (lanes[0] + lanes[16]) + (lanes[8] + lanes[24])
-    l1 = (lanes[1] + lanes[17]) + (lanes[9] + lanes[25])
-    l2 = (lanes[2] + lanes[18]) + (lanes[10] + lanes[26])
-    l3 = (lanes[3] + lanes[19]) + (lanes[11] + lanes[27])
-    l4 = (lanes[4] + lanes[20]) + (lanes[12] + lanes[28])
-    l5 = (lanes[5] + lanes[21]) + (lanes[13] + lanes[29])
-    l6 = (lanes[6] + lanes[22]) + (lanes[14] + lanes[30])
-    l7 = (lanes[7] + lanes[23]) + (lanes[15] + lanes[31])
-    s = ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7))
-    if nb < dk:
-        if kkind == KIND_F16:
-            total = np.float64(s)
-            for i in range(nb, dk):
-                total += np.float64(load_f32(krow[i], kkind) * q[i])
-            s = F32(total)
-        else:
-            for i in range(nb, dk):
-                s = s + load_f32(krow[i], kkind) * q[i]  # not contracted in ggml_vec_dot_f32
-    return s
-
-
-@numba.njit(inline="always", **_jit)
-def _visible(mrow, ic, mkind, has_mask, slope):
-    """Whether position ic takes part (ggml skips a -inf mask entry before computing its dot)."""
-    return not has_mask or slope * load_f32(mrow[ic], mkind) != NEG_INF
-
-
-@numba.njit(inline="always", **_jit)
-def _accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
-    """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
-    scores[0 : b1-b0] (masked positions' entries are not read); updates vkq in place and returns the
-    new (M, S). V rows and the mask are read in their stored kinds (vkind, mkind: copy.KIND_*)."""
-    dv = vkq.shape[0]
-    for ic in range(b0, b1):
-        mv = slope * load_f32(mrow[ic], mkind) if has_mask else F32(0.0)
-        if mv == NEG_INF:
-            continue
-        s = scores[ic - b0] * scale
-        if softcap != F32(0.0):
-            s = softcap * math.tanh(s)
-        s = s + mv
-        ms = F32(1.0)
-        vs = F32(1.0)
-        if s > M:
-            Mold = M
-            M = s
-            ms = math.exp(Mold - M)
-            for d in range(dv):
-                vkq[d] = vkq[d] * ms
-            if f16_v:
-                for d in range(dv):
-                    vkq[d] = round_f16(vkq[d])
-        else:
-            vs = math.exp(s - M)
-        # ggml_vec_mad_*: FMA in blocks of 32 and (contracted) leftovers alike
-        vrow = v2[ic]
-        if f16_v:
-            for d in range(dv):
-                vkq[d] = round_f16(fma32(load_f32(vrow[d], vkind), vs, vkq[d]))
-        else:
-            for d in range(dv):
-                vkq[d] = fma32(load_f32(vrow[d], vkind), vs, vkq[d])
-        S = fma32(S, ms, vs)
-    return M, S
-
-
-@numba.njit(**_jit)
-def _row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v, vkq):
-    """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
-
-    k2 and v2 are one kv head's K and V rows (n_kv, D) as stored: F16 bits or F32 (kkind, vkind). An
-    F16 K makes ggml round the query to F16; f16_v says it keeps the V accumulator in F16. Only
-    unmasked positions are dotted, as in ggml.
-    """
-    dk = qrow.shape[0]
-    q = np.empty(dk, F32)
-    for i in range(dk):
-        q[i] = round_f16(qrow[i]) if kkind == KIND_F16 else qrow[i]
-    lanes = np.empty(32, F32)
-    scores = np.empty(BLOCK_KV, F32)
-    vkq[:] = 0
-    S = F32(0.0)
-    M = NEG_INF
-    for b0 in range(ic0, ic1, BLOCK_KV):
-        b1 = min(b0 + BLOCK_KV, ic1)
-        for ic in range(b0, b1):
-            if _visible(mrow, ic, mkind, has_mask, slope):
-                scores[ic - b0] = _dot_kq(k2[ic], kkind, q, lanes)
-        M, S = _accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
-    return M, S
-
-
-@numba.njit(inline="always", **_jit)
-def _apply_sink(sink, M, S, vkq, fused):
-    """Fold the head's sink logit into the softmax as one more position with a zero value row;
-    returns the new (M, S).
-
-    On a new maximum GCC leaves `S*ms + 1` unfused in the per-row code but fuses it in the tiled code.
-    """
-    if sink > M:
-        ms = math.exp(M - sink)
-        for d in range(vkq.shape[0]):
-            vkq[d] *= ms
-        return sink, (fma32(S, ms, F32(1.0)) if fused else S * ms + F32(1.0))
-    return M, S + math.exp(sink - M)
-
-
-@numba.njit(inline="always", **_jit)
-def _finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2):
-    """A per-row path's end: fold in head iq2's sink, normalize by S, store the row (out is permuted)."""
-    if has_sinks:
-        M, S = _apply_sink(sinks[iq2], M, S, vkq, False)
-    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
-    for d in range(vkq.shape[0]):
-        out[iq3, iq1, iq2, d] = vkq[d] * inv
-
-
-@numba.njit(inline="always", **_jit)
-def _row_index(r, n_q, n_head):
-    return r // (n_head * n_q), (r // n_q) % n_head, r % n_q
 
 
 @numba.njit(**_jit)
 def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v,
-                   out):
+                   out, lanes):
     n_seq, n_head, n_q, _ = q.shape
-    iq3, iq2, iq1 = _row_index(r, n_q, n_head)
+    iq3, iq2, iq1 = row_index(r, n_q, n_head)
     slope = alibi_slope(max_bias, n_head, iq2)
     k2 = k[iq3 // (n_seq // k.shape[0]), iq2 // (n_head // k.shape[1])]
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
     mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
     vkq = np.empty(v.shape[3], F32)
-    M, S = _row_one_chunk(q[iq3, iq2, iq1], k2, kkind, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap,
-                          0, k.shape[2], f16_v, vkq)
-    _finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
+    M, S = row_one_chunk(q[iq3, iq2, iq1], k2, kkind, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap,
+                         0, k.shape[2], f16_v, vkq, lanes)
+    finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
 @numba.njit(parallel=True, **_jit)
 def _fa_one_chunk(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, out,
-                  parallel):
+                  lanes, parallel):
     """Every query row by itself; k, v and mask as stored (mask F16 bits)."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     if parallel:
         for r in prange(n_rows):
             _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
-                           f16_v, out)
+                           f16_v, out, lanes)
     else:
         for r in range(n_rows):
             _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
-                           f16_v, out)
+                           f16_v, out, lanes)
 
 
 # --- quantized K: Q goes to K's vec_dot_type (q8_0 or q8_1) and K.Q is ggml_vec_dot_<K>_q8_* ---------
@@ -251,7 +121,7 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask,
     v as stored (vkind) or dequantized to F32, mask as F16 bits."""
     n_seq, n_head, n_q = q_shape[0], q_shape[1], q_shape[2]
     koff, nb1, nb2, nb3, n_kv, ne2, ne3, nblk = kgeom
-    iq3, iq2, iq1 = _row_index(r, n_q, n_head)
+    iq3, iq2, iq1 = row_index(r, n_q, n_head)
     slope = alibi_slope(max_bias, n_head, iq2)
     base = koff + (iq2 // (n_head // ne2)) * nb2 + (iq3 // (n_seq // ne3)) * nb3
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
@@ -263,11 +133,11 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask,
     for b0 in range(0, n_kv, BLOCK_KV):
         b1 = min(b0 + BLOCK_KV, n_kv)
         for ic in range(b0, b1):
-            if _visible(mrow, ic, KIND_F16, has_mask, slope):
+            if visible(mrow, ic, KIND_F16, has_mask, slope):
                 scores[ic - b0] = _k_dot(kind, kmem, base + ic * nb1, nblk, yq, yd, ys, r)
-        M, S = _accumulate(scores, b0, b1, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap, f16_v, vkq, M,
-                           S)
-    _finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
+        M, S = accumulate(scores, b0, b1, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap, f16_v, vkq,
+                          M, S)
+    finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
 @numba.njit(parallel=True, **_jit)
@@ -298,7 +168,7 @@ def _quantized_query(q: np.ndarray, k_type: GGMLType):
 
 @numba.njit(**_jit)
 def _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v,
-                part):
+                part, lanes):
     """Head w // n_chunks over cache slice w % n_chunks: (M, S, unnormalized VKQ) into part."""
     n_head = q.shape[1]
     n_kv = k.shape[2]
@@ -313,10 +183,10 @@ def _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_s
     k2 = k[0, h // (n_head // k.shape[1])]
     v2 = v[0, h // (n_head // v.shape[1])]
     vkq = part[h, c, 2:]
-    M, S = _row_one_chunk(q[0, h, 0], k2, kkind, v2, vkind, mask[0, h % mask.shape[1], 0], KIND_F16, has_mask, slope,
-                          scale, softcap, ic0, min(ic0 + chunk, n_kv), f16_v, vkq)
+    M, S = row_one_chunk(q[0, h, 0], k2, kkind, v2, vkind, mask[0, h % mask.shape[1], 0], KIND_F16, has_mask, slope,
+                         scale, softcap, ic0, min(ic0 + chunk, n_kv), f16_v, vkq, lanes)
     if has_sinks and c == 0:  # ggml applies the sink with the first slice only
-        M, S = _apply_sink(sinks[h], M, S, vkq, False)
+        M, S = apply_sink(sinks[h], M, S, vkq, False)
     part[h, c, 0] = M
     part[h, c, 1] = S
 
@@ -346,30 +216,30 @@ def _split_merge(h, part, out):
 
 @numba.njit(parallel=True, **_jit)
 def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, n_chunks,
-                 out, parallel):
+                 out, lanes, parallel):
     """One query, every head, the cache cut into n_chunks slices merged the way ggml reduces them."""
     n_head = q.shape[1]
     part = np.zeros((n_head, n_chunks, 2 + v.shape[3]), F32)
     if parallel:
         for w in prange(n_head * n_chunks):
             _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
-                        softcap, f16_v, part)
+                        softcap, f16_v, part, lanes)
         for h in prange(n_head):
             _split_merge(h, part, out)
     else:
         for w in range(n_head * n_chunks):
             _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
-                        softcap, f16_v, part)
+                        softcap, f16_v, part, lanes)
         for h in range(n_head):
             _split_merge(h, part, out)
 
 
 @numba.njit(**_jit)
-def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out):
+def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
     n_seq, n_head, n_q, dk = q.shape
     n_kv = kt.shape[3]
     dv = v.shape[3]
-    iq3, iq2, iq1 = _row_index(r, n_q, n_head)
+    iq3, iq2, iq1 = row_index(r, n_q, n_head)
     slope = alibi_slope(max_bias, n_head, iq2)
     kt2 = kt[iq3 // (n_seq // kt.shape[0]), iq2 // (n_head // kt.shape[1])]
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
@@ -409,29 +279,29 @@ def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, s
                 vkq[d] *= ms
             S *= ms
         M = Mnew
-        S = F32(np.float64(S) + vec_soft_max(TILE_KV, kq, kq, Mnew))
+        S = F32(np.float64(S) + vec_soft_max(TILE_KV, kq, kq, Mnew, lanes))
         for t in range(n):  # simd_gemm: one FMA chain per output, over the tile's rows in order
             pt = kq[t]
             vrow = v2[ic + t]
             for d in range(dv):
                 vkq[d] = fma32(vrow[d], pt, vkq[d])
     if has_sinks:
-        M, S = _apply_sink(sinks[iq2], M, S, vkq, True)
+        M, S = apply_sink(sinks[iq2], M, S, vkq, True)
     inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
     for d in range(dv):
         out[iq3, iq1, iq2, d] = vkq[d] * inv
 
 
 @numba.njit(parallel=True, **_jit)
-def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, parallel):
+def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes, parallel):
     """kt is K transposed per head, (n_seq, n_head_kv, DK, n_kv), so a tile's scores vectorize."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     if parallel:
         for r in prange(n_rows):
-            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out)
+            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
     else:
         for r in range(n_rows):
-            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out)
+            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
 
 
 class _Parts:
@@ -526,12 +396,13 @@ def prepare_flash_attn_ext(node: Node):
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     parallel = parallel_worthwhile(n_rows * p.k.ne[1], cost=q.shape[3] + p.v.ne[0])
     path = p.path()
+    lanes = node.target.lanes
     if path == "tiled":  # prompt batches: K widened and transposed once per run, so tile scores vectorize
 
         def run_tiled():
             mask = _f32(p.mask) if has_mask else np.zeros((1, 1, 1, 1), F32)
             _fa_tiled(q, _f32(p.k, transpose=True), _f32(p.v), mask, has_mask, sinks, has_sinks, p.scale,
-                      p.max_bias, p.softcap, out, parallel)
+                      p.max_bias, p.softcap, out, lanes, parallel)
 
         return run_tiled
     # the per-row paths read K, V and the mask where they are stored (V dequantized first if quantized)
@@ -553,10 +424,11 @@ def prepare_flash_attn_ext(node: Node):
         return run_quantized_k
     kstore, kkind = storage(k), KINDS[k.type]
     if path == "split":
-        return lambda: _fa_split_kv(q, kstore, kkind, *values(), *common[:-1], SPLIT_KV_THREADS, out, parallel)
+        return lambda: _fa_split_kv(q, kstore, kkind, *values(), *common[:-1], node.target.threads, out, lanes,
+                                    parallel)
     if p.v.is_quantized:
-        return lambda: _fa_one_chunk(q, kstore, kkind, *values(), *common, parallel)
-    return partial(_fa_one_chunk, q, kstore, kkind, *values(), *common, parallel)
+        return lambda: _fa_one_chunk(q, kstore, kkind, *values(), *common, lanes, parallel)
+    return partial(_fa_one_chunk, q, kstore, kkind, *values(), *common, lanes, parallel)
 
 
 forward_flash_attn_ext = prepared(prepare_flash_attn_ext)

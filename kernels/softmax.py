@@ -1,9 +1,12 @@
 """SOFT_MAX: dst = softmax(src0 * scale + slope * mask) over each row, with optional attention sinks.
 
-Matches ggml-cpu bit for bit on an AVX2+FMA build (ops.cpp ggml_compute_forward_soft_max_f32 and
-vec.cpp ggml_vec_soft_max_f32): the mask is added with a fused multiply-add, exponentials of each
-whole block of 8 use ggml's vector exp approximation (`v_expf`) and the rest glibc `expf`, and the
-row sum is accumulated in double from float32 sums of 8 lanes, in the order the SIMD code adds them.
+Matches ggml-cpu bit for bit (ops.cpp ggml_compute_forward_soft_max_f32 and vec.cpp
+ggml_vec_soft_max_f32) on the build the node's target names: the mask is added with a fused
+multiply-add, exponentials of each whole block of `lanes` values (8 for AVX2+FMA, 16 for AVX-512) use
+that build's vector exp approximation (`v_expf` / `v_expf16`) and the rest glibc `expf`, and the row
+sum is accumulated in double from float32 sums of each block, in the order the SIMD code adds them
+(the AVX2 shuffle sequence / gcc's `_mm512_reduce_add_ps`). Nothing else in SOFT_MAX depends on the
+lane width: scale, max and the final scaling are elementwise or sequential in both builds.
 
 The float helpers (`fma32`, `v_expf`, fp16 conversions) live in kernels/fmath.py.
 """
@@ -23,9 +26,13 @@ from .copy import parallel_worthwhile
 from .fmath import (
     f16_to_f32,
     fma32,
+    hsum16,
     np_fma,
+    np_hsum16,
     np_v_expf,
+    np_v_expf16,
     v_expf,
+    v_expf16,
 )
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, prepared, register
@@ -124,18 +131,25 @@ def alibi_slope(max_bias, n_head, h):
 
 
 @numba.njit(**_jit)
-def vec_soft_max(n, y, x, mx):
-    """ggml_vec_soft_max_f32: y = exp(x - mx); returns the sum, accumulated in double like ggml."""
+def vec_soft_max(n, y, x, mx, lanes):
+    """ggml_vec_soft_max_f32 of a build with `lanes` float lanes (8: AVX2, 16: AVX-512): y = exp(x - mx);
+    returns the sum, accumulated in double like ggml."""
     total = 0.0
-    nv = n - n % 8
+    nv = n - n % lanes
     xs, ys = x[:nv], y[:nv]  # slices keep the loop free of negative-index checks, so it vectorizes
-    for i in range(nv):
-        ys[i] = v_expf(xs[i] - mx)
-    for i in range(0, nv, 8):
-        # horizontal add of 8 lanes in the order of the AVX2 shuffle sequence
-        v = y[i : i + 8]
-        s = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
-        total += np.float64(s)
+    if lanes == 16:
+        for i in range(nv):
+            ys[i] = v_expf16(xs[i] - mx)
+        for i in range(0, nv, 16):
+            total += np.float64(hsum16(y, i))  # _mm512_reduce_add_ps
+    else:
+        for i in range(nv):
+            ys[i] = v_expf(xs[i] - mx)
+        for i in range(0, nv, 8):
+            # horizontal add of 8 lanes in the order of the AVX2 shuffle sequence
+            v = y[i : i + 8]
+            s = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+            total += np.float64(s)
     for i in range(nv, n):
         v = math.exp(x[i] - mx)
         total += np.float64(v)
@@ -147,7 +161,7 @@ def vec_soft_max(n, y, x, mx):
 
 
 @numba.njit(**_jit)
-def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias):
+def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes):
     ne3, ne2, ne1, ne0 = src.shape
     i3 = r // (ne2 * ne1)
     i2 = (r // ne1) % ne2
@@ -166,7 +180,7 @@ def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias
         mx = mx if mx > wp[i] else wp[i]
     if has_sinks:
         mx = mx if mx > sinks[i2] else sinks[i2]
-    total = vec_soft_max(ne0, wp, wp, mx)
+    total = vec_soft_max(ne0, wp, wp, mx, lanes)
     if has_sinks:
         total += np.float64(math.exp(sinks[i2] - mx))
     inv = F32(1.0 / total)
@@ -176,14 +190,14 @@ def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias
 
 
 @numba.njit(parallel=True, **_jit)
-def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, parallel):
+def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes, parallel):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     if parallel:
         for r in prange(n_rows):
-            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias)
+            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes)
     else:
         for r in range(n_rows):
-            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias)
+            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes)
 
 
 def _soft_max_parts(node: Node):
@@ -221,7 +235,8 @@ def prepare_soft_max(node: Node):
     sk = sinks.array()[0, 0, 0] if sinks is not None else np.zeros(1, F32)
     x = src.array()
     rows = partial(_soft_max_rows, x, node.dst.array())
-    tail = (mask is not None, sk, sinks is not None, F32(scale), F32(max_bias), parallel_worthwhile(x.size, cost=8))
+    tail = (mask is not None, sk, sinks is not None, F32(scale), F32(max_bias), node.target.lanes,
+            parallel_worthwhile(x.size, cost=8))
     if mask is None:
         return partial(rows, np.zeros((1, 1, 1, 1), F32), *tail)
     if mask.type == GGMLType.F32:
@@ -240,19 +255,22 @@ def np_expf(x) -> np.ndarray:
     return np.exp(np.asarray(x, np.float64)).astype(F32)
 
 
-def np_soft_max(x: np.ndarray, mx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def np_soft_max(x: np.ndarray, mx: np.ndarray, lanes: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """Twin of vec_soft_max over the last axis: (exp values, float64 sums)."""
     n = x.shape[-1]
-    nv = n - n % 8
+    nv = n - n % lanes
     d = (x - mx[..., None]).astype(F32)
     y = np.empty_like(d)
-    y[..., :nv] = np_v_expf(d[..., :nv])
+    y[..., :nv] = (np_v_expf16 if lanes == 16 else np_v_expf)(d[..., :nv])
     y[..., nv:] = np_expf(d[..., nv:])
-    blocks = y[..., :nv].reshape(*y.shape[:-1], nv // 8, 8)
-    lanes = blocks[..., :4] + blocks[..., 4:]
-    lanes = lanes[..., :2] + lanes[..., 2:]
-    s8 = lanes[..., 0] + lanes[..., 1]
-    return y, s8.astype(np.float64).sum(-1) + y[..., nv:].astype(np.float64).sum(-1)
+    blocks = y[..., :nv].reshape(*y.shape[:-1], nv // lanes, lanes)
+    if lanes == 16:
+        sums = np_hsum16(blocks)
+    else:
+        t = blocks[..., :4] + blocks[..., 4:]
+        t = t[..., :2] + t[..., 2:]
+        sums = t[..., 0] + t[..., 1]
+    return y, sums.astype(np.float64).sum(-1) + y[..., nv:].astype(np.float64).sum(-1)
 
 
 def reference_soft_max(node: Node) -> None:
@@ -268,7 +286,7 @@ def reference_soft_max(node: Node) -> None:
     if sinks is not None:
         sk = sinks.array()[0, 0, 0][None, :, None]
         mx = np.maximum(mx, sk)
-    y, total = np_soft_max(x, mx)
+    y, total = np_soft_max(x, mx, node.target.lanes)
     if sinks is not None:
         total = total + np_expf(sk - mx)
     node.dst.array()[...] = y * (1.0 / total).astype(F32)[..., None]

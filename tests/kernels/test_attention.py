@@ -12,6 +12,7 @@ from kernels import kv_quants
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from kernels.ggml import GGMLOp, GGMLType
+from kernels.target import AVX2, AVX512
 
 pytestmark = pytest.mark.kernels
 
@@ -73,7 +74,7 @@ class Case:
         t = Tensor.new(type_, (d, n_h, n_ctx, n_seq), data)
         return Tensor(type_, (d, n_kv, n_h, n_seq), (t.nb[0], t.nb[2], t.nb[1], t.nb[3]), t.mem, 0)
 
-    def node(self) -> Node:
+    def node(self, target=AVX2) -> Node:
         qt = Tensor.new(T.F32, (self.dk, self.n_head, self.n_q, self.n_seq), self.q)
         q = Tensor(T.F32, (self.dk, self.n_q, self.n_head, self.n_seq), (qt.nb[0], qt.nb[2], qt.nb[1], qt.nb[3]),
                    qt.mem, 0)
@@ -83,7 +84,7 @@ class Case:
         if self.sinks is not None:
             srcs.append(Tensor.new(T.F32, (self.n_head,), self.sinks))
         dst = Tensor.new(T.F32, (self.dv, self.n_head, self.n_q, self.n_seq))
-        return Node(GGMLOp.FLASH_ATTN_EXT, dst, srcs, self.params)
+        return Node(GGMLOp.FLASH_ATTN_EXT, dst, srcs, self.params, target=target)
 
 
 def dequantize_cache(stored, type_, d):
@@ -107,14 +108,21 @@ CASES = {
     "no-mask-2-seqs": dict(n_q=3, mask=False, n_seq=2),
     "mask-per-head-2-seqs": dict(n_q=4, n_seq=2, mask_heads=9),
     "no-gqa-small-d": dict(n_q=2, n_head=4, n_head_kv=4, dk=8, n_kv=33),
+    # head sizes around the dot products' steps (32 floats with AVX2, 64 with AVX-512): 128 is whole
+    # steps for both, 80 and 96 leave 16 / 32 to the F16 (double) or F32 (float) tail at 64
+    "d128": dict(n_q=3, dk=128, n_kv=45, sinks=1.0),
+    "kv-f32-d80-d96": dict(n_q=2, kt=T.F32, vt=T.F32, dk=80, dv=96, n_kv=61),
+    "k-f32-d96": dict(n_q=2, kt=T.F32, dk=96, n_kv=29),
     "tiled": dict(n_q=70, n_kv=200),
     "tiled-sinks-softcap": dict(n_q=64, n_kv=130, sinks=1.0, softcap=20.0, dk=40, dv=24),
     "tiled-big-sinks": dict(n_q=64, n_kv=9, sinks=3.0),
     "tiled-f32-alibi": dict(n_q=100, n_kv=300, kt=T.F32, vt=T.F32, max_bias=4.0),
+    "tiled-d128": dict(n_q=64, n_kv=77, dk=128, n_head=4, n_head_kv=2),
     "split": dict(n_q=1, n_kv=600),
     "split-sinks": dict(n_q=1, n_kv=600, sinks=1.0),
     "split-big-sinks": dict(n_q=1, n_kv=520, sinks=12.0),
     "split-f32-no-mask": dict(n_q=1, n_kv=1030, mask=False, kt=T.F32, vt=T.F32),
+    "split-d80": dict(n_q=1, n_kv=530, dk=80),
     # quantized KV caches (-ctk/-ctv): always one query row at a time, whatever n_q and n_kv
     **{f"kv-{t.name}": dict(n_q=3, kt=t, vt=t, n_kv=77) for t in QUANT_KV},
     "kv-Q8_0-decode-long": dict(n_q=1, kt=T.Q8_0, vt=T.Q8_0, n_kv=600, sinks=1.0),
@@ -135,8 +143,9 @@ def expected_path(name):
 RUNS = [(name, 1) for name in CASES] + [(name, 3) for name in CASES if expected_path(name) == "split"]
 
 
-def emulate_threads(monkeypatch, n):
-    monkeypatch.setattr(at, "SPLIT_KV_THREADS", n)
+def emulate_threads(node, n):
+    node.target = node.target.with_threads(n)
+    return node
 
 
 def run(node, how):
@@ -146,13 +155,13 @@ def run(node, how):
     return node.dst.array().copy()
 
 
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=lambda t: t.name)
 @pytest.mark.parametrize("name,threads", RUNS)
-def test_forward_matches_reference(name, threads, monkeypatch, drivers):
-    emulate_threads(monkeypatch, threads)
+def test_forward_matches_reference(name, threads, target, drivers):
     case = Case(seed=1, **CASES[name])
-    node = case.node()
+    node = emulate_threads(case.node(target), threads)
     assert at._Parts(node).path() == expected_path(name)
-    ours, ref = run(node, "forward"), run(case.node(), "reference")
+    ours, ref = run(node, "forward"), run(emulate_threads(case.node(target), threads), "reference")
     # ggml keeps the V accumulator in F16 on the per-row paths: about 2**-11 relative per update
     f16_acc = case.vt == T.F16 and expected_path(name) != "tiled"
     tol = 1.5e-2 if f16_acc else 2e-5
@@ -203,6 +212,15 @@ def test_against_float64_attention(name):
     f16_acc = case.vt == T.F16 and expected_path(name) != "tiled"
     tol = 5e-2 if q_quantized else 2e-2 if f16_acc or q_rounded else 2e-5
     np.testing.assert_allclose(ours, expect, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["decode", "kv-f32", "tiled", "split"])
+def test_lane_widths_differ(name):
+    """The 8- and 16-lane orders are different computations (else the AVX512 runs would test nothing)."""
+    case = Case(seed=6, **CASES[name])
+    avx2, avx512 = (run(case.node(t), "forward") for t in (AVX2, AVX512))
+    np.testing.assert_allclose(avx2, avx512, rtol=1e-2, atol=1e-2)
+    assert (avx2 != avx512).any()
 
 
 def test_fully_masked_rows_are_zero():
@@ -270,12 +288,11 @@ def ggml_node(g, case: Case):
 
 @needs_ggml
 @pytest.mark.parametrize("name,threads", RUNS)
-def test_bit_exact_with_ggml(name, threads, monkeypatch):
-    emulate_threads(monkeypatch, threads)
+def test_bit_exact_with_ggml(name, threads):
     case = Case(seed=5, **CASES[name])
     with ggml_oracle.Graph() as g:
         out = ggml_node(g, case)
-        node = g.mirror(out)
+        node = emulate_threads(g.mirror(out), threads)
         g.compute(out, n_threads=threads)
         expect = ggml_oracle.result_bytes(out)
     assert at._Parts(node).path() == expected_path(name)

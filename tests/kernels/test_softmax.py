@@ -13,6 +13,7 @@ from kernels import fmath as fm
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from kernels.ggml import GGMLOp, GGMLType
+from kernels.target import AVX2, AVX512
 
 pytestmark = pytest.mark.kernels
 
@@ -27,8 +28,14 @@ def drivers(request, monkeypatch):
     return request.param
 
 
-def soft_max_node(ne, seed, mask=None, mask_ne=None, sinks=False, scale=0.125, max_bias=0.0, strided=False):
-    """A SOFT_MAX node on random logits; the mask gets -inf entries like a causal mask."""
+# the builds whose orders the kernels reproduce: 8 float lanes (AVX2) and 16 (AVX-512)
+TARGETS = pytest.mark.parametrize("target", [AVX2, AVX512], ids=lambda t: t.name)
+
+
+def soft_max_node(ne, seed, mask=None, mask_ne=None, sinks=False, scale=0.125, max_bias=0.0, strided=False,
+                  target=AVX2):
+    """A SOFT_MAX node on random logits, computed as `target` does; the mask gets -inf entries like a
+    causal mask."""
     rng = np.random.default_rng(seed)
     if strided:  # rows padded by 5 values and dims 1, 2 swapped in memory
         shape = (ne[0] + 5, ne[2], ne[1], ne[3])
@@ -44,7 +51,7 @@ def soft_max_node(ne, seed, mask=None, mask_ne=None, sinks=False, scale=0.125, m
         srcs[1] = Tensor.new(mask, mask_ne, m.astype(np.float16) if mask == T.F16 else m)
     if sinks:
         srcs.append(Tensor.new(T.F32, (ne[2],), rng.standard_normal(ne[2]).astype(F32)))
-    return Node(GGMLOp.SOFT_MAX, Tensor.new(T.F32, ne), srcs, np.array([scale, max_bias], F32))
+    return Node(GGMLOp.SOFT_MAX, Tensor.new(T.F32, ne), srcs, np.array([scale, max_bias], F32), target=target)
 
 
 CASES = {
@@ -55,6 +62,10 @@ CASES = {
     "alibi": dict(ne=(64, 4, 8, 1), mask=T.F16, mask_ne=(64, 4, 8, 1), scale=1.0, max_bias=8.0),
     "alibi-odd-heads-sinks": dict(ne=(13, 2, 12, 1), mask=T.F32, mask_ne=(13, 2, 1, 1), sinks=True, max_bias=3.0),
     "strided": dict(ne=(21, 6, 2, 1), mask=T.F16, mask_ne=(21, 8, 2, 1), strided=True),
+    # row lengths around the lane widths: 15 values of tail at 16 lanes (7 at 8), and 8 (a whole AVX2
+    # block, all tail for AVX-512)
+    "tail-15": dict(ne=(47, 3, 2, 1), mask=T.F16, mask_ne=(47, 3, 1, 1), sinks=True),
+    "eight": dict(ne=(8, 5, 1, 1)),
 }
 
 
@@ -65,18 +76,20 @@ def run(node, how):
     return node.dst.array().copy()
 
 
+@TARGETS
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_forward_matches_reference(case, drivers):
-    ours = run(soft_max_node(seed=1, **case), "forward")
-    ref = run(soft_max_node(seed=1, **case), "reference")
-    # the twin repeats ggml's float32 steps; only its expf of the last n % 8 values may differ by an ulp
+def test_forward_matches_reference(case, target, drivers):
+    ours = run(soft_max_node(seed=1, target=target, **case), "forward")
+    ref = run(soft_max_node(seed=1, target=target, **case), "reference")
+    # the twin repeats ggml's float32 steps; only its expf of the last n % lanes values may differ by an ulp
     np.testing.assert_allclose(ours, ref, rtol=5e-7, atol=1e-30)
     assert np.mean(ours == ref) > 0.98
 
 
+@TARGETS
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_reference_against_float64_math(case):
-    node = soft_max_node(seed=2, **case)
+def test_reference_against_float64_math(case, target):
+    node = soft_max_node(seed=2, target=target, **case)
     got = run(node, "reference")
     x = node.src[0].array().astype(np.float64) * float(node.param_f32(0))
     n_head = x.shape[1]
@@ -99,17 +112,19 @@ def test_reference_against_float64_math(case):
     np.testing.assert_allclose(got, expect, rtol=2e-6, atol=1e-12)
 
 
-def test_in_place():
+@TARGETS
+def test_in_place(target):
     case = CASES["f16-mask-broadcast"]
-    expect = run(soft_max_node(seed=3, **case), "forward")
-    node = soft_max_node(seed=3, **case)
-    node = Node(node.op, node.src[0], node.src, node.params)
+    expect = run(soft_max_node(seed=3, target=target, **case), "forward")
+    node = soft_max_node(seed=3, target=target, **case)
+    node = Node(node.op, node.src[0], node.src, node.params, target=target)
     run(node, "forward")
     np.testing.assert_array_equal(node.src[0].array(), expect)
 
 
-def test_rows_sum_to_one_and_masked_positions_vanish():
-    node = soft_max_node((200, 9, 3, 1), 4, mask=T.F16, mask_ne=(200, 9, 1, 1), scale=1.0)
+@TARGETS
+def test_rows_sum_to_one_and_masked_positions_vanish(target):
+    node = soft_max_node((200, 9, 3, 1), 4, mask=T.F16, mask_ne=(200, 9, 1, 1), scale=1.0, target=target)
     out = run(node, "forward")
     np.testing.assert_allclose(out.astype(np.float64).sum(axis=-1), 1.0, rtol=1e-6)
     masked = np.isneginf(np.broadcast_to(node.src[1].array(), out.shape))
@@ -157,6 +172,14 @@ def _apply(fn, x, dtype=F32):
     out = np.empty(x.shape, dtype)
     _LOOPS[fn](x, out)
     return out
+
+
+def test_lane_widths_differ():
+    """The 8- and 16-lane orders are different computations (else the AVX512 runs would test nothing)."""
+    case = CASES["f16-mask-broadcast"]
+    avx2, avx512 = (run(soft_max_node(seed=11, target=t, **case), "forward") for t in (AVX2, AVX512))
+    np.testing.assert_allclose(avx2, avx512, rtol=5e-7, atol=1e-30)
+    assert (avx2 != avx512).any()
 
 
 def test_v_expf_twins_agree_and_track_exp():

@@ -1,0 +1,171 @@
+"""FLASH_ATTN_EXT, one query row at a time: the inner loop of ggml's
+ggml_compute_forward_flash_attn_ext_f16_one_chunk, shared by attention.py's per-row paths (F16/F32 K,
+quantized K) and its split-KV path.
+
+For each unmasked kv position: the K.Q dot product as ggml_vec_dot_f16/_f32 of the node's build computes
+it (`dot_kq`, 8 or 16 float lanes; a quantized K's integer dots live in attention.py), then the online
+softmax with glibc expf and the V update (`accumulate`), in F16 for an F16 V. A row ends by folding in
+the head's sink and normalizing (`apply_sink`, `finish_row`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .copy import KIND_F16, load_f32
+from .fmath import fma32, hsum16, round_f16
+from .softmax import NEG_INF
+
+F32 = np.float32
+_jit = dict(cache=True, nogil=True, fastmath=False)
+
+BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time (bounds its scratch)
+
+
+@numba.njit(inline="always", **_jit)
+def _fma_steps(krow, kkind, q, acc, nb, step):
+    """The SIMD part of ggml_vec_dot_f16/_f32: acc[t] sums elements t, t + step, ... below nb (FMA)."""
+    acc[:step] = 0
+    for i in range(0, nb, step):
+        for t in range(step):
+            acc[t] = fma32(load_f32(krow[i + t], kkind), q[i + t], acc[t])
+
+
+@numba.njit(inline="always", **_jit)
+def dot_kq(krow, kkind, q, acc, lanes):
+    """ggml's vec_dot of one stored K row (F16 bits or F32, per kkind) with q (float32), as a build with
+    `lanes` float lanes computes it; acc is scratch for 64 floats.
+
+    ggml_vec_dot_f16/_f32 keep 4 vectors of FMA accumulators (4 * lanes in all: lane t sums elements t,
+    t + 4*lanes, ...), add them up in a fixed tree (GGML_F32_VEC_REDUCE: (acc0 + acc2) + (acc1 + acc3)
+    lane by lane, then across the lanes: AVX2's shuffle/hadd order or _mm512_reduce_add_ps), and finish
+    the last DK % (4*lanes) elements in double (F16) or float (F32).
+    """
+    dk = q.shape[0]
+    step = 4 * lanes
+    nb = dk - dk % step
+    if lanes == 16:  # literal steps, so that each loop vectorizes with a known trip count
+        _fma_steps(krow, kkind, q, acc, nb, 64)
+    else:
+        _fma_steps(krow, kkind, q, acc, nb, 32)
+    for t in range(lanes):
+        acc[t] = (acc[t] + acc[2 * lanes + t]) + (acc[lanes + t] + acc[3 * lanes + t])
+    if lanes == 16:
+        s = hsum16(acc, 0)
+    else:
+        s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    if nb < dk:
+        if kkind == KIND_F16:
+            total = np.float64(s)
+            for i in range(nb, dk):
+                total += np.float64(load_f32(krow[i], kkind) * q[i])
+            s = F32(total)
+        else:
+            for i in range(nb, dk):
+                s = s + load_f32(krow[i], kkind) * q[i]  # not contracted in ggml_vec_dot_f32
+    return s
+
+
+@numba.njit(inline="always", **_jit)
+def visible(mrow, ic, mkind, has_mask, slope):
+    """Whether position ic takes part (ggml skips a -inf mask entry before computing its dot)."""
+    return not has_mask or slope * load_f32(mrow[ic], mkind) != NEG_INF
+
+
+@numba.njit(inline="always", **_jit)
+def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
+    """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
+    scores[0 : b1-b0] (masked positions' entries are not read); updates vkq in place and returns the
+    new (M, S). V rows and the mask are read in their stored kinds (vkind, mkind: copy.KIND_*)."""
+    dv = vkq.shape[0]
+    for ic in range(b0, b1):
+        mv = slope * load_f32(mrow[ic], mkind) if has_mask else F32(0.0)
+        if mv == NEG_INF:
+            continue
+        s = scores[ic - b0] * scale
+        if softcap != F32(0.0):
+            s = softcap * math.tanh(s)
+        s = s + mv
+        ms = F32(1.0)
+        vs = F32(1.0)
+        if s > M:
+            Mold = M
+            M = s
+            ms = math.exp(Mold - M)
+            for d in range(dv):
+                vkq[d] = vkq[d] * ms
+            if f16_v:
+                for d in range(dv):
+                    vkq[d] = round_f16(vkq[d])
+        else:
+            vs = math.exp(s - M)
+        # ggml_vec_mad_*: FMA in the vector steps (32 or 64 floats) and the (contracted) leftovers alike
+        vrow = v2[ic]
+        if f16_v:
+            for d in range(dv):
+                vkq[d] = round_f16(fma32(load_f32(vrow[d], vkind), vs, vkq[d]))
+        else:
+            for d in range(dv):
+                vkq[d] = fma32(load_f32(vrow[d], vkind), vs, vkq[d])
+        S = fma32(S, ms, vs)
+    return M, S
+
+
+@numba.njit(**_jit)
+def row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v, vkq,
+                  lanes):
+    """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
+
+    k2 and v2 are one kv head's K and V rows (n_kv, D) as stored: F16 bits or F32 (kkind, vkind). An
+    F16 K makes ggml round the query to F16; f16_v says it keeps the V accumulator in F16. Only
+    unmasked positions are dotted, as in ggml; `lanes` is the build's float SIMD width.
+    """
+    dk = qrow.shape[0]
+    q = np.empty(dk, F32)
+    for i in range(dk):
+        q[i] = round_f16(qrow[i]) if kkind == KIND_F16 else qrow[i]
+    acc = np.empty(64, F32)
+    scores = np.empty(BLOCK_KV, F32)
+    vkq[:] = 0
+    S = F32(0.0)
+    M = NEG_INF
+    for b0 in range(ic0, ic1, BLOCK_KV):
+        b1 = min(b0 + BLOCK_KV, ic1)
+        for ic in range(b0, b1):
+            if visible(mrow, ic, mkind, has_mask, slope):
+                scores[ic - b0] = dot_kq(k2[ic], kkind, q, acc, lanes)
+        M, S = accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
+    return M, S
+
+
+@numba.njit(inline="always", **_jit)
+def apply_sink(sink, M, S, vkq, fused):
+    """Fold the head's sink logit into the softmax as one more position with a zero value row;
+    returns the new (M, S).
+
+    On a new maximum GCC leaves `S*ms + 1` unfused in the per-row code but fuses it in the tiled code.
+    """
+    if sink > M:
+        ms = math.exp(M - sink)
+        for d in range(vkq.shape[0]):
+            vkq[d] *= ms
+        return sink, (fma32(S, ms, F32(1.0)) if fused else S * ms + F32(1.0))
+    return M, S + math.exp(sink - M)
+
+
+@numba.njit(inline="always", **_jit)
+def finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2):
+    """A per-row path's end: fold in head iq2's sink, normalize by S, store the row (out is permuted)."""
+    if has_sinks:
+        M, S = apply_sink(sinks[iq2], M, S, vkq, False)
+    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
+    for d in range(vkq.shape[0]):
+        out[iq3, iq1, iq2, d] = vkq[d] * inv
+
+
+@numba.njit(inline="always", **_jit)
+def row_index(r, n_q, n_head):
+    return r // (n_head * n_q), (r // n_q) % n_head, r % n_q
