@@ -1,8 +1,10 @@
-"""Element-wise ops: ADD/SUB/MUL/DIV with broadcasting, SCALE, SQR/SQRT, UNARY and GLU.
+"""Element-wise ops: ADD/SUB/MUL/DIV with broadcasting, SCALE, SQR/SQRT and UNARY (GLU is in glu.py).
 
-Arithmetic follows ggml-cpu as built here (x86-64, AVX2 + FMA, GCC with contraction on):
-- SILU and SWIGLU run ggml's 8-wide AVX2 `ggml_v_expf` polynomial on each full group of 8 elements
-  of a row and libm `expf` on the remaining tail; `fmath.v_expf` replays that polynomial lane by lane.
+Arithmetic follows ggml-cpu as built here (x86-64, GCC with contraction on), for the node's target:
+- SILU (and SWIGLU) run ggml's vector `ggml_v_silu` on each full group of `target.lanes` elements of a
+  row and libm `expf` on the remaining tail: the AVX2 build's 8-wide `ggml_v_expf` (`fmath.v_expf`)
+  or the AVX-512 build's 16-wide one (`fmath.v_expf16`, VSCALEFPS). Everything else here is the same
+  per element in both builds (their SIMD bodies and scalar leftovers compute identical operations).
 - GELU and GELU_QUICK (and GEGLU, GEGLU_QUICK) read a 65536-entry F16 table indexed by the input
   rounded to F16 (GGML_GELU_FP16); GELU passes inputs beyond +-10 through without the table.
 - SCALE with a bias is a fused multiply-add.
@@ -17,10 +19,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from .ggml import GGMLOp, GGMLType, GGMLUnaryOp
 
 from . import copy as cp
-from .fmath import JIT, f16_to_f32, f32_to_f16, fma32, v_expf
+from .fmath import JIT, f16_to_f32, f32_to_f16, fma32, np_v_expf, np_v_expf16, v_expf, v_expf16
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, nothing, prepared, register
 
@@ -33,7 +35,20 @@ F32 = np.float32
 
 @numba.njit(inline="always", **JIT)
 def silu_simd(x):
+    """One lane of the AVX2 build's ggml_v_silu."""
     return x / (F32(1.0) + v_expf(F32(0.0) - x))
+
+
+@numba.njit(inline="always", **JIT)
+def silu_simd16(x):
+    """One lane of the AVX-512 build's ggml_v_silu."""
+    return x / (F32(1.0) + v_expf16(F32(0.0) - x))
+
+
+@numba.njit(inline="always", **JIT)
+def silu_vec(x, lanes):
+    """One lane of ggml_v_silu in the build with `lanes` float lanes (8: AVX2, 16: AVX-512)."""
+    return silu_simd16(x) if lanes == 16 else silu_simd(x)
 
 
 @numba.njit(inline="always", **JIT)
@@ -175,28 +190,28 @@ def _unary_scalar(op, x, gelu_tab, quick_tab, s, bias):
 
 
 @numba.njit(**JIT)
-def _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, r):
+def _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r):
     n3, n2, n1, n0 = src.shape
     i1, i2, i3 = cp.row_coords(r, n1, n2)
-    vec_end = (n0 // 8) * 8 if op == U.SILU else 0  # SILU: 8-wide SIMD body, scalar tail
+    vec_end = (n0 // lanes) * lanes if op == U.SILU else 0  # SILU: SIMD body of `lanes`-wide groups, scalar tail
     for i0 in range(vec_end):
-        dst[i3, i2, i1, i0] = silu_simd(src[i3, i2, i1, i0])
+        dst[i3, i2, i1, i0] = silu_vec(src[i3, i2, i1, i0], lanes)
     for i0 in range(vec_end, n0):
         dst[i3, i2, i1, i0] = _unary_scalar(op, src[i3, i2, i1, i0], gelu_tab, quick_tab, s, bias)
 
 
 @numba.njit(parallel=True, **JIT)
-def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, parallel):
+def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, parallel):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     if parallel:
         for r in prange(n_rows):
-            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, r)
+            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r)
     else:
         for r in range(n_rows):
-            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, r)
+            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r)
 
 
-def _rows_contiguous(t: Tensor) -> bool:
+def rows_contiguous(t: Tensor) -> bool:
     return t.ne[0] == 1 or t.nb[0] == cp.TYPE_TRAITS[t.type].type_size
 
 
@@ -212,7 +227,7 @@ def _check_unary(node: Node) -> None:
         raise InvalidNode(f"{label}: only F32 -> F32 is supported, got {src.type.name} -> {dst.type.name}")
     if src.ne != dst.ne:
         raise InvalidNode(f"{label}: result shape {dst.ne} differs from source {src.ne}")
-    if not (_rows_contiguous(src) and _rows_contiguous(dst)):
+    if not (rows_contiguous(src) and rows_contiguous(dst)):
         raise InvalidNode(f"{label}: rows must be contiguous")
 
 
@@ -225,15 +240,32 @@ def _prepare_unary(node: Node):
     code = _unary_code(node)
     s, bias = (F32(node.param_f32(0)), F32(node.param_f32(1))) if code == _SCALE else (F32(1.0), F32(0.0))
     parallel = cp.parallel_worthwhile(src.size, cost=1 if code == _SCALE else 8)
-    return partial(_unary_rows, code, src, node.dst.array(), gelu, quick, s, bias, parallel)
+    return partial(_unary_rows, code, src, node.dst.array(), gelu, quick, s, bias, node.target.lanes, parallel)
 
 
 _forward_unary = prepared(_prepare_unary)
 
 
-def _reference_unary_values(code: int, x: np.ndarray) -> np.ndarray:
-    """float32 numpy formulas (transcendentals to within an ulp of libm's)."""
+def np_silu_rows(x: np.ndarray, lanes: int) -> np.ndarray:
+    """ggml_vec_silu_f32 on every row (last axis): the build's ggml_v_silu on each full group of `lanes`
+    (bit for bit), x / (1 + expf(-x)) on the rest (numpy's expf, within an ulp of libm's)."""
+    x = np.asarray(x, F32)
+    body = (x.shape[-1] // lanes) * lanes
+    one = F32(1.0)
+    out = np.empty(x.shape, F32)
+    with np.errstate(all="ignore"):
+        v = x[..., :body]
+        out[..., :body] = v / (one + (np_v_expf16 if lanes == 16 else np_v_expf)(F32(0.0) - v))
+        t = x[..., body:]
+        out[..., body:] = t / (one + np.exp(-t))
+    return out
+
+
+def reference_unary_values(code: int, x: np.ndarray, lanes: int = 8) -> np.ndarray:
+    """float32 numpy formulas (transcendentals to within an ulp of libm's; SILU's SIMD body exact)."""
     one, zero = F32(1.0), F32(0.0)
+    if code == U.SILU:
+        return np_silu_rows(x, lanes)
     with np.errstate(all="ignore"):
         if code == U.GELU:
             table = np.where(x <= -10, zero, np.where(x >= 10, x, _np_gelu_f16(x, _np_gelu_tanh)))
@@ -246,7 +278,6 @@ def _reference_unary_values(code: int, x: np.ndarray) -> np.ndarray:
             U.ELU: lambda v: np.where(v > 0, v, np.expm1(v)),
             U.RELU: lambda v: np.where(v > 0, v, zero),
             U.SIGMOID: lambda v: one / (one + np.exp(-v)),
-            U.SILU: lambda v: v / (one + np.exp(-v)),
             U.HARDSWISH: lambda v: v * np.fmin(one, np.fmax(zero, (v + F32(3)) / F32(6))),
             U.HARDSIGMOID: lambda v: np.fmin(one, np.fmax(zero, (v + F32(3)) / F32(6))),
             U.EXPM1: lambda v: np.exp(v) - one,
@@ -279,7 +310,7 @@ def _np_gelu_f16(x, fn):
 
 
 def _reference_unary(node: Node) -> None:
-    node.dst.array()[...] = _reference_unary_values(_unary_code(node), node.src[0].array())
+    node.dst.array()[...] = reference_unary_values(_unary_code(node), node.src[0].array(), node.target.lanes)
 
 
 _UNARY_KERNEL = OpKernel(_check_unary, _forward_unary, _reference_unary, _prepare_unary)
@@ -287,120 +318,6 @@ for _sub in _UNARY_SUPPORTED:
     register(GGMLOp.UNARY, _sub)(_UNARY_KERNEL)
 register(GGMLOp.SQR)(_UNARY_KERNEL)
 register(GGMLOp.SQRT)(_UNARY_KERNEL)
-
-
-# ---------------------------------------------------------------------------------------------
-# GLU: dst = act(x) * g, with x and g the two halves of src0's rows (swapped: g first) or src0, src1
-
-G = GGMLGluOp
-_GLU_SUPPORTED = (G.REGLU, G.GEGLU, G.SWIGLU, G.GEGLU_ERF, G.GEGLU_QUICK)
-
-
-@numba.njit(**JIT)
-def _glu_row(op, x, g, dst, gelu_tab, quick_tab, r):
-    n3, n2, n1, n0 = dst.shape
-    i1, i2, i3 = cp.row_coords(r, n1, n2)
-    vec_end = (n0 // 8) * 8 if op == G.SWIGLU else 0
-    for i0 in range(vec_end):
-        dst[i3, i2, i1, i0] = silu_simd(x[i3, i2, i1, i0]) * g[i3, i2, i1, i0]
-    for i0 in range(vec_end, n0):
-        v = x[i3, i2, i1, i0]
-        w = g[i3, i2, i1, i0]
-        if op == G.SWIGLU:
-            out = silu_scalar(v) * w
-        elif op == G.REGLU:
-            out = v * w if v > F32(0.0) else F32(0.0)
-        elif op == G.GEGLU:
-            if v <= F32(-10.0):
-                out = F32(0.0)
-            elif v >= F32(10.0):
-                out = v * w
-            else:
-                out = f16_to_f32(gelu_tab[f32_to_f16(v)]) * w
-        elif op == G.GEGLU_QUICK:
-            out = f16_to_f32(quick_tab[f32_to_f16(v)]) * w
-        else:  # GEGLU_ERF
-            out = gelu_erf(v) * w
-        dst[i3, i2, i1, i0] = out
-
-
-@numba.njit(parallel=True, **JIT)
-def _glu_rows(op, x, g, dst, gelu_tab, quick_tab, parallel):
-    n_rows = dst.shape[0] * dst.shape[1] * dst.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _glu_row(op, x, g, dst, gelu_tab, quick_tab, r)
-    else:
-        for r in range(n_rows):
-            _glu_row(op, x, g, dst, gelu_tab, quick_tab, r)
-
-
-def _contiguous_1(t: Tensor) -> bool:
-    """ggml_is_contiguous_1: contiguous rows, dims 2 and 3 packed after dim 1 (which may be padded)."""
-    if not _rows_contiguous(t):
-        return False
-    nxt = t.ne[1] * t.nb[1]
-    for i in (2, 3):
-        if t.ne[i] != 1 and t.nb[i] != nxt:
-            return False
-        nxt *= t.ne[i]
-    return True
-
-
-def _glu_operands(node: Node) -> tuple[np.ndarray, np.ndarray]:
-    a = node.src[0].array()
-    if len(node.src) > 1 and node.src[1] is not None:
-        return a, node.src[1].array()
-    nc = node.dst.ne[0]
-    first, second = a[..., :nc], a[..., nc : 2 * nc]
-    return (second, first) if node.param_i32(1) else (first, second)
-
-
-def _check_glu(node: Node) -> None:
-    (a,) = node.srcs(1)
-    b = node.src[1] if len(node.src) > 1 else None
-    dst = node.dst
-    label = f"GLU:{G(node.param_i32(0)).name}"
-    if a.type != GGMLType.F32 or dst.type != GGMLType.F32 or (b is not None and b.type != GGMLType.F32):
-        raise InvalidNode(f"{label}: only F32 is supported")
-    expect = a.ne if b is not None else (a.ne[0] // 2,) + a.ne[1:]
-    if dst.ne != expect:
-        raise InvalidNode(f"{label}: result shape {dst.ne}, expected {expect}")
-    if b is not None and b.ne != a.ne:
-        raise InvalidNode(f"{label}: operand shapes {a.ne} and {b.ne} differ")
-    for t in (a, b, dst):
-        if t is not None and not _contiguous_1(t):
-            raise InvalidNode(f"{label}: operands must be contiguous beyond dim 1 (ggml_is_contiguous_1)")
-
-
-def _prepare_glu(node: Node):
-    x, g = _glu_operands(node)
-    dst = node.dst.array()
-    if dst.size == 0:
-        return nothing
-    gelu, quick = gelu_tables()
-    return partial(_glu_rows, node.param_i32(0), x, g, dst, gelu, quick, cp.parallel_worthwhile(dst.size, cost=8))
-
-
-_forward_glu = prepared(_prepare_glu)
-
-
-_GLU_ACTIVATION = {G.SWIGLU: U.SILU, G.REGLU: U.RELU, G.GEGLU: U.GELU, G.GEGLU_QUICK: U.GELU_QUICK,
-                   G.GEGLU_ERF: U.GELU_ERF}
-
-
-def _reference_glu(node: Node) -> None:
-    x, g = _glu_operands(node)
-    op = node.param_i32(0)
-    out = _reference_unary_values(_GLU_ACTIVATION[op], x) * g
-    # ggml writes a plain 0 where the activation's own result is 0 (never 0 * g)
-    zero_where = x <= 0 if op == G.REGLU else (x <= -10 if op == G.GEGLU else np.zeros(x.shape, bool))
-    node.dst.array()[...] = np.where(zero_where, F32(0), out)
-
-
-_GLU_KERNEL = OpKernel(_check_glu, _forward_glu, _reference_glu, _prepare_glu)
-for _sub in _GLU_SUPPORTED:
-    register(GGMLOp.GLU, _sub)(_GLU_KERNEL)
 
 
 # ---------------------------------------------------------------------------------------------

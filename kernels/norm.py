@@ -1,10 +1,14 @@
 """Row normalisations: RMS_NORM, NORM and L2_NORM over ne0, F32, op_params[0] = eps.
 
-The sums are replayed in ggml-cpu's order and precision (ops.cpp and vec.cpp, AVX2 build):
-- RMS_NORM and L2_NORM square in f32 and accumulate the squares in double, left to right.
+The sums are replayed in ggml-cpu's order and precision (ops.cpp and vec.cpp), for the node's target:
+- RMS_NORM and L2_NORM square in f32 and accumulate the squares in double, left to right (scalar
+  loops, the same in every build); the final scaling is elementwise.
 - NORM on contiguous rows sums x in double; its variance comes from `ggml_vec_cvar_f32`, which
-  reduces each group of 8 squared deviations in f32 in a fixed tree before adding it to a double.
+  reduces each full group of `target.lanes` squared deviations in f32 before adding it to a double:
+  8 in the AVX2 build's _mm256 -> _mm128 tree, 16 in the AVX-512 build's `_mm512_reduce_add_ps`
+  (`fmath.hsum16`); the row's tail is added one square at a time.
   On strided rows NORM takes ggml's scalar path instead, with f32 accumulators.
+The numpy reference replays the same orders (np.cumsum adds left to right), so it agrees bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from numba import prange
 from .ggml import GGMLOp, GGMLType
 
 from .copy import JIT, parallel_worthwhile, row_coords
-from .fmath import fma32
+from .fmath import fma32, hsum16, np_fma, np_hsum16
 from .node import InvalidNode, Node
 from .registry import OpKernel, nothing, prepared, register
 
@@ -63,7 +67,7 @@ def _centre8(src, dst, i3, i2, i1, base, mean):
 
 
 @numba.njit(**JIT)
-def _centre(src, dst, i3, i2, i1, contiguous):
+def _centre(src, dst, i3, i2, i1, contiguous, lanes):
     """NORM's first pass: dst row = x - mean; returns the variance (f32), both as ggml computes them."""
     n0 = src.shape[3]
     if contiguous:
@@ -72,13 +76,22 @@ def _centre(src, dst, i3, i2, i1, contiguous):
             total += np.float64(src[i3, i2, i1, i0])
         mean = F32(total) / F32(n0)
         var_sum = 0.0
-        body = (n0 // 8) * 8
-        for base in range(0, body, 8):
-            q = _centre8(src, dst, i3, i2, i1, base, mean)
-            # _mm256 -> _mm128 fold, movehl, movehdup: ((q0+q4)+(q2+q6)) + ((q1+q5)+(q3+q7))
-            w0 = (q[4] + q[0]) + (q[6] + q[2])
-            w1 = (q[5] + q[1]) + (q[7] + q[3])
-            var_sum += np.float64(w0 + w1)
+        body = (n0 // lanes) * lanes
+        if lanes == 16:
+            sq = np.empty(16, F32)
+            for base in range(0, body, 16):
+                for k in range(16):
+                    d = src[i3, i2, i1, base + k] - mean
+                    dst[i3, i2, i1, base + k] = d
+                    sq[k] = d * d
+                var_sum += np.float64(hsum16(sq, 0))  # _mm512_reduce_add_ps(val * val)
+        else:
+            for base in range(0, body, 8):
+                q = _centre8(src, dst, i3, i2, i1, base, mean)
+                # _mm256 -> _mm128 fold, movehl, movehdup: ((q0+q4)+(q2+q6)) + ((q1+q5)+(q3+q7))
+                w0 = (q[4] + q[0]) + (q[6] + q[2])
+                w1 = (q[5] + q[1]) + (q[7] + q[3])
+                var_sum += np.float64(w0 + w1)
         for i0 in range(body, n0):
             d = src[i3, i2, i1, i0] - mean
             dst[i3, i2, i1, i0] = d
@@ -97,7 +110,7 @@ def _centre(src, dst, i3, i2, i1, contiguous):
 
 
 @numba.njit(**JIT)
-def _norm_row(op, src, dst, eps, contiguous, r):
+def _norm_row(op, src, dst, eps, contiguous, lanes, r):
     n3, n2, n1, n0 = src.shape
     i1, i2, i3 = row_coords(r, n1, n2)
     if op == _RMS:
@@ -107,7 +120,7 @@ def _norm_row(op, src, dst, eps, contiguous, r):
         norm = math.sqrt(F32(_sum_squares(src, i3, i2, i1)))
         scale = F32(1.0) / (norm if norm > eps else eps)  # fmaxf: a NaN norm yields eps
     else:
-        variance = _centre(src, dst, i3, i2, i1, contiguous)
+        variance = _centre(src, dst, i3, i2, i1, contiguous, lanes)
         scale = F32(1.0) / math.sqrt(variance + eps)
         for i0 in range(n0):  # scale the centred values just written
             dst[i3, i2, i1, i0] = dst[i3, i2, i1, i0] * scale
@@ -117,14 +130,14 @@ def _norm_row(op, src, dst, eps, contiguous, r):
 
 
 @numba.njit(parallel=True, **JIT)
-def _norm_rows(op, src, dst, eps, contiguous, parallel):
+def _norm_rows(op, src, dst, eps, contiguous, lanes, parallel):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     if parallel:
         for r in prange(n_rows):
-            _norm_row(op, src, dst, eps, contiguous, r)
+            _norm_row(op, src, dst, eps, contiguous, lanes, r)
     else:
         for r in range(n_rows):
-            _norm_row(op, src, dst, eps, contiguous, r)
+            _norm_row(op, src, dst, eps, contiguous, lanes, r)
 
 
 def _check_norm(node: Node) -> None:
@@ -149,29 +162,72 @@ def _prepare(node: Node):
     # NORM has a fast path for rows contiguous on both sides and a scalar one otherwise
     contiguous = node.src[0].nb[0] == 4 and node.dst.nb[0] == 4
     parallel = parallel_worthwhile(src.size, cost=2)
-    return partial(_norm_rows, _CODES[node.op], src, dst, F32(node.param_f32(0)), contiguous, parallel)
+    eps = F32(node.param_f32(0))
+    return partial(_norm_rows, _CODES[node.op], src, dst, eps, contiguous, node.target.lanes, parallel)
 
 
 _forward = prepared(_prepare)
 
 
+def _sum_left_to_right(terms: np.ndarray) -> np.ndarray:
+    """Double sums of the last axis, added left to right as ggml's loops do (keepdims)."""
+    if terms.shape[-1] == 0:
+        return np.zeros(terms.shape[:-1] + (1,))
+    return np.cumsum(terms.astype(np.float64), axis=-1)[..., -1:]
+
+
+def _np_hsum8(q: np.ndarray) -> np.ndarray:
+    """The AVX2 build's 8-lane tree over the last axis: ((q0+q4)+(q2+q6)) + ((q1+q5)+(q3+q7))."""
+    t = q[..., 4:8] + q[..., 0:4]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+
+
+def _np_cvar(x: np.ndarray, mean: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml_vec_cvar_f32: (x - mean, the variance as f32), groups of `lanes` reduced in f32 first."""
+    d = (x - mean).astype(F32)
+    sq = d * d
+    n0 = x.shape[-1]
+    body = (n0 // lanes) * lanes
+    groups = sq[..., :body].reshape(sq.shape[:-1] + (body // lanes, lanes))
+    partial_sums = (np_hsum16 if lanes == 16 else _np_hsum8)(groups)
+    terms = np.concatenate([partial_sums.astype(np.float64), sq[..., body:].astype(np.float64)], axis=-1)
+    return d, (_sum_left_to_right(terms) / n0).astype(F32)
+
+
+def _np_norm_strided(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NORM's scalar path: f32 sum, f32 fma-accumulated variance, element by element."""
+    n0 = x.shape[-1]
+    acc = np.zeros(x.shape[:-1] + (1,), F32)
+    for i0 in range(n0):
+        acc = (acc + x[..., i0 : i0 + 1]).astype(F32)
+    d = (x - acc / F32(n0)).astype(F32)
+    variance = np.zeros_like(acc)
+    for i0 in range(n0):
+        variance = np_fma(d[..., i0 : i0 + 1], d[..., i0 : i0 + 1], variance)
+    return d, (variance / F32(n0)).astype(F32)
+
+
 def _reference(node: Node) -> None:
-    """Straight float64 statistics, rounded as ggml rounds its scale; agrees with forward to an ulp or so."""
+    """ggml's statistics in ggml's order and precision (the target's lanes for NORM's variance)."""
     x = node.src[0].array()
     eps = np.float32(node.param_f32(0))
     if 0 in x.shape:
         return
-    x64 = x.astype(np.float64)
-    if node.op == GGMLOp.RMS_NORM:
-        mean = (np.square(x).astype(np.float64)).mean(axis=-1, keepdims=True).astype(F32)
-        y = x * (F32(1.0) / np.sqrt(mean + eps))
-    elif node.op == GGMLOp.L2_NORM:
-        norm = np.sqrt(np.square(x).astype(np.float64).sum(axis=-1, keepdims=True).astype(F32))
-        y = x * (F32(1.0) / np.fmax(norm, eps))
-    else:
-        centred = (x - x64.mean(axis=-1, keepdims=True).astype(F32)).astype(F32)
-        variance = np.square(centred).astype(np.float64).mean(axis=-1, keepdims=True).astype(F32)
-        y = centred * (F32(1.0) / np.sqrt(variance + eps))
+    n0 = x.shape[-1]
+    with np.errstate(all="ignore"):
+        if node.op == GGMLOp.RMS_NORM:
+            mean = (_sum_left_to_right(np.square(x)) / n0).astype(F32)
+            y = x * (F32(1.0) / np.sqrt(mean + eps))
+        elif node.op == GGMLOp.L2_NORM:
+            norm = np.sqrt(_sum_left_to_right(np.square(x)).astype(F32))
+            y = x * (F32(1.0) / np.fmax(norm, eps))
+        else:
+            if node.src[0].nb[0] == 4 and node.dst.nb[0] == 4:
+                mean = _sum_left_to_right(x).astype(F32) / F32(n0)
+                centred, variance = _np_cvar(x, mean, node.target.lanes)
+            else:
+                centred, variance = _np_norm_strided(x)
+            y = centred * (F32(1.0) / np.sqrt(variance + eps))
     node.dst.array()[...] = y
 
 

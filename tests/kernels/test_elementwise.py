@@ -1,4 +1,7 @@
-"""Binary ops, SCALE, UNARY, GLU: jit vs numpy reference, reference vs float64 math, and vs ggml itself."""
+"""Binary ops, SCALE, UNARY, GLU: jit vs numpy reference, reference vs float64 math, and vs ggml itself.
+
+The forward-vs-reference tests run for both targets (AVX2's 8 lanes, AVX-512's 16); the bit-exact tests
+against ggml run for the target of the oracle loaded (PYRPC_ORACLE=avx512 for the AVX-512 build)."""
 
 import math
 
@@ -10,9 +13,11 @@ import ggml_oracle
 from kernels import copy as cp
 from kernels import elementwise as ew
 from kernels import fmath as fm
+from kernels import glu  # noqa: F401  (registers the GLU kernels)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from kernels.target import AVX2, AVX512
 
 pytestmark = pytest.mark.kernels
 
@@ -23,6 +28,11 @@ T, U, G = GGMLType, GGMLUnaryOp, GGMLGluOp
 def drivers(request, monkeypatch):
     if request.param == "parallel":
         monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+    return request.param
+
+
+@pytest.fixture(params=[AVX2, AVX512], ids=lambda t: t.name)
+def target(request):
     return request.param
 
 
@@ -51,8 +61,9 @@ def ulps(a, b):
     return np.where(np.isnan(a), 0, d)
 
 
-def forward_and_reference(build):
+def forward_and_reference(build, target=AVX2):
     a, b = build(), build()
+    a.target = b.target = target
     kernel = lookup(a)
     kernel.check(a)
     kernel.forward(a)
@@ -80,18 +91,18 @@ BROADCASTS = {
 
 @pytest.mark.parametrize("shape", BROADCASTS)
 @pytest.mark.parametrize("op", BINARY_OPS, ids=lambda o: o.name)
-def test_binary_forward_matches_reference(op, shape, drivers):
+def test_binary_forward_matches_reference(op, shape, drivers, target):
     a_ne, b_ne = BROADCASTS[shape]
 
     def build():
         return Node(op, Tensor.new(T.F32, a_ne), (tensor(T.F32, a_ne, 1), tensor(T.F32, b_ne, 2, offset=4.0)))
 
-    ours, ref = forward_and_reference(build)
+    ours, ref = forward_and_reference(build, target)
     np.testing.assert_array_equal(ours.dst.array(), ref.dst.array())
 
 
 @pytest.mark.parametrize("op", BINARY_OPS, ids=lambda o: o.name)
-def test_binary_strided_operands(op, drivers):
+def test_binary_strided_operands(op, drivers, target):
     """src1 a transposed view, src0 with padded rows, result written into a view."""
     def build():
         b = permuted(tensor(T.F32, (5, 12, 3, 1), 2, offset=4.0), (1, 0, 2, 3))  # (12, 5, 3)
@@ -101,7 +112,7 @@ def test_binary_strided_operands(op, drivers):
         dst = Tensor(T.F32, (12, 5, 3, 1), out_base.nb, out_base.mem, 0)
         return Node(op, dst, (a, b))
 
-    ours, ref = forward_and_reference(build)
+    ours, ref = forward_and_reference(build, target)
     np.testing.assert_array_equal(ours.dst.mem, ref.dst.mem)
 
 
@@ -123,14 +134,14 @@ TYPE_COMBOS = [(T.F16, T.F16, T.F16), (T.BF16, T.BF16, T.BF16), (T.BF16, T.F32, 
 
 @pytest.mark.parametrize("types", TYPE_COMBOS, ids=lambda t: "-".join(x.name for x in t))
 @pytest.mark.parametrize("op", [GGMLOp.ADD, GGMLOp.MUL, GGMLOp.DIV], ids=lambda o: o.name)
-def test_binary_half_types(op, types, drivers):
+def test_binary_half_types(op, types, drivers, target):
     ta, tb, td = types
 
     def build():
         a, b = tensor(ta, (13, 4, 3, 1), 1), tensor(tb, (13, 1, 3, 1), 2, offset=3)
         return Node(op, Tensor.new(td, (13, 4, 3, 1)), (a, b))
 
-    ours, ref = forward_and_reference(build)
+    ours, ref = forward_and_reference(build, target)
     np.testing.assert_array_equal(ours.dst.mem, ref.dst.mem)
 
 
@@ -159,13 +170,13 @@ def test_binary_check_refusals():
 # --- SCALE ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bias", [0.0, -1.25])
-def test_scale_forward_matches_reference(bias, drivers):
+def test_scale_forward_matches_reference(bias, drivers, target):
     params = np.array([0.37, bias], np.float32)
 
     def build():
         return Node(GGMLOp.SCALE, Tensor.new(T.F32, (37, 6, 2, 3)), (tensor(T.F32, (37, 6, 2, 3), 4),), params)
 
-    ours, ref = forward_and_reference(build)
+    ours, ref = forward_and_reference(build, target)
     # the reference rounds x*s+b through float64, fma rounds once: at most one ulp apart
     assert ulps(ours.dst.array(), ref.dst.array()).max() <= (0 if bias == 0.0 else 1)
 
@@ -228,7 +239,9 @@ def _unary_node(op_code, ne=(37, 5, 2, 1), seed=5, scale=4.0):
             src.array()[...] = np.abs(src.array())
         return Node(GGMLOp[op_code], Tensor.new(T.F32, ne), (src,))
     src = tensor(T.F32, ne, seed, scale)
-    src.array().reshape(-1)[:8] = [0.0, -0.0, 0.5, -0.5, 2.5, -2.5, 10.0, -10.0]
+    special = np.array([0.0, -0.0, 0.5, -0.5, 2.5, -2.5, 10.0, -10.0], np.float32)
+    flat = src.array().reshape(-1)
+    flat[: special.size] = special[: flat.size]
     return Node(GGMLOp.UNARY, Tensor.new(T.F32, ne), (src,), [int(op_code)])
 
 
@@ -236,8 +249,8 @@ ALL_UNARY = EXACT_UNARY + LIBM_UNARY + TABLE_UNARY + ["SQR", "SQRT"]
 
 
 @pytest.mark.parametrize("op", ALL_UNARY, ids=lambda o: o if isinstance(o, str) else o.name)
-def test_unary_forward_matches_reference(op, drivers):
-    ours, ref = forward_and_reference(lambda: _unary_node(op))
+def test_unary_forward_matches_reference(op, drivers, target):
+    ours, ref = forward_and_reference(lambda: _unary_node(op), target)
     if op in LIBM_UNARY:
         # the reference uses numpy's float32 transcendentals, the kernel libm's (and ggml's SIMD exp);
         # expm1 and softplus cancel, so compare absolutely as well
@@ -274,18 +287,77 @@ def test_gelu_reference_against_float64_math():
     np.testing.assert_allclose(node.dst.array(), exact, rtol=2e-3, atol=2e-3)  # f16 table resolution
 
 
-@pytest.mark.parametrize("n0", [8, 13, 1536])
-def test_silu_uses_simd_exp_on_groups_of_eight_and_libm_on_the_tail(n0):
+# row lengths around both builds' SIMD widths: all-tail rows, whole groups, groups plus tails
+ROW_LENGTHS = [1, 7, 8, 13, 15, 16, 17, 33, 576, 1000, 1536]
+
+
+@numba.njit
+def _silu_lanes_all(x, out, lanes):
+    for i in range(x.size):
+        out[i] = x[i] / (np.float32(1) + (fm.v_expf16(np.float32(0) - x[i]) if lanes == 16 else fm.v_expf(-x[i])))
+
+
+@pytest.mark.parametrize("n0", ROW_LENGTHS)
+def test_silu_uses_simd_exp_on_whole_groups_and_libm_on_the_tail(n0, target):
     node = _unary_node(U.SILU, ne=(n0, 2, 1, 1))
+    node.target = target
     lookup(node).forward(node)
     x, y = node.src[0].array(), node.dst.array()
-    body = (n0 // 8) * 8
-    simd = np.empty_like(x[..., :body].reshape(-1))
-    _expf_simd_all(-x[..., :body].reshape(-1), simd)
-    np.testing.assert_array_equal(y[..., :body].reshape(-1), x[..., :body].reshape(-1) / (np.float32(1) + simd))
+    body = (n0 // target.lanes) * target.lanes
+    xb = np.ascontiguousarray(x[..., :body]).reshape(-1)
+    simd = np.empty_like(xb)
+    _silu_lanes_all(xb, simd, target.lanes)
+    np.testing.assert_array_equal(y[..., :body].reshape(-1), simd)
     tail = x[..., body:].astype(np.float64)
     if tail.size:
         assert ulps(y[..., body:], tail / (1 + np.exp(-tail))).max() <= 2
+
+
+@pytest.mark.parametrize("n0", ROW_LENGTHS)
+@pytest.mark.parametrize("op", [U.SILU, G.SWIGLU], ids=lambda o: o.name)
+def test_silu_and_swiglu_reference_replays_the_simd_body(op, n0, target):
+    """The numpy twin computes the SIMD body bit for bit; the libm tail within a few ulps."""
+    def build():
+        if op == U.SILU:
+            return _unary_node(U.SILU, ne=(n0, 3, 2, 1))
+        return _glu_split(G.SWIGLU, (n0, 3, 2, 1))
+
+    ours, ref = forward_and_reference(build, target)
+    body = (n0 // target.lanes) * target.lanes
+    a, b = ours.dst.array(), ref.dst.array()
+    np.testing.assert_array_equal(a[..., :body], b[..., :body])
+    if body < n0:
+        assert ulps(a[..., body:], b[..., body:]).max() <= 4
+
+
+def test_the_targets_differ_where_ggml_builds_do():
+    """Rows of 8..15 are all tail for AVX-512 but half SIMD for AVX2; long rows see both exps."""
+    outs = {}
+    for t in (AVX2, AVX512):
+        node = _unary_node(U.SILU, ne=(1000, 4, 1, 1), scale=30.0)
+        node.target = t
+        lookup(node).forward(node)
+        outs[t.name] = node.dst.array().copy()
+    assert not np.array_equal(outs["avx2"], outs["avx512"])
+
+
+@numba.njit
+def _expf16_all(x, out):
+    for i in range(x.size):
+        out[i] = fm.v_expf16(x[i])
+
+
+def test_expf16_against_float64_exp_and_its_numpy_twin():
+    noise = np.random.default_rng(1).standard_normal(10000).astype(np.float32) * 30
+    edges = np.array([-200, -104, -103.9, -90, -87.5, 88.3, 88.5, 89, 200, np.inf, -np.inf, np.nan, 0, -0.0], np.float32)
+    x = np.concatenate([np.linspace(-87, 88, 200001, dtype=np.float32), noise, edges])
+    out = np.empty_like(x)
+    _expf16_all(x, out)
+    np.testing.assert_array_equal(out.view(np.uint32), fm.np_v_expf16(x).view(np.uint32))
+    with np.errstate(over="ignore"):
+        exact = np.exp(x.astype(np.float64)).astype(np.float32)
+    finite = np.abs(x) < 87
+    assert ulps(out[finite], exact[finite]).max() <= 2
 
 
 def test_unary_check_refusals():
@@ -304,7 +376,7 @@ GLU_OPS = [G.SWIGLU, G.GEGLU, G.REGLU, G.GEGLU_ERF, G.GEGLU_QUICK]
 
 def _glu_split(op, ne, seed=9):
     x, g = tensor(T.F32, ne, seed), tensor(T.F32, ne, seed + 1)
-    x.array().reshape(-1)[:4] = [12.0, -12.0, 10.0, -10.0]
+    x.array().reshape(-1)[:4] = [12.0, -12.0, 10.0, -10.0]  # ne has at least 4 elements
     return Node(GGMLOp.GLU, Tensor.new(T.F32, ne), (x, g), [int(op), 0])
 
 
@@ -315,8 +387,8 @@ def _glu_fused(op, ne, swapped, seed=9):
 
 @pytest.mark.parametrize("op", GLU_OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("ne", [(1536, 3, 1, 1), (21, 4, 2, 3)])
-def test_glu_split_forward_matches_reference(op, ne, drivers):
-    ours, ref = forward_and_reference(lambda: _glu_split(op, ne))
+def test_glu_split_forward_matches_reference(op, ne, drivers, target):
+    ours, ref = forward_and_reference(lambda: _glu_split(op, ne), target)
     if op in (G.GEGLU, G.GEGLU_QUICK):  # f16 table resolution
         np.testing.assert_allclose(ours.dst.array(), ref.dst.array(), rtol=2e-3, atol=1e-4)
     elif op == G.REGLU:
@@ -342,14 +414,14 @@ def test_glu_single_source_equals_split_halves(op, swapped, n0, drivers):
     np.testing.assert_array_equal(fused.dst.array(), split.dst.array())
 
 
-def test_glu_with_padded_rows():
+def test_glu_with_padded_rows(target):
     """contiguous_1 allows dim 1 to be padded: rows of 24 in a stride of 32."""
     def build():
         big = tensor(T.F32, (32, 6, 1, 1), 3)
         a = Tensor(T.F32, (24, 6, 1, 1), big.nb, big.mem, 0)
         return Node(GGMLOp.GLU, Tensor.new(T.F32, (12, 6, 1, 1)), (a,), [int(G.SWIGLU), 0])
 
-    ours, ref = forward_and_reference(build)
+    ours, ref = forward_and_reference(build, target)
     assert ulps(ours.dst.array(), ref.dst.array()).max() <= 4
 
 
@@ -427,3 +499,15 @@ def test_binary_bit_exact_with_ggml(name):
     ggml_oracle.assert_matches_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a), g.new(T.F32, (4, 1, 3, 1), b)))
     ggml_oracle.assert_matches_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a),
                                  g.op("ggml_transpose", g.new(T.F32, (5, 12, 6, 2), a))))
+
+
+@needs_ggml
+@pytest.mark.parametrize("n0", ROW_LENGTHS)
+def test_silu_and_swiglu_row_lengths_bit_exact_with_ggml(n0):
+    """Every split of a row into SIMD groups and a libm tail, for the oracle's build."""
+    x, y = _probe(n0 * 3, 11)[: n0 * 3], _probe(n0 * 3, 12)[: n0 * 3]
+    ggml_oracle.assert_matches_ggml(lambda g: g.op("ggml_unary", g.new(T.F32, (n0, 3), x), int(U.SILU)))
+    ggml_oracle.assert_matches_ggml(lambda g: g.op("ggml_glu_split", g.new(T.F32, (n0, 3), x), g.new(T.F32, (n0, 3), y),
+                                                   int(G.SWIGLU)))
+    if n0 % 2 == 0:
+        ggml_oracle.assert_matches_ggml(lambda g: g.op("ggml_glu", g.new(T.F32, (n0, 3), x), int(G.SWIGLU), False))
