@@ -13,8 +13,6 @@ Everything here matches what this x86-64 build of ggml-cpu (AVX2 + FMA + F16C, G
 
 from __future__ import annotations
 
-import math
-
 import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
@@ -131,13 +129,15 @@ def v_expf16(x):
     b = fma32(-n, _EXP_LN2_LO, fma32(-n, _EXP_LN2_HI, x))
     u = b * b
     j = fma32(fma32(fma32(_EXP_P0, b, _EXP_P1), u, fma32(_EXP_P2, b, _EXP_P3)), u, fma32(_EXP_P4, b, F32(1.0)))
-    if abs(n) <= F32(126.0):  # 2**n is a normal float32: one multiply, one rounding
-        return j * f32_from_bits(np.uint32((np.int32(n) + 127) << 23))
-    if abs(n) > F32(192.0):
-        return F32(0.0) if n <= F32(0.0) else F32(np.inf)
-    if n != n:
-        return n
-    return F32(math.ldexp(np.float64(j), int(n)))  # j * 2**n is exact in float64: one rounding to float32
+    # j * 2**n rounded once, without branches (so loops over it vectorize): beyond float32's normal
+    # exponents 2**n is split as 2**e * 2**+-(126|127), and j * 2**e is exact, so only the last multiply rounds
+    m = n if abs(n) <= F32(192.0) else F32(0.0)  # NaN too
+    hi, lo = m > F32(126.0), m < F32(-126.0)
+    e = np.int32(m) - (np.int32(127) if hi else (np.int32(-126) if lo else np.int32(0)))
+    fix = F32(2.0**127) if hi else (F32(2.0**-126) if lo else F32(1.0))
+    r = (j * f32_from_bits(np.uint32((e + 127) << 23))) * fix
+    far = F32(0.0) if n <= F32(0.0) else F32(np.inf)
+    return r if abs(n) <= F32(192.0) else (far if n == n else n)
 
 
 @numba.njit(inline="always", **JIT)
