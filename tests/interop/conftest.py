@@ -105,14 +105,15 @@ class ClientFailed(AssertionError):
 class LlamaRunner:
     """Runs pinned llama.cpp tools with a timeout and turns failures into readable assertion errors."""
 
-    def __init__(self, bin_dir: Path):
+    def __init__(self, bin_dir: Path, lib_dir: Path | None = None):
         self.bin_dir = bin_dir
+        self.lib_dir = lib_dir  # where the programs load libggml from, if not their own folder
 
     def __call__(self, tool: str, args: list[str], *, timeout: float, worker=None) -> subprocess.CompletedProcess:
         cmd = [str(self.bin_dir / tool), *map(str, args)]
         try:
             done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-                                  env=reference.llama_env())
+                                  env=reference.llama_env(self.lib_dir))
         except subprocess.TimeoutExpired as exc:
             raise ClientFailed(self._report(f"{tool} timed out after {timeout:.0f}s", cmd,
                                             exc.stdout, exc.stderr, worker)) from None
