@@ -12,7 +12,8 @@ has 16 lanes (kernels.target):
     flushed to zero), 64 elements a step; without it, one element per lane, 32 a step;
   * llamafile's tinyBLAS (batches): one 16-lane FMA accumulator (32 elements a step, in pairs, for BF16
     with AVX512_BF16), the last partial step padded with zeros, then the reduction tree.
-`dot16` is the numba kernel, `np_dot16` its numpy twin over (rows x columns).
+`dot16` is the numba kernel, `np_dot16` its numpy twin over (rows x columns). The vec_dot tails, the
+same in both builds, are `tail_sum` / `np_tail_sum`, which matmul's 8-lane code uses too.
 """
 
 from __future__ import annotations
@@ -131,6 +132,45 @@ def _tiny_tail(kind, pairs, w, off, esize, y, yoff, n, b, acc):
 
 
 @numba.njit(inline="always", **JIT)
+def tail_sum(kind, w, off, esize, y, yoff, i, n, res):
+    """ggml_vec_dot_{f16,f32}'s elements i..n-1 after the SIMD part `res`: F16 products are exact and
+    summed in double; F32 as gcc compiles that loop for AVX2: 8- then 4-wide multiply-then-add, then
+    scalar fma."""
+    if kind != KIND_F32:
+        total = np.float64(res)
+        for j in range(i, n):
+            total += np.float64(_load(kind, w, off + j * esize) * y[yoff + j])
+        return F32(total)
+    while n - i >= 4:
+        step = 8 if n - i >= 8 else 4
+        for j in range(i, i + step):
+            res = res + _load(kind, w, off + j * 4) * y[yoff + j]
+        i += step
+    for j in range(i, n):
+        res = fma32(_load(kind, w, off + j * 4), y[yoff + j], res)
+    return res
+
+
+def np_tail_sum(type_: GGMLType, w: np.ndarray, x: np.ndarray, i: int, res: np.ndarray) -> np.ndarray:
+    """Twin of tail_sum over (rows x columns)."""
+    n = w.shape[1]
+    if type_ != GGMLType.F32:
+        tail = (w[:, None, i:] * x[None, :, i:]).astype(np.float64)
+        total = res.astype(np.float64)
+        for j in range(n - i):
+            total = total + tail[..., j]
+        return total.astype(F32)
+    while n - i >= 4:
+        step = 8 if n - i >= 8 else 4
+        for j in range(i, i + step):
+            res = res + w[:, None, j] * x[None, :, j]
+        i += step
+    for j in range(i, n):
+        res = np_fma(w[:, None, j], x[None, :, j], res)
+    return res
+
+
+@numba.njit(inline="always", **JIT)
 def dot16(kind, tiny, pairs, w, off, esize, y, yoff, n, acc):
     """One weight row (bytes at `off` of w) . one activation row (y[yoff:yoff+n], already rounded to the
     weights' vec_dot_type) as the AVX-512 build; acc: float32 scratch of SCRATCH lanes."""
@@ -166,22 +206,7 @@ def dot16(kind, tiny, pairs, w, off, esize, y, yoff, n, acc):
         _vec_f32(w, off, y, yoff, steps, acc)
     else:
         _vec_f16(w, off, y, yoff, steps, acc)
-    res = hsum16(acc, 0)
-    full = steps * 64
-    if kind == KIND_F16:  # the tail's products are exact and summed in double
-        total = np.float64(res)
-        for i in range(full, n):
-            total += np.float64(_load(kind, w, off + i * esize) * y[yoff + i])
-        return F32(total)
-    i = full  # as gcc compiles the f32 tail for AVX2: 8- then 4-wide multiply-then-add, then scalar fma
-    while n - i >= 4:
-        step = 8 if n - i >= 8 else 4
-        for j in range(i, i + step):
-            res = res + _load(kind, w, off + j * 4) * y[yoff + j]
-        i += step
-    for j in range(i, n):
-        res = fma32(_load(kind, w, off + j * 4), y[yoff + j], res)
-    return res
+    return tail_sum(kind, w, off, esize, y, yoff, steps * 64, n, hsum16(acc, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,19 +263,4 @@ def np_dot16(type_: GGMLType, w: np.ndarray, x: np.ndarray, tiny: bool, pairs: b
     for i in range(0, full, 64):
         for a in range(4):
             accs[a] = np_fma(*prod(i + 16 * a, i + 16 * a + 16), accs[a])
-    res = np_hsum16((accs[0] + accs[2]) + (accs[1] + accs[3]))
-    if type_ != GGMLType.F32:
-        tail = (w[:, None, full:] * x[None, :, full:]).astype(np.float64)
-        total = res.astype(np.float64)
-        for i in range(n - full):
-            total = total + tail[..., i]
-        return total.astype(F32)
-    i = full
-    while n - i >= 4:
-        step = 8 if n - i >= 8 else 4
-        for j in range(i, i + step):
-            res = res + w[:, None, j] * x[None, :, j]
-        i += step
-    for j in range(i, n):
-        res = np_fma(w[:, None, j], x[None, :, j], res)
-    return res
+    return np_tail_sum(type_, w, x, full, np_hsum16((accs[0] + accs[2]) + (accs[1] + accs[3])))

@@ -321,16 +321,21 @@ def np_fma(a, b, c):
     return s.astype(F32)
 
 
+def _np_exp_reduce(x: np.ndarray):
+    """ggml_v_expf's range reduction, as both builds do it: z (shifted), n = round(x / ln 2), b, b * b."""
+    z = np_fma(x, _EXP_LOG2E, _EXP_SHIFT)
+    n = z - _EXP_SHIFT
+    b = np_fma(-n, _EXP_LN2_LO, np_fma(-n, _EXP_LN2_HI, x))
+    return z, n, b, b * b
+
+
 def np_v_expf(x: np.ndarray) -> np.ndarray:
     """Vectorized twin of v_expf."""
     x = np.asarray(x, F32)
     with np.errstate(invalid="ignore", over="ignore"):
-        z = np_fma(x, _EXP_LOG2E, _EXP_SHIFT)
-        n = z - _EXP_SHIFT
-        b = np_fma(-n, _EXP_LN2_LO, np_fma(-n, _EXP_LN2_HI, x))
+        z, n, b, u = _np_exp_reduce(x)
         e = (z.view(np.uint32).astype(np.int64) << 23) & _M32
         k = ((e + 0x3F800000) & _M32).astype(np.uint32).view(F32)
-        u = b * b
         j = np_fma(np_fma(np_fma(_EXP_P0, b, _EXP_P1), u, np_fma(_EXP_P2, b, _EXP_P3)), u, _EXP_P4 * b)
         g = np.where(n <= 0, 0x82000000, 0)
         s1 = ((g + 0x7F000000) & _M32).astype(np.uint32).view(F32)
@@ -343,10 +348,7 @@ def np_v_expf16(x: np.ndarray) -> np.ndarray:
     """Vectorized twin of v_expf16."""
     x = np.asarray(x, F32)
     with np.errstate(invalid="ignore", over="ignore"):
-        z = np_fma(x, _EXP_LOG2E, _EXP_SHIFT)
-        n = z - _EXP_SHIFT
-        b = np_fma(-n, _EXP_LN2_LO, np_fma(-n, _EXP_LN2_HI, x))
-        u = b * b
+        _, n, b, u = _np_exp_reduce(x)
         j = np_fma(np_fma(np_fma(_EXP_P0, b, _EXP_P1), u, np_fma(_EXP_P2, b, _EXP_P3)), u, np_fma(_EXP_P4, b, F32(1)))
         scaled = np.ldexp(j, np.where(np.abs(n) > 192, 0, np.nan_to_num(n)).astype(np.int32))
         far = np.where(n <= 0, F32(0), F32(np.inf))

@@ -25,7 +25,7 @@ import numpy as np
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import formats, kquants, quants
-from .float_dot512 import SCRATCH, dot16, np_dot16
+from .float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum, tail_sum
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32, np_fma
@@ -282,20 +282,7 @@ def _dot_float(kind, tiny, w, off, esize, y, yoff, n):
         res = (t0 + t2) + (t1 + t3)
     else:
         res = (t0 + t1) + (t2 + t3)
-    if kind != 0:  # f16/bf16: the tail's products are exact and summed in double
-        total = np.float64(res)
-        for i in range(full, n):
-            total += np.float64(_load(kind, w, off + i * esize) * y[yoff + i])
-        return np.float32(total)
-    i = full  # f32, as gcc compiled the tail: 8- then 4-wide multiply-then-add, then scalar fma
-    while n - i >= 4:
-        step = 8 if n - i >= 8 else 4
-        for j in range(i, i + step):
-            res = res + _load(kind, w, off + j * 4) * y[yoff + j]
-        i += step
-    for j in range(i, n):
-        res = fma32(_load(kind, w, off + j * 4), y[yoff + j], res)
-    return res
+    return tail_sum(kind, w, off, esize, y, yoff, full, n, res)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -395,21 +382,7 @@ def _slice_float(type_, w, x, tiny):
         res = (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
     else:
         res = (t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])
-    if type_ != GGMLType.F32:
-        tail = (w[:, None, full:] * x[None, :, full:]).astype(np.float64)  # exact products
-        total = res.astype(np.float64)
-        for i in range(n - full):
-            total = total + tail[..., i]
-        return total.astype(np.float32)
-    i = full
-    while n - i >= 4:
-        step = 8 if n - i >= 8 else 4
-        for j in range(i, i + step):
-            res = res + w[:, None, j] * x[None, :, j]
-        i += step
-    for j in range(i, n):
-        res = np_fma(w[:, None, j], x[None, :, j], res)
-    return res
+    return np_tail_sum(type_, w, x, full, res)
 
 
 def reference(node: Node) -> None:

@@ -74,9 +74,11 @@ def rpc_multi_server_test() -> tuple[Path, Path]:
     return _located(reference.rpc_multi_server_test)
 
 
-def _module_worker(kind: str, tmp_path_factory):
+def module_worker(kind: str, tmp_path_factory, isa: str | None = None):
+    """Start a worker for a module's tests and fail them if it died meanwhile (a fixture's body)."""
     try:
-        started = reference.start_worker(kind, tmp_path_factory.mktemp(f"{kind}-worker"), threads=CLIENT_THREADS)
+        started = reference.start_worker(kind, tmp_path_factory.mktemp(f"{kind}-worker"), threads=CLIENT_THREADS,
+                                         isa=isa)
     except reference.WorkerFailed as exc:
         pytest.fail(str(exc), pytrace=False)
     yield started
@@ -89,13 +91,13 @@ def _module_worker(kind: str, tmp_path_factory):
 @pytest.fixture(scope="module")
 def worker(bin_dir, worker_kind, tmp_path_factory):
     """One worker per test module, shared by its tests like a long-lived server would be."""
-    yield from _module_worker(worker_kind, tmp_path_factory)
+    yield from module_worker(worker_kind, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference_worker(bin_dir, tmp_path_factory):
     """llama.cpp's ggml-rpc-server, the oracle that side-by-side tests run beside `worker`."""
-    yield from _module_worker("reference", tmp_path_factory)
+    yield from module_worker("reference", tmp_path_factory)
 
 
 class ClientFailed(AssertionError):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from .conftest import CLIENT_THREADS, RPC_TIMEOUT, REPO_ROOT, LlamaRunner, _located, assert_fully_offloaded, \
+from .conftest import RPC_TIMEOUT, REPO_ROOT, LlamaRunner, _located, assert_fully_offloaded, module_worker, \
     reference, text_diff
 from .perplexity import CPU_ONLY, MEAN_KLD_RE, SAME_TOP_P_RE, parse_statistic, perplexity_args
 from .test_completion import PROMPTS, completion_args
@@ -43,16 +43,7 @@ def llama512(bin_dir, avx512_lib_dir) -> LlamaRunner:
 
 @pytest.fixture(scope="module")
 def worker512(bin_dir, tmp_path_factory):
-    try:
-        started = reference.start_worker("ours", tmp_path_factory.mktemp("avx512-worker"), threads=CLIENT_THREADS,
-                                         isa="avx512")
-    except reference.WorkerFailed as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield started
-    alive = started.alive()
-    started.stop()
-    if not alive:
-        pytest.fail(f"the worker died during the module.\n{started.describe()}", pytrace=False)
+    yield from module_worker("ours", tmp_path_factory, isa="avx512")
 
 
 def test_kernels_bit_exact_with_the_avx512_build(avx512_lib_dir):
