@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from rpcserver import protocol as p
+from rpcserver import framing, protocol as p
 from rpcserver.protocol import Command, ProtocolError
 
 MAX_RESPONSE = 1 << 34
@@ -25,7 +25,7 @@ class RpcClient:
         except OSError as exc:
             raise WorkerError(f"cannot connect to worker {endpoint}: {exc.strerror or exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.reader = p.ResponseReader(MAX_RESPONSE)
+        self.reader = framing.ResponseReader(MAX_RESPONSE)
         reply = self.call(Command.HELLO, p.HelloRequest())
         self.version = tuple(reply[:3])
         if self.version[0] != p.PROTOCOL_VERSION[0] or len(reply) != p.HelloResponse.wire_size():

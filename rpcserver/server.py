@@ -13,7 +13,8 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol as p
-from .protocol import FrameReader, ProtocolError
+from .framing import Frame, FrameReader, decode_frame
+from .protocol import ProtocolError
 from .session import HEAVY, Session, WorkerConfig
 
 log = logging.getLogger("rpcserver")
@@ -111,9 +112,9 @@ class WorkerProtocol(asyncio.BufferedProtocol):
             await loop.run_in_executor(self.executor, self.session.close)
             log.info("client %s disconnected", self.peer)
 
-    async def _dispatch(self, loop, frame: p.Frame):
+    async def _dispatch(self, loop, frame: Frame):
         command = frame.command
-        request = p.decode_frame(frame)
+        request = decode_frame(frame)
         if not self.greeted:  # the reader let only HELLO through first
             self.greeted = True
             return p.HelloResponse().encode()  # we offer no transport caps (upstream's RDMA)

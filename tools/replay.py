@@ -32,7 +32,7 @@ from typing import Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rpcserver import protocol as p  # noqa: E402
+from rpcserver import framing, protocol as p  # noqa: E402
 from kernels.ggml import GGMLType  # noqa: E402
 from rpcserver.protocol import TENSOR_DTYPE, TENSOR_SIZE, Command  # noqa: E402
 from tools.trace_proxy import Recording  # noqa: E402
@@ -104,7 +104,7 @@ class Output:
 @dataclass
 class _Connection:
     sock: socket.socket
-    reader: p.ResponseReader = field(default_factory=lambda: p.ResponseReader(MAX_REPLY))
+    reader: framing.ResponseReader = field(default_factory=lambda: framing.ResponseReader(MAX_REPLY))
     handles: dict = field(default_factory=dict)  # recorded buffer handle -> this worker's
     bases: dict = field(default_factory=dict)  # recorded buffer handle -> (recorded base, this worker's base)
     replies: list = field(default_factory=list)  # live replies not yet paired with their recorded entry

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rpcserver import protocol as p  # noqa: E402
+from rpcserver import framing, protocol as p  # noqa: E402
 from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp  # noqa: E402
 from rpcserver.protocol import Command  # noqa: E402
 
@@ -74,7 +74,7 @@ class Trace:
         self.ops: collections.Counter = collections.Counter()
         self.graphs: list[list] = []
 
-    def record(self, frame: p.Frame) -> None:
+    def record(self, frame: framing.Frame) -> None:
         graph = None
         if frame.command == Command.GRAPH_COMPUTE:
             graph = describe_graph(p.GraphComputeRequest.decode(frame.payload))
@@ -170,9 +170,9 @@ class TraceProxy:
         """Relay src to dst; parse (and record) what passes before it is passed on."""
         rec = self.recording
         if requests:
-            reader = p.FrameReader(lambda command: MAX_FRAME)
+            reader = framing.FrameReader(lambda command: MAX_FRAME)
         else:
-            reader = p.ResponseReader(MAX_FRAME) if rec is not None else None
+            reader = framing.ResponseReader(MAX_FRAME) if rec is not None else None
         try:
             while chunk := src.recv(1 << 20):
                 if reader is not None:

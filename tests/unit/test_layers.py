@@ -1,7 +1,7 @@
 """The packages' import graph points one way and has no cycle.
 
 kernels (ggml's numberings, formats and the numba kernels) is the bottom layer; rpcserver (the codec
-and the worker) stands on it; orchestrator stands on kernels and on rpcserver's codec only. Every
+and the worker) stands on it; orchestrator stands on kernels and on rpcserver's codec (protocol, framing) only. Every
 import statement counts, including those inside functions: a deferred import is still a dependency.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ PACKAGES = ("kernels", "rpcserver", "orchestrator")
 ALLOWED = {
     "kernels": set(),
     "rpcserver": {"kernels"},
-    "orchestrator": {"kernels", "rpcserver.protocol"},
+    "orchestrator": {"kernels", "rpcserver.protocol", "rpcserver.framing"},
 }
 
 

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpcserver import protocol as p
-from rpcserver.protocol import Command, FrameReader, ProtocolError
+from rpcserver import framing, protocol as p
+from rpcserver.framing import FrameReader
+from rpcserver.protocol import Command, ProtocolError
 
 LIMIT = 1 << 20
 
@@ -213,7 +214,7 @@ def test_set_tensor_data_is_placed_where_place_says_whole_in_pieces_and_before_t
     assert arena.calls == [(16, 8)]
     assert bytes(arena.mem[16:24]) == b"payload!"
     assert (arena.mem[:16] == 0xEE).all() and (arena.mem[24:] == 0xEE).all()
-    req = p.decode_frame(frames[0])
+    req = framing.decode_frame(frames[0])
     assert req.in_place and bytes(req.data) == b"payload!"
     assert req.tensor == SET_AT_16.tensor and req.offset == 16 and req.cache_flag == 1
     r.feed(p.encode_request(Command.DEVICE_COUNT)[5:])
@@ -224,7 +225,7 @@ def test_set_tensor_data_is_placed_where_place_says_whole_in_pieces_and_before_t
 def test_set_tensor_that_place_declines_arrives_whole_in_the_frame(step):
     arena = Arena(refuse=True)
     _, frames = _placed_frames(p.encode_request(Command.SET_TENSOR, SET_AT_16), step, arena)
-    req = p.decode_frame(frames[0])
+    req = framing.decode_frame(frames[0])
     assert arena.calls == [(16, 8)] and not req.in_place
     assert req.encode() == SET_AT_16.encode()
     assert (arena.mem == 0xEE).all()
@@ -233,11 +234,11 @@ def test_set_tensor_that_place_declines_arrives_whole_in_the_frame(step):
 def test_set_tensor_without_data_and_short_set_tensor_with_place():
     empty = p.SetTensorRequest(sample_tensor(), 0, 3, memoryview(b""))
     _, frames = _placed_frames(p.encode_request(Command.SET_TENSOR, empty), 1, Arena())
-    assert p.decode_frame(frames[0]).encode() == empty.encode()
+    assert framing.decode_frame(frames[0]).encode() == empty.encode()
     short = struct.pack("<BQ", Command.SET_TENSOR, 10) + bytes(10)  # shorter than the fixed header
     _, frames = _placed_frames(short, None, Arena())
     with pytest.raises(ProtocolError, match="SET_TENSOR"):
-        p.decode_frame(frames[0])
+        framing.decode_frame(frames[0])
 
 
 def test_place_refusing_the_destination_fails_the_reader_for_good():
@@ -259,7 +260,7 @@ def test_fuzz_set_tensor_streams_with_place_frame_or_raise_and_stay_in_the_arena
     try:
         _, frames = _placed_frames(head + stream, 3, arena)
         for f in frames:
-            p.decode_frame(f)
+            framing.decode_frame(f)
     except ProtocolError:
         pass
     # the reader wrote nowhere but into the regions place() handed out
@@ -295,7 +296,7 @@ def test_fuzz_any_stream_frames_or_raises_protocol_error(stream):
 
 
 def test_response_reader_checks_sizes():
-    rr = p.ResponseReader(LIMIT)
+    rr = framing.ResponseReader(LIMIT)
     rr.feed(p.encode_response(p.U64Response(32).encode())[:5])
     assert rr.next_payload(Command.GET_ALIGNMENT) is None
     rr.feed(p.encode_response(p.U64Response(32).encode())[5:])

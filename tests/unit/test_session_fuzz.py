@@ -6,7 +6,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rpcserver import protocol as p
+from rpcserver import framing, protocol as p
 from rpcserver.memory import MemoryBudget
 from rpcserver.protocol import Command, ProtocolError
 from rpcserver.session import Session, WorkerConfig
@@ -96,11 +96,11 @@ def test_set_tensor_received_in_place_never_touches_memory_outside_the_named_ten
     t = data.draw(tensors(buf.handle, base))
     offset = data.draw(st.one_of(st.integers(0, 128), u64))
     payload = bytes(b for b in range(1, 256) if b != 0xAA)[: data.draw(st.integers(0, 200))]  # all marked
-    reader = p.FrameReader(lambda command: 1 << 20, first_command=None, place=s.place_set_tensor)
+    reader = framing.FrameReader(lambda command: 1 << 20, first_command=None, place=s.place_set_tensor)
     try:
         reader.feed(p.encode_request(Command.SET_TENSOR, p.SetTensorRequest(t, 0, offset, memoryview(payload))))
         frame = reader.next_frame()
-        s.handle(Command.SET_TENSOR, p.decode_frame(frame))
+        s.handle(Command.SET_TENSOR, framing.decode_frame(frame))
     except ProtocolError:
         assert (buf.mem == 0xAA).all(), "a refused request must not have written anything"
         return
