@@ -42,7 +42,8 @@ from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_in
 from .copy import KIND_F16, KIND_F32, KINDS, parallel_worthwhile, storage
 from .fmath import fma32
 from .formats import dequantize_rows
-from .kquants import IQ4_NL_KIND, iq4_nl_vec_dot
+from .kquant_dot import iq4_nl_vec_dot
+from .kquants import IQ4_NL_KIND
 from .kv_quants import dequantize_iq4_nl_reference
 from .node import InvalidNode, Node, Tensor
 from .quants import QK, ROW_DOT, quantize_q8_ref, quantize_q8_rows, unpack_blocks

@@ -24,7 +24,7 @@ import numpy as np
 
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from . import formats, kquants, quants
+from . import formats, kquant_dot, kquants, quants
 from .float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum, tail_sum
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
@@ -321,7 +321,7 @@ def prepare(node: Node):
         return run_float
     ne10 = src1.ne[0]
     if src0.type in KQUANT_TYPES:
-        return lambda: kquants.mul_mat(src0, np.ascontiguousarray(x, np.float32).reshape(-1, ne10), out)
+        return lambda: kquant_dot.mul_mat(src0, np.ascontiguousarray(x, np.float32).reshape(-1, ne10), out)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     with_sum = VEC_DOT_TYPE[src0.type] == GGMLType.Q8_1
     qs = np.empty(n_rows * ne10, np.int8)  # scratch for the quantized activations, reused every run

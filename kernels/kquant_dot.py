@@ -1,0 +1,382 @@
+"""K-quant and IQ4 dot products for MUL_MAT as numba/LLVM vector code, and the MUL_MAT driver over
+ggml-cpu's three routes (kernels.kquants.route): tiled super-block sums, ggml_vec_dot_<w>_q8_K lanes,
+and llamafile's tinyBLAS for IQ4_NL. The formats, their decoders, the Q8_K activation quantizer and the
+numpy twin of all this (`dot_ref`) are in kernels/kquants.py.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .ggml import TYPE_TRAITS, GGMLType
+
+from .fmath import fma32
+from .kquants import (BIT_TYPES, GROUP, HAS_MIN, IQ4_NL_KIND, KVALUES_IQ4NL, QK_K, TINYBLAS, VEC,
+                      _chunk_layout, decode_row_scales, quantize_activations, route)
+from .quants import (HAS_AVX2, PREFETCH_AHEAD, _byte_ptr, _elem_ptr, _hsum8, _lanes, _llvm_fn, _prefetch, _shuffle,
+                     _splat, _vec)
+from .tasks import ROWS_PER_TASK, task_tile
+
+T = GGMLType
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V32 = _vec(_I8, 32)
+
+
+def _load_y(context, builder, yt, y, yoff):
+    return builder.load(builder.bitcast(_elem_ptr(context, builder, yt, y, yoff), _V32.as_pointer()), align=1)
+
+
+def _shift_bytes(builder, v, amount, left=False):
+    """Shift every byte of a <32 x i8> by a constant. x86 has no byte shifts, so shift 16-bit lanes;
+    bits crossing into the neighbouring byte are masked off afterwards (see _chunk_layout)."""
+    if amount == 0:
+        return v
+    lanes = builder.bitcast(v, _vec(_I16, 16))
+    count = ir.Constant(_vec(_I16, 16), [amount] * 16)
+    return builder.bitcast(builder.shl(lanes, count) if left else builder.lshr(lanes, count), _V32)
+
+
+def _bytes(value):
+    return ir.Constant(_V32, [value] * 32)
+
+
+def _iq4_quants(builder, raw):
+    """16 IQ4 bytes -> 32 kvalues_iq4nl entries (low nibbles, then high nibbles)."""
+    v16 = _vec(_I8, 16)
+    lo = builder.and_(raw, ir.Constant(v16, [15] * 16))
+    hi = builder.lshr(raw, ir.Constant(v16, [4] * 16))
+    idx = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+    table = [int(v) for v in KVALUES_IQ4NL]
+    if HAS_AVX2:  # one byte shuffle per 128-bit half, the table repeated in both halves
+        pshufb = _llvm_fn(builder, "llvm.x86.avx2.pshuf.b", _V32, [_V32, _V32])
+        return builder.call(pshufb, [ir.Constant(_V32, table * 2), idx])
+    q = _bytes(0)
+    for i, v in enumerate(table):
+        q = builder.select(builder.icmp_unsigned("==", idx, _bytes(i)), _bytes(v), q)
+    return q
+
+
+def _scaled_lanes(builder, q, y, scales):
+    """<32 x i8> q . y -> <8 x i32> whose lanes 0-3 carry scales[0] * (the first 16 products) and
+    4-7 scales[1] * (the last 16). On AVX2 the scales ride in the 16-bit multiply-add that ggml uses
+    to widen pairs (all scales fit in 16 bits), saving a 32-bit vector multiply."""
+    if not HAS_AVX2:
+        spread = builder.shuffle_vector(scales, scales, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
+        return builder.mul(_lanes(builder, q, y), spread)
+    v16 = _vec(_I16, 16)
+    psign = _llvm_fn(builder, "llvm.x86.avx2.psign.b", _V32, [_V32, _V32])
+    maddubs = _llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32, _V32])
+    madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16, v16])
+    pairs = builder.call(maddubs, [builder.call(psign, [q, q]), builder.call(psign, [y, q])])
+    narrow = builder.trunc(scales, _vec(_I16, 2))
+    spread = builder.shuffle_vector(narrow, narrow, ir.Constant(_vec(_I32, 16), [0] * 8 + [1] * 8))
+    return builder.call(madd, [pairs, spread])
+
+
+_I64, _F32 = ir.IntType(64), ir.FloatType()
+
+
+def _chunk_quants(builder, at, type_, c, signed=True):
+    """<32 x i8> quants of chunk c (elements 32c..32c+31) of the 256-block whose bytes at(off, type)
+    loads. signed=False leaves Q6_K's codes unsigned (0..63), as ggml's VEC route dots them."""
+    if type_ == T.IQ4_XS:
+        return _iq4_quants(builder, at(8 + 16 * c, _vec(_I8, 16)))
+    a, sa, ma, b, sb, mb, hs, bias = _chunk_layout(type_, c)
+    q = builder.and_(_shift_bytes(builder, at(a, _V32), sa), _bytes(ma))
+    if mb:
+        high = builder.and_(_shift_bytes(builder, at(b, _V32), sb), _bytes(mb))
+        q = builder.or_(q, _shift_bytes(builder, high, hs, left=True))
+    if bias and (signed or type_ != T.Q6_K):
+        q = builder.sub(q, _bytes(bias))
+    return q
+
+
+def _block_lanes(builder, type_, at, load_y, load_scales, signed=True):
+    """The 8 int32 lanes of ggml's AVX2 block dot: lane l = sum over the 8 chunks c of
+    S[2c + l//4] * (products 4l..4l+3 of chunk c). load_y(e) loads activations e..e+31 of the block,
+    load_scales(g) the <2 x i32> scales of groups g, g+1."""
+    acc = ir.Constant(_vec(_I32, 8), [0] * 8)
+    for c in range(QK_K // 32):
+        q = _chunk_quants(builder, at, type_, c, signed)
+        acc = builder.add(acc, _scaled_lanes(builder, q, load_y(32 * c), load_scales(2 * c)))
+    return acc
+
+
+def _isum(builder, v):
+    """Integer sum of a vector's lanes (exact, so any order)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = builder.add(_shuffle(builder, v, v, list(range(n))), _shuffle(builder, v, v, list(range(n, 2 * n))))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _pairs(builder, v):
+    """Neighbouring lanes summed: <2n x i32> -> <n x i32> (the pairing of _mm256_madd_epi16)."""
+    n = v.type.count
+    return builder.add(_shuffle(builder, v, v, list(range(0, n, 2))), _shuffle(builder, v, v, list(range(1, n, 2))))
+
+
+class _Args:
+    """Typed access to an intrinsic's array arguments (all C-contiguous and 1-d)."""
+
+    def __init__(self, context, builder, signature, args):
+        self.context, self.builder, self.types, self.values = context, builder, signature.args, args
+
+    def elem(self, i, index):
+        return self.builder.load(_elem_ptr(self.context, self.builder, self.types[i], self.values[i], index))
+
+    def ivec(self, i, index, n):
+        ptr = _elem_ptr(self.context, self.builder, self.types[i], self.values[i], index)
+        return self.builder.load(self.builder.bitcast(ptr, _vec(_I32, n).as_pointer()), align=4)
+
+    def bytes_at(self, i, offset, ty):
+        return self.builder.load(_byte_ptr(self.context, self.builder, self.types[i], self.values[i], offset, ty),
+                                 align=1)
+
+    def y32(self, i, index):
+        return _load_y(self.context, self.builder, self.types[i], self.values[i], index)
+
+
+def _i64(v):
+    return ir.Constant(_I64, v)
+
+
+def _fma_fn(builder, n):
+    if n == 1:
+        return _llvm_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
+    return _llvm_fn(builder, f"llvm.fma.v{n}f32", _vec(_F32, n), [_vec(_F32, n)] * 3)
+
+
+def _make_block_sumi(type_: GGMLType):
+    """Intrinsic sumi(w, p, s, soff, y, yoff) -> int32: sum_g S[g] <q, y>_g over the 256-block at
+    byte p of w, scales from s[soff:], activations y[yoff:] (the TILED route's s1)."""
+
+    @intrinsic
+    def sumi(typingctx, w, p, s, soff, y, yoff):
+        sig = types.int32(w, types.int64, s, types.int64, y, types.int64)
+
+        def codegen(context, builder, signature, args):
+            a = _Args(context, builder, signature, args)
+            p_, soff_, yoff_ = args[1], args[3], args[5]
+            lanes = _block_lanes(builder, type_, lambda off, ty: a.bytes_at(0, builder.add(p_, _i64(off)), ty),
+                                 lambda e: a.y32(4, builder.add(yoff_, _i64(e))),
+                                 lambda g: a.ivec(2, builder.add(soff_, _i64(g)), 2))
+            return _isum(builder, lanes)
+
+        return sig, codegen
+
+    return sumi
+
+
+def _make_vec_dot(type_: GGMLType):
+    """Intrinsic dot(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col) -> float32: the weight row at
+    byte off (scales decoded into s, m, d, dmin) . activation row col (yq int8, yd float32 per
+    block, ybs int32 per 16, all flat), as ggml_vec_dot_<type>_q8_K: per block 8 float lanes
+    acc = fma(d_y*d, lanes, acc) and the minimum term each format folds in its own way."""
+    size = TYPE_TRAITS[type_].type_size
+
+    @intrinsic
+    def vec_dot(typingctx, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
+        sig = types.float32(w, types.int64, types.int64, s, m, d, dmin, yq, yd, ybs, types.int64)
+
+        def codegen(context, builder, signature, args):
+            a = _Args(context, builder, signature, args)
+            off_, nb_, col_ = args[1], args[2], args[10]
+            fma8, fma4, fma1 = _fma_fn(builder, 8), _fma_fn(builder, 4), _fma_fn(builder, 1)
+            zero = lambda n: ir.Constant(_vec(_F32, n), [0.0] * n)  # noqa: E731
+            acc = cgutils.alloca_once_value(builder, zero(8))
+            acc_m = cgutils.alloca_once_value(builder, zero(4))  # Q4_K: minimum terms in 4 lanes
+            summs = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))  # Q5_K: one scalar
+            with cgutils.for_range(builder, nb_) as loop:
+                b = loop.index
+                p = builder.add(off_, builder.mul(b, _i64(size)))
+                ahead = builder.add(p, _i64(PREFETCH_AHEAD))
+                _prefetch(builder, _byte_ptr(context, builder, a.types[0], a.values[0], ahead, _I8))
+                yb = builder.add(builder.mul(col_, nb_), b)
+                g0, yg0, y0 = builder.mul(b, _i64(16)), builder.mul(yb, _i64(16)), builder.mul(yb, _i64(QK_K))
+                lanes = _block_lanes(builder, type_, lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty),
+                                     lambda e: a.y32(7, builder.add(y0, _i64(e))),
+                                     lambda g: a.ivec(3, builder.add(g0, _i64(g)), 2), signed=type_ != T.Q6_K)
+                dy = a.elem(8, yb)
+                bsums = a.ivec(9, yg0, 16)
+                if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
+                    excess = _pairs(builder, builder.mul(a.ivec(3, g0, 16), bsums))
+                    lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(_vec(_I32, 8), [5] * 8)))
+                if HAS_MIN[type_]:
+                    d_min = builder.fmul(builder.fsub(ir.Constant(_F32, -0.0), dy), a.elem(6, b))
+                    mins = builder.mul(a.ivec(4, g0, 16), bsums)
+                    if type_ == T.Q2_K:
+                        builder.store(builder.call(fma8, [_splat(builder, d_min), builder.sitofp(
+                            _pairs(builder, mins), _vec(_F32, 8)), builder.load(acc)]), acc)
+                    elif type_ == T.Q4_K:
+                        builder.store(builder.call(fma4, [_splat(builder, d_min, 4), builder.sitofp(
+                            _pairs(builder, _pairs(builder, mins)), _vec(_F32, 4)), builder.load(acc_m)]), acc_m)
+                    else:  # Q5_K
+                        builder.store(builder.call(fma1, [d_min, builder.sitofp(_isum(builder, mins), _F32),
+                                                          builder.load(summs)]), summs)
+                d_xy = _splat(builder, builder.fmul(dy, a.elem(5, b)))
+                builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, _vec(_F32, 8)), builder.load(acc)]), acc)
+            total = _hsum8(builder, builder.load(acc))
+            if type_ == T.Q4_K:
+                v = builder.load(acc_m)
+                e = [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)]
+                total = builder.fadd(total, builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3])))
+            elif type_ == T.Q5_K:
+                total = builder.fadd(total, builder.load(summs))
+            return total
+
+        return sig, codegen
+
+    return vec_dot
+
+
+def _make_iq4_nl_dot(tinyblas: bool):
+    """Intrinsic dot(w, off, nblk, yq, yd, col) -> float32 for an IQ4_NL row: tinyBLAS keeps one
+    accumulator; ggml_vec_dot_iq4_nl_q8_0 alternates two over block pairs, adds them before
+    hsum_float_8, then adds an odd last block as a scalar: sumf += d*sumi, which gcc contracts into an
+    fma in the AVX2 build (in a native AVX-512 build it does not)."""
+
+    @intrinsic
+    def dot(typingctx, w, off, nblk, yq, yd, col):
+        sig = types.float32(w, types.int64, types.int64, yq, yd, types.int64)
+
+        def codegen(context, builder, signature, args):
+            a = _Args(context, builder, signature, args)
+            off_, nb_, col_ = args[1], args[2], args[5]
+            fma8 = _fma_fn(builder, 8)
+
+            def block(b):
+                p = builder.add(off_, builder.mul(b, _i64(18)))
+                yb = builder.add(builder.mul(col_, nb_), b)
+                q = _iq4_quants(builder, a.bytes_at(0, builder.add(p, _i64(2)), _vec(_I8, 16)))
+                lanes = _lanes(builder, q, a.y32(3, builder.mul(yb, _i64(32))))
+                return lanes, builder.fmul(a.elem(4, yb), builder.fpext(a.bytes_at(0, p, ir.HalfType()), _F32))
+
+            def step(acc, b):
+                lanes, d = block(b)
+                builder.store(builder.call(fma8, [_splat(builder, d), builder.sitofp(lanes, _vec(_F32, 8)),
+                                                  builder.load(acc)]), acc)
+
+            zero = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+            acc, acc2 = cgutils.alloca_once_value(builder, zero), cgutils.alloca_once_value(builder, zero)
+            if tinyblas:
+                with cgutils.for_range(builder, nb_) as loop:
+                    step(acc, loop.index)
+                return _hsum8(builder, builder.load(acc))
+            with cgutils.for_range(builder, builder.ashr(nb_, _i64(1))) as loop:
+                b = builder.mul(loop.index, _i64(2))
+                step(acc, b)
+                step(acc2, builder.add(b, _i64(1)))
+            total = _hsum8(builder, builder.fadd(builder.load(acc), builder.load(acc2)))
+            lanes, d = block(builder.sub(nb_, _i64(1)))  # always a valid block; used only if nb is odd
+            tail = builder.call(_fma_fn(builder, 1), [d, builder.sitofp(_isum(builder, lanes), _F32), total])
+            odd = builder.icmp_signed("!=", builder.and_(nb_, _i64(1)), _i64(0))
+            return builder.select(odd, tail, total)
+
+        return sig, codegen
+
+    return dot
+
+
+_q2k_sumi, _q3k_sumi, _q4k_sumi, _q5k_sumi, _q6k_sumi, _iq4xs_sumi = (
+    _make_block_sumi(t) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_vec, _q3k_vec, _q4k_vec, _q5k_vec, _q6k_vec, _iq4xs_vec = (_make_vec_dot(t) for t in BIT_TYPES + (T.IQ4_XS,))
+_iq4nl_vec, _iq4nl_tiny = _make_iq4_nl_dot(False), _make_iq4_nl_dot(True)
+iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K.Q for an IQ4_NL K cache
+
+
+@numba.njit(nogil=True, inline="always")
+def _block_sumi(kind, w, p, s, soff, y, yoff):
+    if kind == 10:
+        return _q2k_sumi(w, p, s, soff, y, yoff)
+    if kind == 11:
+        return _q3k_sumi(w, p, s, soff, y, yoff)
+    if kind == 12:
+        return _q4k_sumi(w, p, s, soff, y, yoff)
+    if kind == 13:
+        return _q5k_sumi(w, p, s, soff, y, yoff)
+    if kind == 14:
+        return _q6k_sumi(w, p, s, soff, y, yoff)
+    return _iq4xs_sumi(w, p, s, soff, y, yoff)
+
+
+@numba.njit(nogil=True)
+def _tiled_dot(has_min, kind, w, off, nblk, block_bytes, s, m, d, dmin, yq, yd, ybs, col):
+    """The TILED route for one weight row (scales decoded) . activation row col."""
+    acc = np.float32(0)
+    for blk in range(nblk):
+        yb = col * nblk + blk
+        r = d[blk] * np.float32(_block_sumi(kind, w, off + blk * block_bytes, s, blk * 16, yq, yb * QK_K))
+        if has_min:
+            s2 = np.int32(0)
+            for g in range(16):
+                s2 += m[blk * 16 + g] * ybs[yb * 16 + g]
+            r = fma32(-dmin[blk], np.float32(s2), r)
+        acc = fma32(r, yd[yb], acc)
+    return acc
+
+
+@numba.njit(nogil=True, inline="always")
+def _vec_dot(kind, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
+    if kind == 10:
+        return _q2k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 11:
+        return _q3k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 12:
+        return _q4k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 13:
+        return _q5k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    if kind == 14:
+        return _q6k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+    return _iq4xs_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _mul_mat_kquant(kind, how, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd,
+                    ybs, out):
+    """Like _mul_mat_quant: a task's weight rows have their scales decoded once (IQ4_NL reads its one
+    scale per block directly), their quants on the fly in every dot; `how` is the route."""
+    ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
+    ngroups = nblk * qb // GROUP
+    for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
+        i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
+        s = np.zeros((ROWS_PER_TASK, ngroups), np.int32)
+        m = np.zeros_like(s)
+        d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
+        dmin = np.zeros_like(d)
+        if kind != IQ4_NL_KIND:
+            for ir in range(lo, hi):
+                decode_row_scales(kind, w, base + ir * nb01, nblk, block_bytes, qb, s[ir - lo], m[ir - lo],
+                                  d[ir - lo], dmin[ir - lo])
+        for i11 in range(ne11):  # every activation row meets the task's weight rows while they are hot
+            col = col0 + i11
+            for ir in range(lo, hi):
+                row, t = base + ir * nb01, ir - lo
+                if kind == IQ4_NL_KIND:
+                    if how == TINYBLAS:
+                        v = _iq4nl_tiny(w, row, nblk, yq, yd, col)
+                    else:
+                        v = _iq4nl_vec(w, row, nblk, yq, yd, col)
+                elif how == VEC:
+                    v = _vec_dot(kind, w, row, nblk, s[t], m[t], d[t], dmin[t], yq, yd, ybs, col)
+                else:
+                    v = _tiled_dot(has_min, kind, w, row, nblk, block_bytes, s[t], m[t], d[t], dmin[t], yq, yd, ybs,
+                                   col)
+                out[i13, i12, i11, ir] = v
+
+
+def mul_mat(src0, xs, out) -> None:
+    """MUL_MAT with K-quant/IQ4 weights src0 (a Tensor) and f32 activation rows xs (rows, K) into out
+    (the dst array, whose shape[2] is src1->ne[1], what picks ggml's route)."""
+    tt = TYPE_TRAITS[src0.type]
+    yq, yd, ybs = quantize_activations(src0.type, xs)
+    _mul_mat_kquant(int(src0.type), route(src0.type, out.shape[2]), HAS_MIN[src0.type], tt.type_size,
+                    tt.block_size, src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2],
+                    src0.ne[3], xs.shape[1] // tt.block_size, yq.reshape(-1), yd.reshape(-1), ybs.reshape(-1), out)
