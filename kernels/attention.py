@@ -39,7 +39,6 @@ from numba import prange
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible
-from .copy import KIND_F16, KIND_F32, KINDS, parallel_worthwhile, storage
 from .fmath import fma32
 from .formats import dequantize_rows
 from .kquant_dot import iq4_nl_vec_dot
@@ -48,7 +47,8 @@ from .kv_quants import dequantize_iq4_nl_reference
 from .node import InvalidNode, Node, Tensor
 from .quants import QK, ROW_DOT, quantize_q8_ref, quantize_q8_rows, unpack_blocks
 from .registry import OpKernel, prepared, register
-from .softmax import NEG_INF, alibi_slope, vec_soft_max, widen_f16
+from .storage import KIND_F16, KIND_F32, KINDS, parallel_worthwhile, storage, widen_f16
+from .vec import NEG_INF, alibi_slope, vec_soft_max
 
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)

@@ -15,9 +15,9 @@ import math
 import numba
 import numpy as np
 
-from .copy import KIND_F16, load_f32
 from .fmath import fma32, hsum16, round_f16
-from .softmax import NEG_INF
+from .storage import KIND_F16, load_f32
+from .vec import NEG_INF
 
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)

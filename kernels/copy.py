@@ -18,160 +18,12 @@ from numba import prange
 
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from .fmath import (
-    JIT,
-    bf16_to_f32,
-    f16_to_f32,
-    f32_to_bf16,
-    f32_to_f16,
-    np_bf16_bits_to_f32,
-    np_f16_bits_to_f32,
-    np_f32_to_bf16_bits,
-    np_f32_to_f16_bits,
-)
+from .fmath import JIT
 from .kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
-from .kv_quants import np_trunc_i32 as np_f32_to_i32  # noqa: F401  (float32 -> int32 as x86 casts)
-from .kv_quants import trunc_i32 as f32_to_i32
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, prepared, register
-
-# ---------------------------------------------------------------------------------------------
-# storage kinds: how a kernel reads/writes the elements of an array
-
-KIND_F32, KIND_F16, KIND_BF16, KIND_I32, KIND_RAW = 0, 1, 2, 3, 4
-
-KINDS = {GGMLType.F32: KIND_F32, GGMLType.F16: KIND_F16, GGMLType.BF16: KIND_BF16, GGMLType.I32: KIND_I32}
-
-# numpy views numba can handle: half floats travel as their uint16 bit patterns
-_STORAGE = {GGMLType.F32: np.float32, GGMLType.F16: np.uint16, GGMLType.BF16: np.uint16, GGMLType.I32: np.int32}
-_RAW_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def storage(t: Tensor) -> np.ndarray:
-    """The tensor's (ne3, ne2, ne1, ne0) strided view in a numba-friendly dtype (F16/BF16 as uint16)."""
-    return t.array().view(_STORAGE[t.type])
-
-
-def raw_storage(t: Tensor) -> np.ndarray:
-    """A plain type's elements as unsigned integers of the same width: copies without conversion."""
-    return t.array().view(_RAW_UINTS[TYPE_TRAITS[t.type].type_size])
-
-
-@numba.njit(inline="always", **JIT)
-def load_f32(v, kind):
-    """One stored element as float32."""
-    if kind == KIND_F16:
-        return f16_to_f32(np.uint32(v))
-    if kind == KIND_BF16:
-        return bf16_to_f32(np.uint32(v))
-    return np.float32(v)
-
-
-@numba.njit(inline="always", **JIT)
-def store_f32(dst, i3, i2, i1, i0, f, kind):
-    """Write float32 `f` into dst[i3, i2, i1, i0], converting to the storage kind."""
-    if kind == KIND_F16:
-        dst[i3, i2, i1, i0] = f32_to_f16(f)
-    elif kind == KIND_BF16:
-        dst[i3, i2, i1, i0] = f32_to_bf16(f)
-    elif kind == KIND_I32:
-        dst[i3, i2, i1, i0] = f32_to_i32(f)
-    else:
-        dst[i3, i2, i1, i0] = f
-
-
-# ---------------------------------------------------------------------------------------------
-# row loops. Each kernel is a per-row body plus one driver whose `parallel` flag picks prange or a
-# plain loop: threads pay off only on big tensors, on small ones (decode steps) waking them costs
-# more than the work. (A plain range loop in a parallel=True function never touches the pool.)
-
-PARALLEL_MIN_WORK = 1 << 18
-
-
-def parallel_worthwhile(n_elements: int, cost: int = 1) -> bool:
-    """Whether to use threads; `cost` weighs an element's work (1 = a load and a store)."""
-    return n_elements * cost >= PARALLEL_MIN_WORK
-
-
-@numba.njit(inline="always", **JIT)
-def row_coords(r, n1, n2):
-    """(i1, i2, i3) of flat row r in a (n3, n2, n1, n0) array."""
-    return r % n1, (r // n1) % n2, r // (n1 * n2)
-
-
-@numba.njit(inline="always", **JIT)
-def _unflatten(flat, d2, d1, d0):
-    """(j3, j2, j1, j0) of the row-major element index `flat` in a (.., d2, d1, d0) array."""
-    rest = flat // d0
-    return rest // (d1 * d2), (rest // d1) % d2, rest % d1, flat % d0
-
-
-@numba.njit(inline="always", **JIT)
-def _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, j0):
-    if skind == KIND_RAW:
-        dst[j3, j2, j1, j0] = src[i3, i2, i1, i0]
-    else:
-        store_f32(dst, j3, j2, j1, j0, load_f32(src[i3, i2, i1, i0], skind), dkind)
-
-
-@numba.njit(**JIT)
-def _copy_row(src, dst, skind, dkind, r):
-    """Source row r into the destination elements that follow it in row-major order."""
-    n0, d0 = src.shape[3], dst.shape[3]
-    i1, i2, i3 = row_coords(r, src.shape[2], src.shape[1])
-    j3, j2, j1, j0 = _unflatten(r * n0, dst.shape[1], dst.shape[2], d0)
-    if n0 == d0:  # rows of equal length map onto each other whole
-        for i0 in range(n0):
-            _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, i0)
-        return
-    for i0 in range(n0):
-        if j0 == d0:
-            j3, j2, j1, j0 = _unflatten(r * n0 + i0, dst.shape[1], dst.shape[2], d0)
-        _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, j0)
-        j0 += 1
-
-
-@numba.njit(parallel=True, **JIT)
-def _copy_rows(src, dst, skind, dkind, parallel):
-    n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _copy_row(src, dst, skind, dkind, r)
-    else:
-        for r in range(n_rows):
-            _copy_row(src, dst, skind, dkind, r)
-
-
-def _copy_arrays(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
-    if src.size:
-        _copy_rows(src, dst, skind, dkind, parallel_worthwhile(src.size))
-
-
-def convert_into(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
-    """Row-major converting copy between storage arrays (for other kernels' widen/narrow steps)."""
-    _copy_arrays(src, dst, skind, dkind)
-
-
-def widen_f32(t: Tensor) -> np.ndarray:
-    """A fresh contiguous float32 (ne3, ne2, ne1, ne0) copy of an F32/F16/BF16 tensor."""
-    out = np.empty((t.ne[3], t.ne[2], t.ne[1], t.ne[0]), dtype=np.float32)
-    _copy_arrays(storage(t), out, KINDS[t.type], KIND_F32)
-    return out
-
-
-def copy_tensor(src: Tensor, dst: Tensor) -> None:
-    """ggml_compute_forward_dup: fill dst from src in row-major order, converting the type if needed."""
-    if _quantizing(src, dst):
-        if _nelements(src):
-            values = widen_f32(src).reshape(-1, src.ne[0])
-            _write_contiguous(dst, quantize_rows(dst.type, values, parallel_worthwhile(values.size, cost=8)))
-    elif src.type != dst.type:
-        _copy_arrays(storage(src), storage(dst), KINDS[src.type], KINDS[dst.type])
-    elif not TYPE_TRAITS[src.type].is_quantized:
-        _copy_arrays(raw_storage(src), raw_storage(dst), KIND_RAW, KIND_RAW)
-    else:  # whole blocks, which lie contiguously within rows: row-major bytes = row-major blocks
-        _copy_arrays(src.rows(), dst.rows(), KIND_RAW, KIND_RAW)
-
+from .storage import (KIND_F32, KIND_RAW, KINDS, copy_arrays, from_f32_reference, load_f32, parallel_worthwhile,
+                      raw_storage, storage, store_f32, to_f32_reference, widen_f32)
 
 # ---------------------------------------------------------------------------------------------
 # DUP / CPY / CONT
@@ -201,6 +53,20 @@ def _write_contiguous(dst: Tensor, rows: np.ndarray) -> None:
     """Quantized rows, in row-major order, into a contiguous destination's bytes."""
     flat = rows.reshape(-1)
     dst.mem[dst.offset : dst.offset + flat.size] = flat
+
+
+def copy_tensor(src: Tensor, dst: Tensor) -> None:
+    """ggml_compute_forward_dup: fill dst from src in row-major order, converting the type if needed."""
+    if _quantizing(src, dst):
+        if _nelements(src):
+            values = widen_f32(src).reshape(-1, src.ne[0])
+            _write_contiguous(dst, quantize_rows(dst.type, values, parallel_worthwhile(values.size, cost=8)))
+    elif src.type != dst.type:
+        copy_arrays(storage(src), storage(dst), KINDS[src.type], KINDS[dst.type])
+    elif not TYPE_TRAITS[src.type].is_quantized:
+        copy_arrays(raw_storage(src), raw_storage(dst), KIND_RAW, KIND_RAW)
+    else:  # whole blocks, which lie contiguously within rows: row-major bytes = row-major blocks
+        copy_arrays(src.rows(), dst.rows(), KIND_RAW, KIND_RAW)
 
 
 def _check_quantizing_copy(node: Node, src: Tensor, dst: Tensor) -> None:
@@ -257,25 +123,6 @@ def reference_copy_array(src: Tensor, dst: Tensor) -> None:
         return
     values = to_f32_reference(src).reshape(dst.ne[3], dst.ne[2], dst.ne[1], dst.ne[0])
     storage(dst)[...] = from_f32_reference(values, dst.type)
-
-
-def to_f32_reference(t: Tensor) -> np.ndarray:
-    a = storage(t)
-    if t.type == GGMLType.F16:
-        return np_f16_bits_to_f32(a)
-    if t.type == GGMLType.BF16:
-        return np_bf16_bits_to_f32(a)
-    return a.astype(np.float32)
-
-
-def from_f32_reference(values: np.ndarray, type_: GGMLType) -> np.ndarray:
-    if type_ == GGMLType.F16:
-        return np_f32_to_f16_bits(values)
-    if type_ == GGMLType.BF16:
-        return np_f32_to_bf16_bits(values)
-    if type_ == GGMLType.I32:
-        return np_f32_to_i32(values)
-    return np.asarray(values, dtype=np.float32)
 
 
 def _reference_dup(node: Node) -> None:

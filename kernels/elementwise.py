@@ -19,95 +19,17 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ggml import GGMLOp, GGMLType, GGMLUnaryOp
+from .ggml import TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp
 
-from . import copy as cp
-from .fmath import JIT, f16_to_f32, f32_to_f16, fma32, np_v_expf, np_v_expf16, v_expf, v_expf16
-from .node import InvalidNode, Node, Tensor
+from . import storage as st
+from .activations import SQR as _SQR, SQRT as _SQRT
+from .activations import gelu_erf, gelu_table, gelu_tables, reference_unary_values, silu_scalar, silu_vec
+from .fmath import JIT, f16_to_f32, f32_to_f16, fma32
+from .node import InvalidNode, Node
 from .registry import OpKernel, nothing, prepared, register
+from .storage import rows_contiguous
 
 F32 = np.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# scalar activations
-
-
-@numba.njit(inline="always", **JIT)
-def silu_simd(x):
-    """One lane of the AVX2 build's ggml_v_silu."""
-    return x / (F32(1.0) + v_expf(F32(0.0) - x))
-
-
-@numba.njit(inline="always", **JIT)
-def silu_simd16(x):
-    """One lane of the AVX-512 build's ggml_v_silu."""
-    return x / (F32(1.0) + v_expf16(F32(0.0) - x))
-
-
-@numba.njit(inline="always", **JIT)
-def silu_vec(x, lanes):
-    """One lane of ggml_v_silu in the build with `lanes` float lanes (8: AVX2, 16: AVX-512)."""
-    return silu_simd16(x) if lanes == 16 else silu_simd(x)
-
-
-@numba.njit(inline="always", **JIT)
-def silu_scalar(x):
-    return x / (F32(1.0) + math.exp(-x))
-
-
-_GELU_COEF_A = F32(0.044715)
-_GELU_QUICK_COEF = F32(-1.702)
-_SQRT_2_OVER_PI = F32(0.79788456080286535587989211986876)
-_SQRT_2_INV = F32(0.70710678118654752440084436210484)
-
-
-@numba.njit(**JIT)
-def gelu_tanh(x):
-    # GCC contracts 1 + A*x*x into one fma when it builds the table
-    return F32(0.5) * x * (F32(1.0) + math.tanh(_SQRT_2_OVER_PI * x * fma32(_GELU_COEF_A * x, x, F32(1.0))))
-
-
-@numba.njit(inline="always", **JIT)
-def gelu_quick(x):
-    return x * (F32(1.0) / (F32(1.0) + math.exp(_GELU_QUICK_COEF * x)))
-
-
-@numba.njit(inline="always", **JIT)
-def gelu_erf(x):
-    return F32(0.5) * x * (F32(1.0) + math.erf(x * _SQRT_2_INV))
-
-
-@numba.njit(**JIT)
-def _build_gelu_tables(gelu, quick):
-    for h in range(65536):
-        x = f16_to_f32(h)
-        nan = np.uint16((h & 0x8000) | 0x7E00)  # ggml's table holds payload-free NaNs
-        y = gelu_tanh(x)
-        gelu[h] = nan if y != y else f32_to_f16(y)
-        y = gelu_quick(x)
-        quick[h] = nan if y != y else f32_to_f16(y)
-
-
-_TABLES: list[np.ndarray] = []
-
-
-def gelu_tables() -> tuple[np.ndarray, np.ndarray]:
-    """ggml_table_gelu_f16 and ggml_table_gelu_quick_f16, as F16 bit patterns (built once)."""
-    if not _TABLES:
-        _TABLES.extend(np.empty(65536, dtype=np.uint16) for _ in range(2))
-        _build_gelu_tables(*_TABLES)
-    return _TABLES[0], _TABLES[1]
-
-
-@numba.njit(inline="always", **JIT)
-def gelu_table(x, table):
-    """ggml_vec_gelu_f32 with GGML_GELU_FP16: clamp far tails, else look the F16-rounded input up."""
-    if x <= F32(-10.0):
-        return F32(0.0)
-    if x >= F32(10.0):
-        return x
-    return f16_to_f32(table[f32_to_f16(x)])
 
 
 @numba.njit(inline="always", **JIT)
@@ -129,7 +51,7 @@ def _roundf(x):
 # UNARY (and SQR/SQRT, which are ops of their own but the same kind of kernel)
 
 U = GGMLUnaryOp
-_SQR, _SQRT, _SCALE = 1000, 1001, 1002  # private codes for GGML_OP_SQR / SQRT / SCALE
+_SCALE = 1002  # private code for GGML_OP_SCALE (SQR/SQRT: activations.SQR/SQRT)
 
 # sub-ops whose forward is a plain per-element f32 function (SILU/GELU* need row context or tables)
 _UNARY_SUPPORTED = (
@@ -192,7 +114,7 @@ def _unary_scalar(op, x, gelu_tab, quick_tab, s, bias):
 @numba.njit(**JIT)
 def _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r):
     n3, n2, n1, n0 = src.shape
-    i1, i2, i3 = cp.row_coords(r, n1, n2)
+    i1, i2, i3 = st.row_coords(r, n1, n2)
     vec_end = (n0 // lanes) * lanes if op == U.SILU else 0  # SILU: SIMD body of `lanes`-wide groups, scalar tail
     for i0 in range(vec_end):
         dst[i3, i2, i1, i0] = silu_vec(src[i3, i2, i1, i0], lanes)
@@ -209,10 +131,6 @@ def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, parallel):
     else:
         for r in range(n_rows):
             _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r)
-
-
-def rows_contiguous(t: Tensor) -> bool:
-    return t.ne[0] == 1 or t.nb[0] == cp.TYPE_TRAITS[t.type].type_size
 
 
 def _unary_code(node: Node) -> int:
@@ -239,74 +157,11 @@ def _prepare_unary(node: Node):
     gelu, quick = gelu_tables()
     code = _unary_code(node)
     s, bias = (F32(node.param_f32(0)), F32(node.param_f32(1))) if code == _SCALE else (F32(1.0), F32(0.0))
-    parallel = cp.parallel_worthwhile(src.size, cost=1 if code == _SCALE else 8)
+    parallel = st.parallel_worthwhile(src.size, cost=1 if code == _SCALE else 8)
     return partial(_unary_rows, code, src, node.dst.array(), gelu, quick, s, bias, node.target.lanes, parallel)
 
 
 _forward_unary = prepared(_prepare_unary)
-
-
-def np_silu_rows(x: np.ndarray, lanes: int) -> np.ndarray:
-    """ggml_vec_silu_f32 on every row (last axis): the build's ggml_v_silu on each full group of `lanes`
-    (bit for bit), x / (1 + expf(-x)) on the rest (numpy's expf, within an ulp of libm's)."""
-    x = np.asarray(x, F32)
-    body = (x.shape[-1] // lanes) * lanes
-    one = F32(1.0)
-    out = np.empty(x.shape, F32)
-    with np.errstate(all="ignore"):
-        v = x[..., :body]
-        out[..., :body] = v / (one + (np_v_expf16 if lanes == 16 else np_v_expf)(F32(0.0) - v))
-        t = x[..., body:]
-        out[..., body:] = t / (one + np.exp(-t))
-    return out
-
-
-def reference_unary_values(code: int, x: np.ndarray, lanes: int = 8) -> np.ndarray:
-    """float32 numpy formulas (transcendentals to within an ulp of libm's; SILU's SIMD body exact)."""
-    one, zero = F32(1.0), F32(0.0)
-    if code == U.SILU:
-        return np_silu_rows(x, lanes)
-    with np.errstate(all="ignore"):
-        if code == U.GELU:
-            table = np.where(x <= -10, zero, np.where(x >= 10, x, _np_gelu_f16(x, _np_gelu_tanh)))
-            return table.astype(F32)
-        if code == U.GELU_QUICK:
-            return _np_gelu_f16(x, _np_gelu_quick)
-        formulas = {
-            U.ABS: np.abs, U.NEG: np.negative, U.TANH: np.tanh, U.EXP: np.exp,
-            U.SGN: lambda v: np.where(v > 0, one, np.where(v < 0, -one, zero)), U.STEP: lambda v: (v > 0).astype(F32),
-            U.ELU: lambda v: np.where(v > 0, v, np.expm1(v)),
-            U.RELU: lambda v: np.where(v > 0, v, zero),
-            U.SIGMOID: lambda v: one / (one + np.exp(-v)),
-            U.HARDSWISH: lambda v: v * np.fmin(one, np.fmax(zero, (v + F32(3)) / F32(6))),
-            U.HARDSIGMOID: lambda v: np.fmin(one, np.fmax(zero, (v + F32(3)) / F32(6))),
-            U.EXPM1: lambda v: np.exp(v) - one,
-            U.SOFTPLUS: lambda v: np.where(v > 20, v, np.log(one + np.exp(v))),
-            U.GELU_ERF: _np_gelu_erf,
-            U.FLOOR: np.floor, U.CEIL: np.ceil, U.TRUNC: np.trunc,
-            U.ROUND: lambda v: np.where(np.abs(v - np.trunc(v)) >= 0.5, np.trunc(v) + np.sign(v), np.trunc(v)),
-            _SQR: np.square, _SQRT: np.sqrt,
-        }
-        return np.asarray(formulas[code](x), dtype=F32)
-
-
-def _np_gelu_tanh(x):
-    return F32(0.5) * x * (F32(1) + np.tanh(_SQRT_2_OVER_PI * x * (F32(1) + _GELU_COEF_A * x * x)))
-
-
-def _np_gelu_quick(x):
-    return x * (F32(1) / (F32(1) + np.exp(_GELU_QUICK_COEF * x)))
-
-
-def _np_gelu_erf(x):
-    from math import erf
-
-    return (F32(0.5) * x * (F32(1) + np.vectorize(erf, otypes=[np.float64])(x * _SQRT_2_INV).astype(F32))).astype(F32)
-
-
-def _np_gelu_f16(x, fn):
-    """What the table path yields: fn at the F16-rounded input, rounded to F16."""
-    return fn(x.astype(np.float16).astype(F32)).astype(np.float16).astype(F32)
 
 
 def _reference_unary(node: Node) -> None:
@@ -335,7 +190,7 @@ _BINARY_TYPES = {(_F32, _F32, _F32), (_F16, _F16, _F16), (_BF16, _BF16, _BF16), 
 def _binary_row(op, a, b, dst, r):
     n3, n2, n1, n0 = a.shape
     m3, m2, m1, m0 = b.shape
-    i1, i2, i3 = cp.row_coords(r, n1, n2)
+    i1, i2, i3 = st.row_coords(r, n1, n2)
     x, y, z = a[i3, i2, i1], b[i3 % m3, i2 % m2, i1 % m1], dst[i3, i2, i1]
     for base in range(0, n0, m0):  # src1's row repeats along src0's
         if op == 0:
@@ -376,7 +231,7 @@ def _check_binary(node: Node) -> None:
     if not repeats:
         raise InvalidNode(f"{name}: src1 {b.ne} does not repeat into src0 {a.ne}")
     for t, what in ((a, "src0"), (dst, "result")):
-        if t.nb[0] != cp.TYPE_TRAITS[t.type].type_size:
+        if t.nb[0] != TYPE_TRAITS[t.type].type_size:
             raise InvalidNode(f"{name}: {what} elements must be contiguous within rows")
 
 
@@ -385,17 +240,17 @@ def _prepare_binary(node: Node):
     if 0 in a.ne:
         return nothing
     code = _BINARY_CODES[node.op]
-    parallel = cp.parallel_worthwhile(a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3])
+    parallel = st.parallel_worthwhile(a.ne[0] * a.ne[1] * a.ne[2] * a.ne[3])
     if a.type == b.type == dst.type == GGMLType.F32:
         return partial(_binary_rows, code, a.array(), b.array(), dst.array(), parallel)
 
     def run_widened():  # half-float operands: widen to f32 (exact), compute in f32, round once into dst
-        xa = cp.widen_f32(a)
-        xb = b.array() if b.type == GGMLType.F32 else cp.widen_f32(b)
+        xa = st.widen_f32(a)
+        xb = b.array() if b.type == GGMLType.F32 else st.widen_f32(b)
         out = dst.array() if dst.type == GGMLType.F32 else np.empty_like(xa)
         _binary_rows(code, xa, xb, out, parallel)
         if dst.type != GGMLType.F32:
-            cp.convert_into(out, cp.storage(dst), cp.KIND_F32, cp.KINDS[dst.type])
+            st.convert_into(out, st.storage(dst), st.KIND_F32, st.KINDS[dst.type])
 
     return run_widened
 
@@ -410,11 +265,11 @@ def _reference_binary(node: Node) -> None:
     a, b, dst = node.src[0], node.src[1], node.dst
     if 0 in a.ne:
         return
-    xa, xb = cp.to_f32_reference(a), cp.to_f32_reference(b)
+    xa, xb = st.to_f32_reference(a), st.to_f32_reference(b)
     reps = tuple(x // y for x, y in zip(xa.shape, xb.shape))
     with np.errstate(all="ignore"):
         z = _NP_BINARY[node.op](xa, np.tile(xb, reps), dtype=F32)
-    cp.storage(dst)[...] = cp.from_f32_reference(z, dst.type)
+    st.storage(dst)[...] = st.from_f32_reference(z, dst.type)
 
 
 _BINARY_KERNEL = OpKernel(_check_binary, _forward_binary, _reference_binary, _prepare_binary)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from . import formats, kquants, quants
+from . import formats, kquants
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import bf16_to_f32, f16_to_f32

@@ -14,12 +14,13 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import copy as cp
-from .elementwise import gelu_erf, gelu_tables, reference_unary_values, rows_contiguous, silu_scalar, silu_vec
+from . import storage as st
+from .activations import gelu_erf, gelu_tables, reference_unary_values, silu_scalar, silu_vec
 from .fmath import JIT, f16_to_f32, f32_to_f16
 from .ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, nothing, prepared, register
+from .storage import rows_contiguous
 
 F32 = np.float32
 U = GGMLUnaryOp
@@ -31,7 +32,7 @@ _GLU_SUPPORTED = (G.REGLU, G.GEGLU, G.SWIGLU, G.GEGLU_ERF, G.GEGLU_QUICK)
 @numba.njit(**JIT)
 def _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, r):
     n3, n2, n1, n0 = dst.shape
-    i1, i2, i3 = cp.row_coords(r, n1, n2)
+    i1, i2, i3 = st.row_coords(r, n1, n2)
     vec_end = (n0 // lanes) * lanes if op == G.SWIGLU else 0  # SWIGLU: ggml_v_silu(x) * g on whole groups
     for i0 in range(vec_end):
         dst[i3, i2, i1, i0] = silu_vec(x[i3, i2, i1, i0], lanes) * g[i3, i2, i1, i0]
@@ -111,7 +112,7 @@ def _prepare_glu(node: Node):
     if dst.size == 0:
         return nothing
     gelu, quick = gelu_tables()
-    parallel = cp.parallel_worthwhile(dst.size, cost=8)
+    parallel = st.parallel_worthwhile(dst.size, cost=8)
     return partial(_glu_rows, node.param_i32(0), x, g, dst, gelu, quick, node.target.lanes, parallel)
 
 

@@ -22,10 +22,10 @@ from numba import prange
 
 from .ggml import GGMLOp, GGMLType
 
-from .copy import JIT, parallel_worthwhile, row_coords
-from .fmath import fma32, hsum16, np_fma, np_hsum16
+from .fmath import JIT, fma32, hsum16, np_fma, np_hsum16
 from .node import InvalidNode, Node
 from .registry import OpKernel, nothing, prepared, register
+from .storage import parallel_worthwhile, row_coords
 
 F32 = np.float32
 

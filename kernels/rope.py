@@ -21,11 +21,10 @@ from numba import prange
 
 from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
-from .copy import parallel_worthwhile
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, prepared, register
 from .fmath import f16_to_f32, f32_to_f16, fma32, np_fma
-from .softmax import u16_view
+from .storage import parallel_worthwhile, u16_view
 
 F32 = np.float32
 _jit = dict(cache=True, nogil=True, fastmath=False)

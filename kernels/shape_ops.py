@@ -13,10 +13,10 @@ from numpy.lib.stride_tricks import as_strided
 
 from .ggml import MAX_DIMS, TYPE_TRAITS, GGMLOp, GGMLType
 
-from .copy import raw_storage
 from .fmath import JIT
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
+from .storage import raw_storage
 
 T = GGMLType
 

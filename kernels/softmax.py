@@ -22,139 +22,15 @@ from numba import prange
 
 from .ggml import GGMLOp, GGMLType
 
-from .copy import parallel_worthwhile
-from .fmath import (
-    f16_to_f32,
-    fma32,
-    hsum16,
-    np_fma,
-    np_hsum16,
-    np_v_expf,
-    np_v_expf16,
-    v_expf,
-    v_expf16,
-)
-from .node import InvalidNode, Node, Tensor
+from .fmath import fma32, np_fma
+from .node import InvalidNode, Node
 from .registry import OpKernel, prepared, register
+from .storage import as_f32, parallel_worthwhile
+from .vec import NEG_INF, alibi_slope, np_expf, np_soft_max, vec_soft_max
 
 F32 = np.float32
-NEG_INF = F32(-np.inf)
 
 _jit = dict(cache=True, nogil=True, fastmath=False)
-
-@numba.njit(**_jit)
-def _widen_row(r, buf, off, ne, st, out):
-    i3, i2, i1 = r // (ne[2] * ne[1]), (r // ne[1]) % ne[2], r % ne[1]
-    base = off + i3 * st[3] + i2 * st[2] + i1 * st[1]
-    src = buf[base : base + ne[0]]  # a slice keeps the loop free of negative-index checks
-    row = out[i3, i2, i1]
-    for t in range(ne[0]):
-        row[t] = f16_to_f32(src[t])
-
-
-@numba.njit(**_jit)
-def _widen_plane_transposed(r, buf, off, ne, st, out):
-    # out[i3, i2, i0, i1]: widen 16 rows at a time into a small buffer, then write it out by columns
-    block = 16
-    i3, i2 = r // ne[2], r % ne[2]
-    plane = out[i3, i2]
-    tmp = np.empty((block, ne[0]), F32)
-    for j0 in range(0, ne[1], block):
-        m = min(block, ne[1] - j0)
-        for u in range(m):
-            b = off + i3 * st[3] + i2 * st[2] + (j0 + u) * st[1]
-            src = buf[b : b + ne[0]]
-            row = tmp[u]
-            for t in range(ne[0]):
-                row[t] = f16_to_f32(src[t])
-        for t in range(ne[0]):
-            col = plane[t, j0 : j0 + m]
-            for u in range(m):
-                col[u] = tmp[u, t]
-
-
-@numba.njit(parallel=True, **_jit)
-def _widen(buf, off, ne, st, out, transpose, parallel):
-    n = ne[3] * ne[2] if transpose else ne[3] * ne[2] * ne[1]
-    if parallel:
-        for r in prange(n):
-            if transpose:
-                _widen_plane_transposed(r, buf, off, ne, st, out)
-            else:
-                _widen_row(r, buf, off, ne, st, out)
-    else:
-        for r in range(n):
-            if transpose:
-                _widen_plane_transposed(r, buf, off, ne, st, out)
-            else:
-                _widen_row(r, buf, off, ne, st, out)
-
-
-def u16_view(t: Tensor) -> np.ndarray:
-    """The raw bits of an F16 tensor as a strided (ne3, ne2, ne1, ne0) uint16 array."""
-    ne, nb = t.ne, t.nb
-    return np.ndarray((ne[3], ne[2], ne[1], ne[0]), np.uint16, t.mem, t.offset, (nb[3], nb[2], nb[1], nb[0]))
-
-
-def widen_f16(t: Tensor, transpose: bool = False) -> np.ndarray:
-    """An F16 tensor (rows contiguous) as a new C-contiguous float32 (ne3, ne2, ne1, ne0) array, or
-    (ne3, ne2, ne0, ne1) if transpose."""
-    ne = t.ne
-    shape = (ne[3], ne[2], ne[0], ne[1]) if transpose else (ne[3], ne[2], ne[1], ne[0])
-    out = np.empty(shape, F32)
-    if t.offset % 2 or any(n % 2 for n in t.nb) or t.mem.size % 2:
-        src = u16_view(t).view(np.float16)  # odd byte layout: let numpy do it
-        out[...] = src.transpose(0, 1, 3, 2) if transpose else src
-        return out
-    buf = t.mem.view(np.uint16)
-    _widen(buf, t.offset // 2, np.array(ne, np.int64), np.array(t.nb, np.int64) // 2, out, transpose,
-           parallel_worthwhile(out.size, cost=2))
-    return out
-
-
-def as_f32(t: Tensor) -> np.ndarray:
-    """An F32 or F16 tensor's values as float32 (a copy for F16; the conversion is exact)."""
-    return t.array() if t.type == GGMLType.F32 else widen_f16(t)
-
-
-@numba.njit(**_jit)
-def alibi_slope(max_bias, n_head, h):
-    """ALiBi slope of head h, as ggml computes it (powf in float32)."""
-    if not max_bias > F32(0.0):
-        return F32(1.0)
-    n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
-    m0 = math.pow(F32(2.0), -max_bias / F32(n_head_log2))
-    m1 = math.pow(F32(2.0), -(max_bias / F32(2.0)) / F32(n_head_log2))
-    if h < n_head_log2:
-        return math.pow(m0, F32(h + 1))
-    return math.pow(m1, F32(2 * (h - n_head_log2) + 1))
-
-
-@numba.njit(**_jit)
-def vec_soft_max(n, y, x, mx, lanes):
-    """ggml_vec_soft_max_f32 of a build with `lanes` float lanes (8: AVX2, 16: AVX-512): y = exp(x - mx);
-    returns the sum, accumulated in double like ggml."""
-    total = 0.0
-    nv = n - n % lanes
-    xs, ys = x[:nv], y[:nv]  # slices keep the loop free of negative-index checks, so it vectorizes
-    if lanes == 16:
-        for i in range(nv):
-            ys[i] = v_expf16(xs[i] - mx)
-        for i in range(0, nv, 16):
-            total += np.float64(hsum16(y, i))  # _mm512_reduce_add_ps
-    else:
-        for i in range(nv):
-            ys[i] = v_expf(xs[i] - mx)
-        for i in range(0, nv, 8):
-            # horizontal add of 8 lanes in the order of the AVX2 shuffle sequence
-            v = y[i : i + 8]
-            s = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
-            total += np.float64(s)
-    for i in range(nv, n):
-        v = math.exp(x[i] - mx)
-        total += np.float64(v)
-        y[i] = v
-    return total
 
 
 # ---------------------------------------------------------------- SOFT_MAX
@@ -248,29 +124,6 @@ forward_soft_max = prepared(prepare_soft_max)
 
 
 # numpy twin: the same float32 steps, vectorized over all rows
-
-
-def np_expf(x) -> np.ndarray:
-    """expf, correctly rounded (glibc's expf agrees but for rare last-bit cases)."""
-    return np.exp(np.asarray(x, np.float64)).astype(F32)
-
-
-def np_soft_max(x: np.ndarray, mx: np.ndarray, lanes: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """Twin of vec_soft_max over the last axis: (exp values, float64 sums)."""
-    n = x.shape[-1]
-    nv = n - n % lanes
-    d = (x - mx[..., None]).astype(F32)
-    y = np.empty_like(d)
-    y[..., :nv] = (np_v_expf16 if lanes == 16 else np_v_expf)(d[..., :nv])
-    y[..., nv:] = np_expf(d[..., nv:])
-    blocks = y[..., :nv].reshape(*y.shape[:-1], nv // lanes, lanes)
-    if lanes == 16:
-        sums = np_hsum16(blocks)
-    else:
-        t = blocks[..., :4] + blocks[..., 4:]
-        t = t[..., :2] + t[..., 2:]
-        sums = t[..., 0] + t[..., 1]
-    return y, sums.astype(np.float64).sum(-1) + y[..., nv:].astype(np.float64).sum(-1)
 
 
 def reference_soft_max(node: Node) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 import ggml_oracle
 from kernels import attention as at
-from kernels import copy as cp
+from kernels import storage
 from kernels import kv_quants
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
@@ -24,7 +24,7 @@ NP_TYPE = {T.F32: F32, T.F16: np.float16}
 @pytest.fixture(params=["serial", "parallel"])
 def drivers(request, monkeypatch):
     if request.param == "parallel":
-        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(storage, "PARALLEL_MIN_WORK", 0)
     return request.param
 
 

@@ -7,6 +7,7 @@ from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 import ggml_oracle
 from kernels import copy as cp
+from kernels import storage
 from kernels import fmath as fm
 from kernels import kv_quants as kvq
 from kernels.node import InvalidNode, Node, Tensor
@@ -23,7 +24,7 @@ RNG = np.random.default_rng(1234)
 def drivers(request, monkeypatch):
     """Run each test through the serial and the parallel row drivers."""
     if request.param == "parallel":
-        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(storage, "PARALLEL_MIN_WORK", 0)
     return request.param
 
 
@@ -84,7 +85,7 @@ def _apply(fn_code, x, out):
         elif fn_code == 2:
             out[i] = fm.f32_to_bf16(x[i])
         else:
-            out[i] = cp.f32_to_i32(x[i])
+            out[i] = storage.f32_to_i32(x[i])
 
 
 @numba.njit
@@ -175,7 +176,7 @@ def test_f32_to_i32_truncates_and_saturates_like_x86():
     _apply(3, x, out)
     expect = [1, -1, 0, 0, 2147483520, -2147483648, -2147483648, -2147483648, -2147483648, -2147483648]
     np.testing.assert_array_equal(out, expect)
-    np.testing.assert_array_equal(cp.np_f32_to_i32(x), expect)
+    np.testing.assert_array_equal(storage.np_f32_to_i32(x), expect)
 
 
 # --- DUP / CPY / CONT --------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import copy as cp
+from kernels import storage
+from kernels import activations
 from kernels import elementwise as ew
 from kernels import fmath as fm
 from kernels import glu  # noqa: F401  (registers the GLU kernels)
@@ -27,7 +28,7 @@ T, U, G = GGMLType, GGMLUnaryOp, GGMLGluOp
 @pytest.fixture(params=["serial", "parallel"])
 def drivers(request, monkeypatch):
     if request.param == "parallel":
-        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(storage, "PARALLEL_MIN_WORK", 0)
     return request.param
 
 
@@ -462,7 +463,7 @@ def _probe(n, seed):
 
 @needs_ggml
 def test_gelu_tables_equal_ggml_tables():
-    gelu, quick = ew.gelu_tables()
+    gelu, quick = activations.gelu_tables()
     np.testing.assert_array_equal(gelu, ggml_oracle.table("ggml_table_gelu_f16"))
     np.testing.assert_array_equal(quick, ggml_oracle.table("ggml_table_gelu_quick_f16"))
 

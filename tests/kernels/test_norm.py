@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import copy as cp
+from kernels import storage
 from kernels import norm  # noqa: F401  (registers the kernels)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
@@ -25,7 +25,7 @@ EPS = np.float32(1e-5)
 @pytest.fixture(params=["serial", "parallel"])
 def drivers(request, monkeypatch):
     if request.param == "parallel":
-        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(storage, "PARALLEL_MIN_WORK", 0)
     return request.param
 
 

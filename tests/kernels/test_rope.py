@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import copy as cp
+from kernels import storage
 from kernels import rope
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
@@ -22,7 +22,7 @@ NP_TYPE = {T.F32: F32, T.F16: np.float16}
 @pytest.fixture(params=["serial", "parallel"])
 def drivers(request, monkeypatch):
     if request.param == "parallel":
-        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(storage, "PARALLEL_MIN_WORK", 0)
     return request.param
 
 

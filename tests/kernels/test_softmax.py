@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import copy as cp
-from kernels import softmax as sm
+from kernels import storage
 from kernels import fmath as fm
+from kernels import softmax  # noqa: F401  (registers the kernel)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from kernels.ggml import GGMLOp, GGMLType
@@ -24,7 +24,7 @@ F32 = np.float32
 @pytest.fixture(params=["serial", "parallel"])
 def drivers(request, monkeypatch):
     if request.param == "parallel":
-        monkeypatch.setattr(cp, "PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(storage, "PARALLEL_MIN_WORK", 0)
     return request.param
 
 
@@ -241,8 +241,8 @@ def test_widen_f16_strided_and_transposed(drivers):
     base = Tensor.new(T.F16, (24, 3, 10, 2), rng.standard_normal((2, 10, 3, 24)).astype(np.float16))
     view = Tensor(T.F16, (24, 10, 3, 2), (base.nb[0], base.nb[2], base.nb[1], base.nb[3]), base.mem, 0)
     expect = view.array().astype(F32)
-    np.testing.assert_array_equal(sm.widen_f16(view), expect)
-    np.testing.assert_array_equal(sm.widen_f16(view, transpose=True), expect.transpose(0, 1, 3, 2))
+    np.testing.assert_array_equal(storage.widen_f16(view), expect)
+    np.testing.assert_array_equal(storage.widen_f16(view, transpose=True), expect.transpose(0, 1, 3, 2))
 
 
 # --- bit-exactness against ggml-cpu itself --------------------------------------------------------

@@ -101,6 +101,17 @@ def test_no_import_cycle():
                 path.append(child)
 
 
+def test_op_modules_do_not_import_each_other():
+    """Inside kernels/, the op modules (those load_all registers) stand on the core (fmath, storage, vec,
+    activations, the formats and dot products), never on another op module."""
+    from kernels import OP_MODULES
+
+    ops = {f"kernels.{name}" for name in OP_MODULES}
+    crossing = sorted(f"{m} -> {d}" for m in ops for d in GRAPH[m] if d in ops)
+    assert not crossing, "op modules importing op modules:\n" + "\n".join(crossing)
+    assert "kernels.storage" in GRAPH["kernels.copy"]  # the check reads real edges
+
+
 def test_the_graph_is_read():
     """The checks above see the real imports (a parser that found nothing would pass them vacuously)."""
     assert "kernels.ggml" in GRAPH["rpcserver.protocol"]

@@ -1,0 +1,245 @@
+"""How kernels see tensor memory: storage kinds (F32, F16/BF16 as uint16 bits, I32) with their scalar
+load/store, numba-friendly strided views, F16 widening, and the row-loop policy (`parallel_worthwhile`).
+The core every op module uses; it imports no op module.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from .fmath import (JIT, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bits_to_f32, np_f16_bits_to_f32,
+                    np_f32_to_bf16_bits, np_f32_to_f16_bits)
+from .ggml import TYPE_TRAITS, GGMLType
+from .kv_quants import np_trunc_i32 as np_f32_to_i32
+from .kv_quants import trunc_i32 as f32_to_i32
+from .node import Tensor
+
+F32 = np.float32
+
+# ---------------------------------------------------------------------------------------------
+# storage kinds: how a kernel reads/writes the elements of an array
+
+KIND_F32, KIND_F16, KIND_BF16, KIND_I32, KIND_RAW = 0, 1, 2, 3, 4
+KINDS = {GGMLType.F32: KIND_F32, GGMLType.F16: KIND_F16, GGMLType.BF16: KIND_BF16, GGMLType.I32: KIND_I32}
+
+
+# numpy views numba can handle: half floats travel as their uint16 bit patterns
+_STORAGE = {GGMLType.F32: np.float32, GGMLType.F16: np.uint16, GGMLType.BF16: np.uint16, GGMLType.I32: np.int32}
+_RAW_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def storage(t: Tensor) -> np.ndarray:
+    """The tensor's (ne3, ne2, ne1, ne0) strided view in a numba-friendly dtype (F16/BF16 as uint16)."""
+    return t.array().view(_STORAGE[t.type])
+
+
+def raw_storage(t: Tensor) -> np.ndarray:
+    """A plain type's elements as unsigned integers of the same width: copies without conversion."""
+    return t.array().view(_RAW_UINTS[TYPE_TRAITS[t.type].type_size])
+
+
+@numba.njit(inline="always", **JIT)
+def load_f32(v, kind):
+    """One stored element as float32."""
+    if kind == KIND_F16:
+        return f16_to_f32(np.uint32(v))
+    if kind == KIND_BF16:
+        return bf16_to_f32(np.uint32(v))
+    return np.float32(v)
+
+
+@numba.njit(inline="always", **JIT)
+def store_f32(dst, i3, i2, i1, i0, f, kind):
+    """Write float32 `f` into dst[i3, i2, i1, i0], converting to the storage kind."""
+    if kind == KIND_F16:
+        dst[i3, i2, i1, i0] = f32_to_f16(f)
+    elif kind == KIND_BF16:
+        dst[i3, i2, i1, i0] = f32_to_bf16(f)
+    elif kind == KIND_I32:
+        dst[i3, i2, i1, i0] = f32_to_i32(f)
+    else:
+        dst[i3, i2, i1, i0] = f
+# ---------------------------------------------------------------------------------------------
+# row loops. Each kernel is a per-row body plus one driver whose `parallel` flag picks prange or a
+# plain loop: threads pay off only on big tensors, on small ones (decode steps) waking them costs
+# more than the work. (A plain range loop in a parallel=True function never touches the pool.)
+
+PARALLEL_MIN_WORK = 1 << 18
+
+
+def parallel_worthwhile(n_elements: int, cost: int = 1) -> bool:
+    """Whether to use threads; `cost` weighs an element's work (1 = a load and a store)."""
+    return n_elements * cost >= PARALLEL_MIN_WORK
+
+
+@numba.njit(inline="always", **JIT)
+def row_coords(r, n1, n2):
+    """(i1, i2, i3) of flat row r in a (n3, n2, n1, n0) array."""
+    return r % n1, (r // n1) % n2, r // (n1 * n2)
+
+
+def rows_contiguous(t: Tensor) -> bool:
+    return t.ne[0] == 1 or t.nb[0] == TYPE_TRAITS[t.type].type_size
+
+
+# ---------------------------------------------------------------------------------------------
+# converting copies between storage kinds: ggml's dup order (source read in row-major order of its own
+# shape, destination filled in row-major order of its shape), through float32
+
+@numba.njit(inline="always", **JIT)
+def _unflatten(flat, d2, d1, d0):
+    """(j3, j2, j1, j0) of the row-major element index `flat` in a (.., d2, d1, d0) array."""
+    rest = flat // d0
+    return rest // (d1 * d2), (rest // d1) % d2, rest % d1, flat % d0
+
+
+@numba.njit(inline="always", **JIT)
+def _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, j0):
+    if skind == KIND_RAW:
+        dst[j3, j2, j1, j0] = src[i3, i2, i1, i0]
+    else:
+        store_f32(dst, j3, j2, j1, j0, load_f32(src[i3, i2, i1, i0], skind), dkind)
+
+
+@numba.njit(**JIT)
+def _copy_row(src, dst, skind, dkind, r):
+    """Source row r into the destination elements that follow it in row-major order."""
+    n0, d0 = src.shape[3], dst.shape[3]
+    i1, i2, i3 = row_coords(r, src.shape[2], src.shape[1])
+    j3, j2, j1, j0 = _unflatten(r * n0, dst.shape[1], dst.shape[2], d0)
+    if n0 == d0:  # rows of equal length map onto each other whole
+        for i0 in range(n0):
+            _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, i0)
+        return
+    for i0 in range(n0):
+        if j0 == d0:
+            j3, j2, j1, j0 = _unflatten(r * n0 + i0, dst.shape[1], dst.shape[2], d0)
+        _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, j0)
+        j0 += 1
+
+
+@numba.njit(parallel=True, **JIT)
+def _copy_rows(src, dst, skind, dkind, parallel):
+    n_rows = src.shape[0] * src.shape[1] * src.shape[2]
+    if parallel:
+        for r in prange(n_rows):
+            _copy_row(src, dst, skind, dkind, r)
+    else:
+        for r in range(n_rows):
+            _copy_row(src, dst, skind, dkind, r)
+
+
+def copy_arrays(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
+    if src.size:
+        _copy_rows(src, dst, skind, dkind, parallel_worthwhile(src.size))
+
+
+def convert_into(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
+    """Row-major converting copy between storage arrays (for other kernels' widen/narrow steps)."""
+    copy_arrays(src, dst, skind, dkind)
+
+
+def widen_f32(t: Tensor) -> np.ndarray:
+    """A fresh contiguous float32 (ne3, ne2, ne1, ne0) copy of an F32/F16/BF16 tensor."""
+    out = np.empty((t.ne[3], t.ne[2], t.ne[1], t.ne[0]), dtype=np.float32)
+    copy_arrays(storage(t), out, KINDS[t.type], KIND_F32)
+    return out
+
+
+def to_f32_reference(t: Tensor) -> np.ndarray:
+    a = storage(t)
+    if t.type == GGMLType.F16:
+        return np_f16_bits_to_f32(a)
+    if t.type == GGMLType.BF16:
+        return np_bf16_bits_to_f32(a)
+    return a.astype(np.float32)
+
+
+def from_f32_reference(values: np.ndarray, type_: GGMLType) -> np.ndarray:
+    if type_ == GGMLType.F16:
+        return np_f32_to_f16_bits(values)
+    if type_ == GGMLType.BF16:
+        return np_f32_to_bf16_bits(values)
+    if type_ == GGMLType.I32:
+        return np_f32_to_i32(values)
+    return np.asarray(values, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# F16 tensors widened to float32 (exact), for kernels that compute on F32 copies
+
+@numba.njit(**JIT)
+def _widen_row(r, buf, off, ne, st, out):
+    i3, i2, i1 = r // (ne[2] * ne[1]), (r // ne[1]) % ne[2], r % ne[1]
+    base = off + i3 * st[3] + i2 * st[2] + i1 * st[1]
+    src = buf[base : base + ne[0]]  # a slice keeps the loop free of negative-index checks
+    row = out[i3, i2, i1]
+    for t in range(ne[0]):
+        row[t] = f16_to_f32(src[t])
+
+
+@numba.njit(**JIT)
+def _widen_plane_transposed(r, buf, off, ne, st, out):
+    # out[i3, i2, i0, i1]: widen 16 rows at a time into a small buffer, then write it out by columns
+    block = 16
+    i3, i2 = r // ne[2], r % ne[2]
+    plane = out[i3, i2]
+    tmp = np.empty((block, ne[0]), F32)
+    for j0 in range(0, ne[1], block):
+        m = min(block, ne[1] - j0)
+        for u in range(m):
+            b = off + i3 * st[3] + i2 * st[2] + (j0 + u) * st[1]
+            src = buf[b : b + ne[0]]
+            row = tmp[u]
+            for t in range(ne[0]):
+                row[t] = f16_to_f32(src[t])
+        for t in range(ne[0]):
+            col = plane[t, j0 : j0 + m]
+            for u in range(m):
+                col[u] = tmp[u, t]
+
+
+@numba.njit(parallel=True, **JIT)
+def _widen(buf, off, ne, st, out, transpose, parallel):
+    n = ne[3] * ne[2] if transpose else ne[3] * ne[2] * ne[1]
+    if parallel:
+        for r in prange(n):
+            if transpose:
+                _widen_plane_transposed(r, buf, off, ne, st, out)
+            else:
+                _widen_row(r, buf, off, ne, st, out)
+    else:
+        for r in range(n):
+            if transpose:
+                _widen_plane_transposed(r, buf, off, ne, st, out)
+            else:
+                _widen_row(r, buf, off, ne, st, out)
+
+
+def u16_view(t: Tensor) -> np.ndarray:
+    """The raw bits of an F16 tensor as a strided (ne3, ne2, ne1, ne0) uint16 array."""
+    ne, nb = t.ne, t.nb
+    return np.ndarray((ne[3], ne[2], ne[1], ne[0]), np.uint16, t.mem, t.offset, (nb[3], nb[2], nb[1], nb[0]))
+
+
+def widen_f16(t: Tensor, transpose: bool = False) -> np.ndarray:
+    """An F16 tensor (rows contiguous) as a new C-contiguous float32 (ne3, ne2, ne1, ne0) array, or
+    (ne3, ne2, ne0, ne1) if transpose."""
+    ne = t.ne
+    shape = (ne[3], ne[2], ne[0], ne[1]) if transpose else (ne[3], ne[2], ne[1], ne[0])
+    out = np.empty(shape, F32)
+    if t.offset % 2 or any(n % 2 for n in t.nb) or t.mem.size % 2:
+        src = u16_view(t).view(np.float16)  # odd byte layout: let numpy do it
+        out[...] = src.transpose(0, 1, 3, 2) if transpose else src
+        return out
+    buf = t.mem.view(np.uint16)
+    _widen(buf, t.offset // 2, np.array(ne, np.int64), np.array(t.nb, np.int64) // 2, out, transpose,
+           parallel_worthwhile(out.size, cost=2))
+    return out
+
+
+def as_f32(t: Tensor) -> np.ndarray:
+    """An F32 or F16 tensor's values as float32 (a copy for F16; the conversion is exact)."""
+    return t.array() if t.type == GGMLType.F32 else widen_f16(t)
