@@ -17,7 +17,7 @@ import pytest
 from .conftest import RPC_TIMEOUT, REPO_ROOT, LlamaRunner, _located, assert_fully_offloaded, module_worker, \
     reference, text_diff
 from .perplexity import CPU_ONLY, MEAN_KLD_RE, SAME_TOP_P_RE, parse_statistic, perplexity_args
-from .test_completion import PROMPTS, completion_args
+from .programs import PROMPTS, completion_args
 
 pytestmark = pytest.mark.interop
 

@@ -20,9 +20,8 @@ import pytest
 from .conftest import (CLIENT_THREADS, CPU_TIMEOUT, REPO_ROOT, RPC_TIMEOUT, assert_fully_offloaded, reference,
                        text_diff)
 from .perplexity import CPU_ONLY, assert_kl_matches_cpu, perplexity_args
-from .test_completion import PROMPTS as COMPLETION_PROMPTS
-from .test_gemma3 import PROMPT_EVAL_RE, long_prompt
-from .test_server import LlamaServer, started
+from .programs import PROMPT_EVAL_RE, LlamaServer, long_prompt, started
+from .programs import PROMPTS as COMPLETION_PROMPTS
 
 pytestmark = pytest.mark.interop
 

@@ -8,18 +8,15 @@ post-FFN norms, and K-quant (Q4_K, Q6_K) beside Q5_0/Q8_0 weights.
 """
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from .conftest import CPU_TIMEOUT, RPC_TIMEOUT, assert_fully_offloaded, text_diff
-from .perplexity import CPU_ONLY, assert_kl_matches_cpu, corpus_text, perplexity_args
-from .test_completion import completion_args
+from .perplexity import CPU_ONLY, assert_kl_matches_cpu, perplexity_args
+from .programs import PROMPT_EVAL_RE, completion_args, long_prompt
 
 pytestmark = pytest.mark.interop
 
 SLIDING_WINDOW = 512  # gemma3.attention.sliding_window in this GGUF
-PROMPT_EVAL_RE = re.compile(r"prompt eval time =.*?/\s*(\d+) tokens")
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
@@ -28,11 +25,6 @@ def test_kl_divergence_against_cpu(llama, gemma3_path, worker, text_file, tmp_pa
     llama("llama-perplexity", perplexity_args(gemma3_path, text_file, flash_attn, "f16") + CPU_ONLY
           + ["--kl-divergence-base", base], timeout=CPU_TIMEOUT)
     assert_kl_matches_cpu(llama, worker, gemma3_path, text_file, base, flash_attn, "f16", f"gemma3 fa {flash_attn}")
-
-
-def long_prompt() -> str:
-    # ~650 tokens of fixed text: later positions no longer see the first ones in the sliding-window layers
-    return corpus_text()[:2800]
 
 
 PROMPTS = {"short": lambda: "The capital of France is", "past-window": long_prompt}

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from .conftest import CLIENT_THREADS, CPU_TIMEOUT, REPO_ROOT, RPC_TIMEOUT, ClientFailed, reference, text_diff
-from .test_completion import PROMPTS
+from .programs import PROMPTS
 
 pytestmark = pytest.mark.interop
 

@@ -1,0 +1,122 @@
+"""How the interop tests run llama.cpp's programs: llama-completion's arguments and prompts, a
+llama-server process, and the Gemma 3 long prompt (shared by several test modules; not a test module).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from .conftest import CLIENT_THREADS, RPC_TIMEOUT, reference
+from .perplexity import corpus_text
+
+N_PREDICT = 64
+
+
+PROMPTS = {
+    "fact": "The capital of France is",
+    "list": "Here are three simple tips for staying healthy:\n1.",
+    # ~190 tokens: with -b/-ub 64 the prompt is processed in several batches, so the worker
+    # sees KV-cache writes at non-zero offsets and attention over earlier batches.
+    "long": (
+        "The old lighthouse stood at the end of a narrow spit of land, where the river met the sea and "
+        "the tides argued twice a day about which of them owned the shore. For ninety years a keeper had "
+        "climbed its spiral stairs each evening to light the lamp, trim the wick, and write a line in the "
+        "logbook about the weather, the ships that passed, and anything else that seemed worth remembering. "
+        "The entries were short and plain: fog until noon, a schooner bound south, gulls unusually loud, "
+        "the cat has caught another mouse. When the light was finally automated, the last keeper packed the "
+        "logbooks into a wooden crate and carried them to the town library, where they sat unread on a low "
+        "shelf for decades. Then one winter a schoolteacher opened the first volume, started reading aloud "
+        "to her class, and discovered that the dull little notes, taken together, told the story of the "
+        "whole coast. Her students decided to"
+    ),
+}
+
+
+def completion_args(model_path, prompt: str, flash_attn: str) -> list[str]:
+    """Everything except the device placement; -fit off so the client never trims the offload."""
+    return [
+        "-m", model_path, "-p", prompt, "-n", N_PREDICT, "--ignore-eos", "--temp", "0", "-s", "1",
+        "-no-cnv", "--no-display-prompt", "-t", CLIENT_THREADS, "-c", 512, "-b", 64, "-ub", 64,
+        "-fa", flash_attn, "-fit", "off", "-lv", 4,
+    ]
+
+
+PROMPT_EVAL_RE = re.compile(r"prompt eval time =.*?/\s*(\d+) tokens")
+
+
+def long_prompt() -> str:
+    # ~650 tokens of fixed text: later positions no longer see the first ones in the sliding-window layers
+    return corpus_text()[:2800]
+
+
+class LlamaServer:
+    """A llama-server process on a free port, logging to a file."""
+
+    def __init__(self, bin_dir, model_path, log_path, extra_args: list[str], n_ctx: int = 1024, n_parallel: int = 1):
+        self.port = reference.free_port()
+        self.log_path = log_path
+        self.cmd = [str(bin_dir / "llama-server"), "-m", str(model_path), "--host", reference.LOCALHOST,
+                    "--port", str(self.port), "-t", str(CLIENT_THREADS), "-c", str(n_ctx), "-np", str(n_parallel),
+                    "--no-webui", "-fit", "off", "-lv", "4", *map(str, extra_args)]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=reference.llama_env())
+
+    @property
+    def url(self) -> str:
+        return f"http://{reference.LOCALHOST}:{self.port}"
+
+    def describe(self) -> str:
+        state = "running" if self.proc.poll() is None else f"exited with status {self.proc.returncode}"
+        tail = self.log_path.read_bytes()[-3000:].decode("utf-8", "replace")
+        return f"llama-server ({state})\n  command: {' '.join(self.cmd)}\n  log tail:\n{tail}"
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"llama-server exited during startup.\n{self.describe()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or 503 while the model loads
+            if time.monotonic() > deadline:
+                raise AssertionError(f"llama-server not healthy within {timeout:.0f}s.\n{self.describe()}")
+            time.sleep(0.25)
+
+    def chat(self, messages) -> dict:
+        body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": 16, "seed": 1}).encode()
+        request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, OSError) as exc:
+            raise AssertionError(f"chat request failed: {exc}\n{self.describe()}") from None
+
+    def stop(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(15)
+        finally:
+            self._log.close()
+
+
+def started(server: LlamaServer) -> LlamaServer:
+    try:
+        server.wait_healthy(RPC_TIMEOUT)  # includes uploading ~90 MiB of weights
+    except BaseException:
+        server.stop()
+        raise
+    return server
