@@ -1,0 +1,432 @@
+"""The nodes x latency matrix (issue 12, item 3): llama.cpp's relay against ours, with an ideal line per design.
+
+    python tools/bench_pipeline.py [--nodes 1,2,3,4] [--latency-ms 0,5,10,20] [--mode transfer]
+        [--serial] [--tokens 32] [--prompt TEXT] [--reps 3] [--designs llamacpp,ours] [-m MODEL]
+
+For each node count N, N workers of each kind a design needs are started once (ggml-rpc-server for
+llama.cpp, ours for our orchestrator, `-t 1` by default) and warmed up by one untimed run per design
+(our worker's JIT). For each one-way latency L, every worker gets a LatencyProxy (tools/latency_proxy.py)
+in front of it, so the client (llama-completion or our orchestrator) is "far" from every worker and the
+workers are together. The proxies are kept at 0 ms too (with nothing delayed), so the proxies' own
+overhead is in every cell of every design alike. The same prompt and token count are run R times per
+cell, alternately (llama.cpp, ours, llama.cpp, ours...), greedy, --ignore-eos; medians are reported.
+
+Definitions:
+  tok/s   the client's own "eval time = X ms / M runs": M / X, the single-token decodes after the
+          prompt (sampling excluded; the prompt and the first token are not in it).
+  TTFT    the client's "prompt eval time": from handing the prompt to the model to having the logits
+          the first token is sampled from (sampling that token takes microseconds). Model loading,
+          weight upload and llama.cpp's warm-up decode are not in it. Both clients print both lines.
+  ideal   per design: C + hops(N) * L per token, C the design's median ms/token at 0 ms with the same N
+          (its compute plus its fixed per-token costs, proxies included), hops the one-way link crossings
+          the design cannot avoid per token. Relay (the orchestrator fetches each stage's output and
+          feeds the next): N round trips, 2*N*L. A push design (each stage sends its output straight to
+          the next, the workers being together): one crossing to the first stage and one back from the
+          last, 2*L. "% of ideal" = measured tok/s / ideal tok/s. With --serial the proxy is not a link
+          (every delayed command costs L, replies none), so the ideal is not a bound there.
+
+Checks: every run's stdout (prompt + greedy text) must equal the first llama.cpp run's; a cell where
+one does not is marked DIFF. A proxy connection that fell back to pass-through, or a cell at L > 0 whose
+proxies delayed nothing, is marked too. A failed run prints its error in the cell's row; the matrix goes
+on (a dead worker set is restarted). Every worker and proxy is stopped on exit, Ctrl-C and SIGTERM included.
+
+Latency 0 is always measured (added if missing): the ideal line needs it. Figures taken on a machine
+that is busy (see the load averages printed) are not meaningful; only ratios within one run compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools import reference  # noqa: E402
+from tools.bench_orchestrator import PROMPT, TIME_RE  # noqa: E402
+from tools.bench_worker import load_average  # noqa: E402
+from tools.latency_proxy import MODES, LatencyProxy  # noqa: E402
+
+# -- designs ------------------------------------------------------------------------------------------
+
+
+def relay_hops(nodes: int) -> int:
+    """One-way link crossings per token when the client relays every stage's output: N round trips."""
+    return 2 * nodes
+
+
+def push_hops(nodes: int) -> int:
+    """When stages push activations to each other: in to the first stage, out of the last."""
+    return 2
+
+
+@dataclass(frozen=True)
+class Design:
+    label: str  # column heading
+    worker_kind: str  # reference.start_worker kind its workers are
+    topology: str  # "relay" | "push", for the headings
+    hops: Callable[[int], int]  # one-way crossings per token at N nodes (the ideal line)
+    command: Callable[["argparse.Namespace", list[str], int], list[str]]  # (args, endpoints, tokens) -> argv
+
+
+def llamacpp_command(args, endpoints: list[str], tokens: int) -> list[str]:
+    return [str(reference.binary("llama-completion")), "--rpc", ",".join(endpoints), "-ngl", "99",
+            "-m", str(args.model), "-p", args.prompt, "-n", str(tokens), "--temp", "0", "-s", "1",
+            "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-fit", "off"]
+
+
+def ours_command(args, endpoints: list[str], tokens: int) -> list[str]:
+    return [sys.executable, "-m", "orchestrator", "--rpc", ",".join(endpoints), "-m", str(args.model),
+            "-p", args.prompt, "-n", str(tokens), "--temp", "0", "-s", "1", "--ignore-eos"]
+
+
+# The first design is the baseline of the ratio columns and the source of the reference text.
+DESIGNS: dict[str, Design] = {
+    "llamacpp": Design("llama.cpp", "reference", "relay", relay_hops, llamacpp_command),
+    "ours": Design("ours", "ours", "relay", relay_hops, ours_command),
+    # When PUSH_TENSOR_TO_PEER exists, add:
+    #   "push": Design("ours push", "ours", "push", push_hops, ours_push_command),
+    # with ours_push_command running the orchestrator in its push mode over the proxied endpoints (the
+    # workers reach each other directly, unproxied: in `transfer` mode they are "together"). Nothing else
+    # here changes: its columns, its ideal (2*L per token) and the text check follow from this entry.
+}
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Sample:
+    tok_s: float
+    eval_ms_per_token: float
+    ttft_ms: float
+    stdout: str
+
+
+def run_client(cmd: list[str], env: dict, timeout: float) -> Sample:
+    """One client run; subprocess.run kills the client on a timeout, Ctrl-C or SIGTERM."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL,
+                              cwd=reference.REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"{Path(cmd[0]).name if cmd[0] != sys.executable else 'orchestrator'} "
+                        f"timed out after {timeout:.0f} s") from None
+    stdout = done.stdout.decode("utf-8", "replace")
+    stderr = done.stderr.decode("utf-8", "replace")
+    if done.returncode != 0:
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        raise RunFailed(f"exit {done.returncode}: {lines[-1] if lines else 'no output'}\n{stderr[-3000:]}")
+    found = {}
+    for kind, pattern in TIME_RE.items():
+        match = pattern.search(stderr)
+        if not match:
+            raise RunFailed(f"no '{kind} time' line in its output\n{stderr[-2000:]}")
+        found[kind] = (float(match.group(1)), int(match.group(2)))
+    eval_ms, runs = found["eval"]
+    if runs == 0 or eval_ms <= 0:
+        raise RunFailed("no single-token decodes: use --tokens 2 or more")
+    return Sample(tok_s=1e3 * runs / eval_ms, eval_ms_per_token=eval_ms / runs, ttft_ms=found["prompt eval"][0],
+                  stdout=stdout)
+
+
+@dataclass
+class Cell:
+    nodes: int
+    latency_ms: float
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    marks: list[str] = field(default_factory=list)
+
+    def median(self, design: str, attr: str) -> float | None:
+        values = [getattr(s, attr) for s in self.samples.get(design, [])]
+        return statistics.median(values) if values else None
+
+
+class WorkerSets:
+    """N workers per kind, started on demand, restarted when one has died, all stopped by close()."""
+
+    def __init__(self, log_dir: Path, threads: int):
+        self.log_dir, self.threads = log_dir, threads
+        self.sets: dict[str, list[reference.Worker]] = {}
+
+    def get(self, kind: str, nodes: int) -> list[reference.Worker]:
+        current = self.sets.get(kind, [])
+        if len(current) != nodes or not all(w.alive() for w in current):
+            self.stop(kind)
+            started = self.sets[kind] = []
+            for _ in range(nodes):
+                started.append(reference.start_worker(kind, self.log_dir, threads=self.threads))
+        return self.sets[kind]
+
+    def dead(self) -> list[reference.Worker]:
+        return [w for workers in self.sets.values() for w in workers if not w.alive()]
+
+    def stop(self, kind: str) -> None:
+        for worker in self.sets.pop(kind, []):
+            worker.stop()
+
+    def close(self) -> None:
+        for kind in list(self.sets):
+            self.stop(kind)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def one_line(text: str, limit: int = 80) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else "failed"
+    first = first.replace("|", "/")
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def warm_up(designs: list[str], workers: WorkerSets, nodes: int, args, env) -> None:
+    """One untimed, unproxied run per design on a fresh worker set (JIT compilation, page cache)."""
+    for name in designs:
+        design = DESIGNS[name]
+        endpoints = [w.address for w in workers.get(design.worker_kind, nodes)]
+        try:
+            run_client(design.command(args, endpoints, 2), env, args.timeout)
+        except RunFailed as exc:
+            log(f"N={nodes} warm-up of {design.label} failed: {exc}")
+
+
+def measure_cell(cell: Cell, designs: list[str], workers: WorkerSets, args, env) -> None:
+    nodes, latency_s = cell.nodes, cell.latency_ms / 1e3
+    with ExitStack() as proxies_stack:
+        proxies: dict[str, list[LatencyProxy]] = {}
+        endpoints: dict[str, list[str]] = {}
+        for name in designs:
+            kind = DESIGNS[name].worker_kind
+            try:
+                targets = workers.get(kind, nodes)
+            except (reference.WorkerFailed, OSError) as exc:
+                cell.errors[name] = f"workers: {exc}"
+                continue
+            proxies[name] = [proxies_stack.enter_context(
+                LatencyProxy(w.address, latency_s, args.mode, serial=args.serial, log=log)) for w in targets]
+            endpoints[name] = [p.address for p in proxies[name]]
+        for rep in range(args.reps):
+            for name in designs:  # alternately: llama.cpp, ours, llama.cpp, ours...
+                if name in cell.errors:
+                    continue
+                design = DESIGNS[name]
+                try:
+                    sample = run_client(design.command(args, endpoints[name], args.tokens), env, args.timeout)
+                except RunFailed as exc:
+                    cell.errors[name] = str(exc)
+                    log(f"N={nodes} L={cell.latency_ms:g} ms rep {rep + 1} {design.label}: FAILED {exc}")
+                    dead = workers.dead()
+                    for worker in dead:
+                        log(worker.describe())
+                    continue
+                cell.samples.setdefault(name, []).append(sample)
+                log(f"N={nodes} L={cell.latency_ms:g} ms rep {rep + 1} {design.label:10} {sample.tok_s:8.2f} tok/s "
+                    f"({sample.eval_ms_per_token:7.2f} ms/token), TTFT {sample.ttft_ms:8.1f} ms")
+    # the proxies are stopped: every connection has closed (or closes within a moment) and reported
+    time.sleep(0.2)
+    for name, group in proxies.items():
+        stats = [s for p in group for s in p.closed]
+        if any(s.fallback for s in stats):
+            cell.marks.append(f"{DESIGNS[name].label}: proxy pass-through")
+        if latency_s > 0 and cell.samples.get(name) and not any(sum(s.delayed.values()) for s in stats):
+            cell.marks.append(f"{DESIGNS[name].label}: nothing delayed")
+        if args.verbose:
+            for s in stats:
+                log(f"  {DESIGNS[name].label} proxy {s.summary()}")
+
+
+# -- reporting ----------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def headings(designs: list[str]) -> list[str]:
+    base = DESIGNS[designs[0]].label
+    cols = ["nodes", "latency ms"]
+    cols += [f"{DESIGNS[d].label} tok/s" for d in designs]
+    cols += [f"{DESIGNS[d].label}/{base}" for d in designs[1:]]
+    cols += [f"{DESIGNS[d].label} TTFT ms" for d in designs]
+    cols += [f"ideal {DESIGNS[d].topology} ({DESIGNS[d].label}) tok/s" for d in designs]
+    cols += [f"{DESIGNS[d].label} % of ideal" for d in designs]
+    cols += ["same text", "notes"]
+    return cols
+
+
+def row(cell: Cell, designs: list[str], compute_ms: dict[tuple[str, int], float], reference_text: str | None) -> list[str]:
+    tok_s = {d: cell.median(d, "tok_s") for d in designs}
+    ideal = {}
+    for d in designs:
+        c = compute_ms.get((d, cell.nodes))
+        ideal[d] = None if c is None else 1e3 / (c + DESIGNS[d].hops(cell.nodes) * cell.latency_ms)
+    base = tok_s[designs[0]]
+    cols = [str(cell.nodes), f"{cell.latency_ms:g}"]
+    cols += [fmt(tok_s[d]) for d in designs]
+    cols += [fmt(tok_s[d] / base if tok_s[d] and base else None, ".3f") for d in designs[1:]]
+    cols += [fmt(cell.median(d, "ttft_ms"), ".1f") for d in designs]
+    cols += [fmt(ideal[d]) for d in designs]
+    cols += [fmt(100 * tok_s[d] / ideal[d] if tok_s[d] and ideal[d] else None, ".0f") for d in designs]
+    texts = [s.stdout for d in designs for s in cell.samples.get(d, [])]
+    if not texts or reference_text is None:
+        same = "-"
+    else:
+        same = "yes" if all(t == reference_text for t in texts) else "**DIFF**"
+    cols.append(same)
+    notes = list(cell.marks) + [f"{DESIGNS[d].label} FAILED: {one_line(e)}" for d, e in cell.errors.items()]
+    cols.append("; ".join(notes))
+    return cols
+
+
+def markdown(cols: list[str]) -> str:
+    return "| " + " | ".join(cols) + " |"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+
+def number_list(text: str, kind=int) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {text!r}") from None
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--nodes", type=number_list, default=[1, 2, 3, 4], help="node counts (default 1,2,3,4)")
+    ap.add_argument("--latency-ms", type=lambda t: number_list(t, float), default=[0, 5, 10, 20],
+                    help="one-way latencies in ms (default 0,5,10,20; 0 is always added)")
+    ap.add_argument("--mode", choices=list(MODES), default="transfer", help="which commands the proxies delay")
+    ap.add_argument("--serial", action="store_true", help="proxies as the published llama.cpp proxy (not a link)")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens to generate per run (default 32)")
+    ap.add_argument("--prompt", default=PROMPT, help="the prompt of every run")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per cell and design (default 3)")
+    ap.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, of {', '.join(DESIGNS)}")
+    ap.add_argument("-m", "--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
+    ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker and of llama-completion")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one client run may take")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed run per design and worker set")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every proxy connection's summary")
+    args = ap.parse_args(argv)
+    args.designs = [d.strip() for d in args.designs.split(",") if d.strip()]
+    unknown = [d for d in args.designs if d not in DESIGNS]
+    if unknown or not args.designs:
+        ap.error(f"unknown design(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(DESIGNS)}")
+    if args.tokens < 2 or args.reps < 1 or not args.nodes or min(args.nodes) < 1:
+        ap.error("--tokens must be >= 2, --reps >= 1, --nodes >= 1")
+    if any(x < 0 for x in args.latency_ms):
+        ap.error("latencies must not be negative")
+    if 0 not in args.latency_ms:
+        log("latency 0 added: the ideal line needs each design's compute time at 0 ms")
+    args.latency_ms = sorted(set(args.latency_ms) | {0.0})
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        args.model = args.model or reference.model_path()
+        for name in args.designs:  # fail early on a missing binary
+            if DESIGNS[name].worker_kind == "reference":
+                reference.binary("ggml-rpc-server")
+                reference.binary("llama-completion")
+    except reference.ReferenceMissing as exc:
+        log(f"error: {exc}")
+        return 1
+    env = {**reference.llama_env(),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(reference.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+    load_start = load_average()
+    print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, load average at start: {load_start}")
+    print(f"model: {Path(args.model).name}, tokens: {args.tokens}, repetitions: {args.reps} (medians), "
+          f"threads: {args.threads}, prompt: {args.prompt!r}")
+    print(f"proxies: mode {args.mode}, {'serial (as the published llama.cpp proxy)' if args.serial else 'pipelined link'}, "
+          f"one per worker, kept at 0 ms; tok/s = eval runs / eval time; TTFT = prompt eval time; "
+          f"ideal = C(0 ms) + hops x L per token (relay: 2N, push: 2); ratio = tok/s over {DESIGNS[args.designs[0]].label}'s")
+    print()
+    cols = headings(args.designs)
+    print(markdown(cols))
+    print(markdown(["---"] * len(cols)), flush=True)
+
+    compute_ms: dict[tuple[str, int], float] = {}  # (design, nodes) -> median ms/token at 0 ms
+    reference_text: str | None = None
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="bench_pipeline-") as logs, ExitStack() as stack:
+        workers = WorkerSets(Path(logs), args.threads)
+        stack.callback(workers.close)
+        try:
+            for nodes in args.nodes:
+                for name in args.designs:  # a fresh worker set per node count
+                    workers.stop(DESIGNS[name].worker_kind)
+                if not args.no_warmup:
+                    try:
+                        warm_up(args.designs, workers, nodes, args, env)
+                    except (reference.WorkerFailed, OSError) as exc:
+                        log(f"N={nodes}: workers failed to start: {exc}")
+                for latency in args.latency_ms:
+                    cell = Cell(nodes, latency)
+                    try:
+                        measure_cell(cell, args.designs, workers, args, env)
+                    except KeyboardInterrupt:
+                        if any(cell.samples.values()):  # what the interrupted cell has so far
+                            cell.marks.append("interrupted")
+                            print(markdown(row(cell, args.designs, compute_ms, reference_text)), flush=True)
+                        raise
+                    if latency == 0:
+                        for name in args.designs:
+                            c = cell.median(name, "eval_ms_per_token")
+                            if c is not None:
+                                compute_ms[(name, nodes)] = c
+                    first = cell.samples.get(args.designs[0])
+                    if reference_text is None and first:
+                        reference_text = first[0].stdout
+                    cols = row(cell, args.designs, compute_ms, reference_text)
+                    if cell.errors or "DIFF" in cols[-2]:
+                        status = 1
+                    print(markdown(cols), flush=True)
+        except KeyboardInterrupt:
+            log("interrupted: stopping proxies and workers")
+            status = 130
+    print()
+    print(f"load average at end: {load_average()}")
+    if reference_text is not None:
+        generated = reference_text[len(args.prompt):] if reference_text.startswith(args.prompt) else reference_text
+        print(f"greedy text ({DESIGNS[args.designs[0]].label}): {generated.strip()!r}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
