@@ -27,7 +27,8 @@ from numba.extending import intrinsic
 
 from .fmath import JIT, f32_from_bits, f32_to_bits, fma32, hsum16, np_fma, np_hsum16
 from .ggml import GGMLType
-from .quants import _F32, _I32, _I64, _FLOAT_ELEM, LOAD_WEIGHT, _byte_ptr, _elem_ptr, _llvm_fn, _shuffle, _to_f32, _vec
+from .llvm import FLOAT_ELEM, byte_ptr, elem_ptr, f32_t, i32_t, i64_t, llvm_fn, shuffle, to_f32, vec
+from .quants import LOAD_WEIGHT
 
 F32 = np.float32
 KIND_F32, KIND_F16, KIND_BF16 = 0, 1, 2  # matmul's float kinds: FLOAT_TYPES.index(type)
@@ -36,7 +37,7 @@ SCRATCH = 32  # float32 lanes a dot needs in its scratch array
 
 def _flush(builder, v, n):
     """Denormals to signed zero (the DAZ/FTZ of VDPBF16PS)."""
-    vi = _vec(_I32, n)
+    vi = vec(i32_t, n)
     bits = builder.bitcast(v, vi)
     tiny = builder.icmp_unsigned("==", builder.and_(bits, ir.Constant(vi, [0x7F800000] * n)), ir.Constant(vi, [0] * n))
     return builder.bitcast(builder.select(tiny, builder.and_(bits, ir.Constant(vi, [0x80000000] * n)), bits), v.type)
@@ -46,7 +47,7 @@ def _make_lanes16(typ: GGMLType, ways: int, pairs: bool):
     """Intrinsic lanes(w, woff, y, yoff, steps, acc): `ways` 16-lane accumulators over `steps` steps of
     ways*16 elements (ways*32 with pairs), from weight bytes w at woff and float32 activations y at yoff.
     ways=4 stores (a0 + a2) + (a1 + a3) into acc[0:16]; otherwise accumulator a goes to acc[16a:16a+16]."""
-    esize, elty = _FLOAT_ELEM[typ]
+    esize, elty = FLOAT_ELEM[typ]
     per = 32 if pairs else 16  # elements one accumulator takes per step
 
     @intrinsic
@@ -56,22 +57,22 @@ def _make_lanes16(typ: GGMLType, ways: int, pairs: bool):
         def codegen(context, builder, signature, args):
             w_, woff_, y_, yoff_, steps_, acc_ = args
             wt, _, yt, _, _, at = signature.args
-            v16 = _vec(_F32, 16)
-            fma = _llvm_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
+            v16 = vec(f32_t, 16)
+            fma = llvm_fn(builder, "llvm.fma.v16f32", v16, [v16] * 3)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, [0.0] * 16)) for _ in range(ways)]
             with cgutils.for_range(builder, steps_) as loop:
                 for a in range(ways):
-                    k = builder.add(builder.mul(loop.index, ir.Constant(_I64, per * ways)), ir.Constant(_I64, per * a))
-                    wp = _byte_ptr(context, builder, wt, w_, builder.add(woff_, builder.mul(k, ir.Constant(_I64, esize))),
-                                   _vec(elty, per))
-                    yp = builder.bitcast(_elem_ptr(context, builder, yt, y_, builder.add(yoff_, k)), _vec(_F32, per).as_pointer())
-                    wv = _to_f32(builder, builder.load(wp, align=1), typ, per)
+                    k = builder.add(builder.mul(loop.index, ir.Constant(i64_t, per * ways)), ir.Constant(i64_t, per * a))
+                    wp = byte_ptr(context, builder, wt, w_, builder.add(woff_, builder.mul(k, ir.Constant(i64_t, esize))),
+                                   vec(elty, per))
+                    yp = builder.bitcast(elem_ptr(context, builder, yt, y_, builder.add(yoff_, k)), vec(f32_t, per).as_pointer())
+                    wv = to_f32(builder, builder.load(wp, align=1), typ, per)
                     yv = builder.load(yp, align=4)
                     c = builder.load(accs[a])
                     if pairs:
                         odd, even = list(range(1, 32, 2)), list(range(0, 32, 2))
-                        wo, yo = (_flush(builder, _shuffle(builder, v, v, odd), 16) for v in (wv, yv))
-                        we, ye = (_flush(builder, _shuffle(builder, v, v, even), 16) for v in (wv, yv))
+                        wo, yo = (_flush(builder, shuffle(builder, v, v, odd), 16) for v in (wv, yv))
+                        we, ye = (_flush(builder, shuffle(builder, v, v, even), 16) for v in (wv, yv))
                         t = _flush(builder, builder.call(fma, [wo, yo, _flush(builder, c, 16)]), 16)
                         c = _flush(builder, builder.call(fma, [we, ye, t]), 16)
                     else:
@@ -80,9 +81,9 @@ def _make_lanes16(typ: GGMLType, ways: int, pairs: bool):
             v = [builder.load(a) for a in accs]
             if ways == 4:
                 v = [builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))]
-            for a, vec in enumerate(v):
-                p = builder.bitcast(_elem_ptr(context, builder, at, acc_, ir.Constant(_I64, 16 * a)), v16.as_pointer())
-                builder.store(vec, p, align=4)
+            for a, lanes16 in enumerate(v):
+                p = builder.bitcast(elem_ptr(context, builder, at, acc_, ir.Constant(i64_t, 16 * a)), v16.as_pointer())
+                builder.store(lanes16, p, align=4)
             return context.get_dummy_value()
 
         return sig, codegen

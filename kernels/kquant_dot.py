@@ -18,18 +18,17 @@ from .ggml import TYPE_TRAITS, GGMLType
 from .fmath import fma32
 from .kquants import (BIT_TYPES, GROUP, HAS_MIN, IQ4_NL_KIND, KVALUES_IQ4NL, QK_K, TINYBLAS, VEC,
                       _chunk_layout, decode_row_scales, quantize_activations, route)
-from .quants import (HAS_AVX2, PREFETCH_AHEAD, _byte_ptr, _elem_ptr, _hsum8, _lanes, _llvm_fn, _prefetch, _shuffle,
-                     _splat, _vec)
+from .llvm import (HAS_AVX2, PREFETCH_AHEAD, byte_ptr, elem_ptr, hsum8, i8_dot_lanes, i8_t, i16_t, i32_t, llvm_fn,
+                   prefetch, shuffle, splat, vec)
 from .tasks import ROWS_PER_TASK, task_tile
 
 T = GGMLType
 
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-_V32 = _vec(_I8, 32)
+_V32 = vec(i8_t, 32)
 
 
 def _load_y(context, builder, yt, y, yoff):
-    return builder.load(builder.bitcast(_elem_ptr(context, builder, yt, y, yoff), _V32.as_pointer()), align=1)
+    return builder.load(builder.bitcast(elem_ptr(context, builder, yt, y, yoff), _V32.as_pointer()), align=1)
 
 
 def _shift_bytes(builder, v, amount, left=False):
@@ -37,8 +36,8 @@ def _shift_bytes(builder, v, amount, left=False):
     bits crossing into the neighbouring byte are masked off afterwards (see _chunk_layout)."""
     if amount == 0:
         return v
-    lanes = builder.bitcast(v, _vec(_I16, 16))
-    count = ir.Constant(_vec(_I16, 16), [amount] * 16)
+    lanes = builder.bitcast(v, vec(i16_t, 16))
+    count = ir.Constant(vec(i16_t, 16), [amount] * 16)
     return builder.bitcast(builder.shl(lanes, count) if left else builder.lshr(lanes, count), _V32)
 
 
@@ -48,13 +47,13 @@ def _bytes(value):
 
 def _iq4_quants(builder, raw):
     """16 IQ4 bytes -> 32 kvalues_iq4nl entries (low nibbles, then high nibbles)."""
-    v16 = _vec(_I8, 16)
+    v16 = vec(i8_t, 16)
     lo = builder.and_(raw, ir.Constant(v16, [15] * 16))
     hi = builder.lshr(raw, ir.Constant(v16, [4] * 16))
-    idx = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+    idx = builder.shuffle_vector(lo, hi, ir.Constant(vec(i32_t, 32), list(range(32))))
     table = [int(v) for v in KVALUES_IQ4NL]
     if HAS_AVX2:  # one byte shuffle per 128-bit half, the table repeated in both halves
-        pshufb = _llvm_fn(builder, "llvm.x86.avx2.pshuf.b", _V32, [_V32, _V32])
+        pshufb = llvm_fn(builder, "llvm.x86.avx2.pshuf.b", _V32, [_V32, _V32])
         return builder.call(pshufb, [ir.Constant(_V32, table * 2), idx])
     q = _bytes(0)
     for i, v in enumerate(table):
@@ -67,26 +66,26 @@ def _scaled_lanes(builder, q, y, scales):
     4-7 scales[1] * (the last 16). On AVX2 the scales ride in the 16-bit multiply-add that ggml uses
     to widen pairs (all scales fit in 16 bits), saving a 32-bit vector multiply."""
     if not HAS_AVX2:
-        spread = builder.shuffle_vector(scales, scales, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
-        return builder.mul(_lanes(builder, q, y), spread)
-    v16 = _vec(_I16, 16)
-    psign = _llvm_fn(builder, "llvm.x86.avx2.psign.b", _V32, [_V32, _V32])
-    maddubs = _llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32, _V32])
-    madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16, v16])
+        spread = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32_t, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
+        return builder.mul(i8_dot_lanes(builder, q, y), spread)
+    v16 = vec(i16_t, 16)
+    psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", _V32, [_V32, _V32])
+    maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32, _V32])
+    madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(i32_t, 8), [v16, v16])
     pairs = builder.call(maddubs, [builder.call(psign, [q, q]), builder.call(psign, [y, q])])
-    narrow = builder.trunc(scales, _vec(_I16, 2))
-    spread = builder.shuffle_vector(narrow, narrow, ir.Constant(_vec(_I32, 16), [0] * 8 + [1] * 8))
+    narrow = builder.trunc(scales, vec(i16_t, 2))
+    spread = builder.shuffle_vector(narrow, narrow, ir.Constant(vec(i32_t, 16), [0] * 8 + [1] * 8))
     return builder.call(madd, [pairs, spread])
 
 
-_I64, _F32 = ir.IntType(64), ir.FloatType()
+i64_t, f32_t = ir.IntType(64), ir.FloatType()
 
 
 def _chunk_quants(builder, at, type_, c, signed=True):
     """<32 x i8> quants of chunk c (elements 32c..32c+31) of the 256-block whose bytes at(off, type)
     loads. signed=False leaves Q6_K's codes unsigned (0..63), as ggml's VEC route dots them."""
     if type_ == T.IQ4_XS:
-        return _iq4_quants(builder, at(8 + 16 * c, _vec(_I8, 16)))
+        return _iq4_quants(builder, at(8 + 16 * c, vec(i8_t, 16)))
     a, sa, ma, b, sb, mb, hs, bias = _chunk_layout(type_, c)
     q = builder.and_(_shift_bytes(builder, at(a, _V32), sa), _bytes(ma))
     if mb:
@@ -101,7 +100,7 @@ def _block_lanes(builder, type_, at, load_y, load_scales, signed=True):
     """The 8 int32 lanes of ggml's AVX2 block dot: lane l = sum over the 8 chunks c of
     S[2c + l//4] * (products 4l..4l+3 of chunk c). load_y(e) loads activations e..e+31 of the block,
     load_scales(g) the <2 x i32> scales of groups g, g+1."""
-    acc = ir.Constant(_vec(_I32, 8), [0] * 8)
+    acc = ir.Constant(vec(i32_t, 8), [0] * 8)
     for c in range(QK_K // 32):
         q = _chunk_quants(builder, at, type_, c, signed)
         acc = builder.add(acc, _scaled_lanes(builder, q, load_y(32 * c), load_scales(2 * c)))
@@ -113,14 +112,14 @@ def _isum(builder, v):
     n = v.type.count
     while n > 1:
         n //= 2
-        v = builder.add(_shuffle(builder, v, v, list(range(n))), _shuffle(builder, v, v, list(range(n, 2 * n))))
-    return builder.extract_element(v, ir.Constant(_I32, 0))
+        v = builder.add(shuffle(builder, v, v, list(range(n))), shuffle(builder, v, v, list(range(n, 2 * n))))
+    return builder.extract_element(v, ir.Constant(i32_t, 0))
 
 
 def _pairs(builder, v):
     """Neighbouring lanes summed: <2n x i32> -> <n x i32> (the pairing of _mm256_madd_epi16)."""
     n = v.type.count
-    return builder.add(_shuffle(builder, v, v, list(range(0, n, 2))), _shuffle(builder, v, v, list(range(1, n, 2))))
+    return builder.add(shuffle(builder, v, v, list(range(0, n, 2))), shuffle(builder, v, v, list(range(1, n, 2))))
 
 
 class _Args:
@@ -130,14 +129,14 @@ class _Args:
         self.context, self.builder, self.types, self.values = context, builder, signature.args, args
 
     def elem(self, i, index):
-        return self.builder.load(_elem_ptr(self.context, self.builder, self.types[i], self.values[i], index))
+        return self.builder.load(elem_ptr(self.context, self.builder, self.types[i], self.values[i], index))
 
     def ivec(self, i, index, n):
-        ptr = _elem_ptr(self.context, self.builder, self.types[i], self.values[i], index)
-        return self.builder.load(self.builder.bitcast(ptr, _vec(_I32, n).as_pointer()), align=4)
+        ptr = elem_ptr(self.context, self.builder, self.types[i], self.values[i], index)
+        return self.builder.load(self.builder.bitcast(ptr, vec(i32_t, n).as_pointer()), align=4)
 
     def bytes_at(self, i, offset, ty):
-        return self.builder.load(_byte_ptr(self.context, self.builder, self.types[i], self.values[i], offset, ty),
+        return self.builder.load(byte_ptr(self.context, self.builder, self.types[i], self.values[i], offset, ty),
                                  align=1)
 
     def y32(self, i, index):
@@ -145,13 +144,13 @@ class _Args:
 
 
 def _i64(v):
-    return ir.Constant(_I64, v)
+    return ir.Constant(i64_t, v)
 
 
 def _fma_fn(builder, n):
     if n == 1:
-        return _llvm_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
-    return _llvm_fn(builder, f"llvm.fma.v{n}f32", _vec(_F32, n), [_vec(_F32, n)] * 3)
+        return llvm_fn(builder, "llvm.fma.f32", f32_t, [f32_t] * 3)
+    return llvm_fn(builder, f"llvm.fma.v{n}f32", vec(f32_t, n), [vec(f32_t, n)] * 3)
 
 
 def _make_block_sumi(type_: GGMLType):
@@ -190,15 +189,15 @@ def _make_vec_dot(type_: GGMLType):
             a = _Args(context, builder, signature, args)
             off_, nb_, col_ = args[1], args[2], args[10]
             fma8, fma4, fma1 = _fma_fn(builder, 8), _fma_fn(builder, 4), _fma_fn(builder, 1)
-            zero = lambda n: ir.Constant(_vec(_F32, n), [0.0] * n)  # noqa: E731
+            zero = lambda n: ir.Constant(vec(f32_t, n), [0.0] * n)  # noqa: E731
             acc = cgutils.alloca_once_value(builder, zero(8))
             acc_m = cgutils.alloca_once_value(builder, zero(4))  # Q4_K: minimum terms in 4 lanes
-            summs = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))  # Q5_K: one scalar
+            summs = cgutils.alloca_once_value(builder, ir.Constant(f32_t, 0.0))  # Q5_K: one scalar
             with cgutils.for_range(builder, nb_) as loop:
                 b = loop.index
                 p = builder.add(off_, builder.mul(b, _i64(size)))
                 ahead = builder.add(p, _i64(PREFETCH_AHEAD))
-                _prefetch(builder, _byte_ptr(context, builder, a.types[0], a.values[0], ahead, _I8))
+                prefetch(builder, byte_ptr(context, builder, a.types[0], a.values[0], ahead, i8_t))
                 yb = builder.add(builder.mul(col_, nb_), b)
                 g0, yg0, y0 = builder.mul(b, _i64(16)), builder.mul(yb, _i64(16)), builder.mul(yb, _i64(QK_K))
                 lanes = _block_lanes(builder, type_, lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty),
@@ -208,25 +207,25 @@ def _make_vec_dot(type_: GGMLType):
                 bsums = a.ivec(9, yg0, 16)
                 if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
                     excess = _pairs(builder, builder.mul(a.ivec(3, g0, 16), bsums))
-                    lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(_vec(_I32, 8), [5] * 8)))
+                    lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(vec(i32_t, 8), [5] * 8)))
                 if HAS_MIN[type_]:
-                    d_min = builder.fmul(builder.fsub(ir.Constant(_F32, -0.0), dy), a.elem(6, b))
+                    d_min = builder.fmul(builder.fsub(ir.Constant(f32_t, -0.0), dy), a.elem(6, b))
                     mins = builder.mul(a.ivec(4, g0, 16), bsums)
                     if type_ == T.Q2_K:
-                        builder.store(builder.call(fma8, [_splat(builder, d_min), builder.sitofp(
-                            _pairs(builder, mins), _vec(_F32, 8)), builder.load(acc)]), acc)
+                        builder.store(builder.call(fma8, [splat(builder, d_min), builder.sitofp(
+                            _pairs(builder, mins), vec(f32_t, 8)), builder.load(acc)]), acc)
                     elif type_ == T.Q4_K:
-                        builder.store(builder.call(fma4, [_splat(builder, d_min, 4), builder.sitofp(
-                            _pairs(builder, _pairs(builder, mins)), _vec(_F32, 4)), builder.load(acc_m)]), acc_m)
+                        builder.store(builder.call(fma4, [splat(builder, d_min, 4), builder.sitofp(
+                            _pairs(builder, _pairs(builder, mins)), vec(f32_t, 4)), builder.load(acc_m)]), acc_m)
                     else:  # Q5_K
-                        builder.store(builder.call(fma1, [d_min, builder.sitofp(_isum(builder, mins), _F32),
+                        builder.store(builder.call(fma1, [d_min, builder.sitofp(_isum(builder, mins), f32_t),
                                                           builder.load(summs)]), summs)
-                d_xy = _splat(builder, builder.fmul(dy, a.elem(5, b)))
-                builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, _vec(_F32, 8)), builder.load(acc)]), acc)
-            total = _hsum8(builder, builder.load(acc))
+                d_xy = splat(builder, builder.fmul(dy, a.elem(5, b)))
+                builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, vec(f32_t, 8)), builder.load(acc)]), acc)
+            total = hsum8(builder, builder.load(acc))
             if type_ == T.Q4_K:
                 v = builder.load(acc_m)
-                e = [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)]
+                e = [builder.extract_element(v, ir.Constant(i32_t, i)) for i in range(4)]
                 total = builder.fadd(total, builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3])))
             elif type_ == T.Q5_K:
                 total = builder.fadd(total, builder.load(summs))
@@ -255,28 +254,28 @@ def _make_iq4_nl_dot(tinyblas: bool):
             def block(b):
                 p = builder.add(off_, builder.mul(b, _i64(18)))
                 yb = builder.add(builder.mul(col_, nb_), b)
-                q = _iq4_quants(builder, a.bytes_at(0, builder.add(p, _i64(2)), _vec(_I8, 16)))
-                lanes = _lanes(builder, q, a.y32(3, builder.mul(yb, _i64(32))))
-                return lanes, builder.fmul(a.elem(4, yb), builder.fpext(a.bytes_at(0, p, ir.HalfType()), _F32))
+                q = _iq4_quants(builder, a.bytes_at(0, builder.add(p, _i64(2)), vec(i8_t, 16)))
+                lanes = i8_dot_lanes(builder, q, a.y32(3, builder.mul(yb, _i64(32))))
+                return lanes, builder.fmul(a.elem(4, yb), builder.fpext(a.bytes_at(0, p, ir.HalfType()), f32_t))
 
             def step(acc, b):
                 lanes, d = block(b)
-                builder.store(builder.call(fma8, [_splat(builder, d), builder.sitofp(lanes, _vec(_F32, 8)),
+                builder.store(builder.call(fma8, [splat(builder, d), builder.sitofp(lanes, vec(f32_t, 8)),
                                                   builder.load(acc)]), acc)
 
-            zero = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+            zero = ir.Constant(vec(f32_t, 8), [0.0] * 8)
             acc, acc2 = cgutils.alloca_once_value(builder, zero), cgutils.alloca_once_value(builder, zero)
             if tinyblas:
                 with cgutils.for_range(builder, nb_) as loop:
                     step(acc, loop.index)
-                return _hsum8(builder, builder.load(acc))
+                return hsum8(builder, builder.load(acc))
             with cgutils.for_range(builder, builder.ashr(nb_, _i64(1))) as loop:
                 b = builder.mul(loop.index, _i64(2))
                 step(acc, b)
                 step(acc2, builder.add(b, _i64(1)))
-            total = _hsum8(builder, builder.fadd(builder.load(acc), builder.load(acc2)))
+            total = hsum8(builder, builder.fadd(builder.load(acc), builder.load(acc2)))
             lanes, d = block(builder.sub(nb_, _i64(1)))  # always a valid block; used only if nb is odd
-            tail = builder.call(_fma_fn(builder, 1), [d, builder.sitofp(_isum(builder, lanes), _F32), total])
+            tail = builder.call(_fma_fn(builder, 1), [d, builder.sitofp(_isum(builder, lanes), f32_t), total])
             odd = builder.icmp_signed("!=", builder.and_(nb_, _i64(1)), _i64(0))
             return builder.select(odd, tail, total)
 
@@ -352,9 +351,9 @@ def _mul_mat_kquant(kind, how, has_min, block_bytes, qb, w, off, nb01, nb02, nb0
         d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
         dmin = np.zeros_like(d)
         if kind != IQ4_NL_KIND:
-            for ir in range(lo, hi):
-                decode_row_scales(kind, w, base + ir * nb01, nblk, block_bytes, qb, s[ir - lo], m[ir - lo],
-                                  d[ir - lo], dmin[ir - lo])
+            for r in range(lo, hi):
+                decode_row_scales(kind, w, base + r * nb01, nblk, block_bytes, qb, s[r - lo], m[r - lo],
+                                  d[r - lo], dmin[r - lo])
         for i11 in range(ne11):  # every activation row meets the task's weight rows while they are hot
             col = col0 + i11
             for ir in range(lo, hi):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -22,6 +21,8 @@ from numba.extending import intrinsic
 from .ggml import GGMLType
 
 from .fmath import np_bf16_bits_to_f32, round_f16
+from .llvm import (FLOAT_ELEM, PREFETCH_AHEAD, byte_ptr, elem_ptr, f32_t, half_t, hsum8, i8_dot_lanes, i8_t, i32_t,
+                   i64_t, llvm_fn, prefetch, shuffle, splat, to_f32, vec)
 
 QK = 32  # elements per block of every format here
 
@@ -117,94 +118,23 @@ def pack_q8(qs: np.ndarray, d: np.ndarray, s: np.ndarray | None = None) -> np.nd
 # ----------------------------------------------------------------------------------------------
 # LLVM helpers for numba: vector block dot products (scalar fma/fp16/bf16 helpers are in fmath.py)
 
-_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_HALF = ir.HalfType()
-
-
-def _vec(t, n):
-    return ir.VectorType(t, n)
-
-
-def _host_has_avx2() -> bool:
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    try:
-        return bool(llvm_binding.get_host_cpu_features().get("avx2", False))
-    except Exception:  # pragma: no cover - exotic hosts
-        return False
-
-
-HAS_AVX2 = _host_has_avx2()
-PREFETCH_AHEAD = 1024  # bytes; streaming a big weight matrix (the Q8_0 output layer) gains ~30%
-
-
-def _llvm_fn(builder, name, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-def _elem_ptr(context, builder, aryty, ary, index):
-    """Pointer to element `index` of a C-contiguous 1-d array."""
-    return builder.gep(context.make_array(aryty)(context, builder, ary).data, [index])
-
-
-def _byte_ptr(context, builder, aryty, ary, offset, elty):
-    data = builder.bitcast(context.make_array(aryty)(context, builder, ary).data, _I8.as_pointer())
-    return builder.bitcast(builder.gep(data, [offset]), elty.as_pointer())
-
-
-def _shuffle(builder, a, b, idx):
-    return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, len(idx)), idx))
-
-
-def _splat(builder, x, n=8):
-    v = builder.insert_element(ir.Constant(_vec(x.type, n), None), x, ir.Constant(_I32, 0))
-    return _shuffle(builder, v, v, [0] * n)
-
-
-def _lanes(builder, w, y):
-    """<32 x i8> weights, <32 x i8> activations -> <8 x i32>; lane l = sum of products 4l..4l+3."""
-    if HAS_AVX2:  # ggml's own sequence: sign trick, maddubs, madd with ones
-        v32, v16 = _vec(_I8, 32), _vec(_I16, 16)
-        psign = _llvm_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
-        maddubs = _llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v32, v32])
-        madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16, v16])
-        pairs = builder.call(maddubs, [builder.call(psign, [w, w]), builder.call(psign, [y, w])])
-        return builder.call(madd, [pairs, ir.Constant(v16, [1] * 16)])
-    p = builder.mul(builder.sext(w, _vec(_I32, 32)), builder.sext(y, _vec(_I32, 32)))
-    even, odd = list(range(0, 32, 2)), list(range(1, 32, 2))
-    p2 = builder.add(_shuffle(builder, p, p, even), _shuffle(builder, p, p, odd))
-    return builder.add(_shuffle(builder, p2, p2, even[:8]), _shuffle(builder, p2, p2, odd[:8]))
-
-
-def _prefetch(builder, ptr):
-    """A read hint; never faults, so running past the end of the buffer is harmless."""
-    pf = _llvm_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-    builder.call(pf, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-
-
-def _hsum8(builder, v):
-    """ggml hsum_float_8: t = hi + lo, then (t0 + t2) + (t1 + t3)."""
-    t = builder.fadd(_shuffle(builder, v, v, [4, 5, 6, 7]), _shuffle(builder, v, v, [0, 1, 2, 3]))
-    e = [builder.extract_element(t, ir.Constant(_I32, i)) for i in range(4)]
-    return builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3]))
-
 
 def _decode_block(builder, load, typ, base):
     """The 32 weights of the block at byte `base` as <32 x i8> (ggml element order)."""
     size, _, _, qh_at, qs_at, bias = _LAYOUT[typ]
-    at = lambda off: builder.add(base, ir.Constant(_I64, off))  # noqa: E731
+    at = lambda off: builder.add(base, ir.Constant(i64_t, off))  # noqa: E731
     if typ == GGMLType.Q8_0:
-        return load(at(qs_at), _vec(_I8, 32))
-    qs = load(at(qs_at), _vec(_I8, 16))
-    lo = builder.and_(qs, ir.Constant(_vec(_I8, 16), [15] * 16))
-    hi = builder.lshr(qs, ir.Constant(_vec(_I8, 16), [4] * 16))
-    w = _shuffle(builder, lo, hi, list(range(32)))
+        return load(at(qs_at), vec(i8_t, 32))
+    qs = load(at(qs_at), vec(i8_t, 16))
+    lo = builder.and_(qs, ir.Constant(vec(i8_t, 16), [15] * 16))
+    hi = builder.lshr(qs, ir.Constant(vec(i8_t, 16), [4] * 16))
+    w = shuffle(builder, lo, hi, list(range(32)))
     if qh_at is not None:
-        bits = builder.lshr(_splat(builder, load(at(qh_at), _I32), 32), ir.Constant(_vec(_I32, 32), list(range(32))))
-        bits = builder.trunc(builder.and_(bits, ir.Constant(_vec(_I32, 32), [1] * 32)), _vec(_I8, 32))
-        w = builder.or_(w, builder.shl(bits, ir.Constant(_vec(_I8, 32), [4] * 32)))
+        bits = builder.lshr(splat(builder, load(at(qh_at), i32_t), 32), ir.Constant(vec(i32_t, 32), list(range(32))))
+        bits = builder.trunc(builder.and_(bits, ir.Constant(vec(i32_t, 32), [1] * 32)), vec(i8_t, 32))
+        w = builder.or_(w, builder.shl(bits, ir.Constant(vec(i8_t, 32), [4] * 32)))
     if bias:
-        w = builder.sub(w, ir.Constant(_vec(_I8, 32), [bias] * 32))
+        w = builder.sub(w, ir.Constant(vec(i8_t, 32), [bias] * 32))
     return w
 
 
@@ -222,32 +152,32 @@ def _make_row_dot(typ: GGMLType, ncols: int):
         def codegen(context, builder, signature, args):
             w_, woff_, nb_, yq_, yd_, ys_, col_ = args
             wt, _, _, yqt, ydt, yst, _ = signature.args
-            load = lambda off, ty: builder.load(_byte_ptr(context, builder, wt, w_, off, ty), align=1)  # noqa: E731
-            fma8 = _llvm_fn(builder, "llvm.fma.v8f32", _vec(_F32, 8), [_vec(_F32, 8)] * 3)
-            fma1 = _llvm_fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8)) for _ in range(ncols)]
-            mins = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(ncols)]
+            load = lambda off, ty: builder.load(byte_ptr(context, builder, wt, w_, off, ty), align=1)  # noqa: E731
+            fma8 = llvm_fn(builder, "llvm.fma.v8f32", vec(f32_t, 8), [vec(f32_t, 8)] * 3)
+            fma1 = llvm_fn(builder, "llvm.fma.f32", f32_t, [f32_t] * 3)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec(f32_t, 8), [0.0] * 8)) for _ in range(ncols)]
+            mins = [cgutils.alloca_once_value(builder, ir.Constant(f32_t, 0.0)) for _ in range(ncols)]
             with cgutils.for_range(builder, nb_) as loop:
                 b = loop.index
-                base = builder.add(woff_, builder.mul(b, ir.Constant(_I64, size)))
-                _prefetch(builder, _byte_ptr(context, builder, wt, w_, builder.add(base, ir.Constant(_I64, PREFETCH_AHEAD)), _I8))
-                dx = builder.fpext(load(builder.add(base, ir.Constant(_I64, d_at)), _HALF), _F32)
+                base = builder.add(woff_, builder.mul(b, ir.Constant(i64_t, size)))
+                prefetch(builder, byte_ptr(context, builder, wt, w_, builder.add(base, ir.Constant(i64_t, PREFETCH_AHEAD)), i8_t))
+                dx = builder.fpext(load(builder.add(base, ir.Constant(i64_t, d_at)), half_t), f32_t)
                 wv = _decode_block(builder, load, typ, base)
-                mx = None if m_at is None else builder.fpext(load(builder.add(base, ir.Constant(_I64, m_at)), _HALF), _F32)
+                mx = None if m_at is None else builder.fpext(load(builder.add(base, ir.Constant(i64_t, m_at)), half_t), f32_t)
                 for c in range(ncols):
-                    blk = builder.add(builder.mul(builder.add(col_, ir.Constant(_I64, c)), nb_), b)
-                    yp = builder.bitcast(_elem_ptr(context, builder, yqt, yq_, builder.mul(blk, ir.Constant(_I64, QK))),
-                                         _vec(_I8, 32).as_pointer())
-                    dy = builder.load(_elem_ptr(context, builder, ydt, yd_, blk))
-                    lanes = builder.sitofp(_lanes(builder, wv, builder.load(yp, align=1)), _vec(_F32, 8))
-                    d = _splat(builder, builder.fmul(dx, dy))
+                    blk = builder.add(builder.mul(builder.add(col_, ir.Constant(i64_t, c)), nb_), b)
+                    yp = builder.bitcast(elem_ptr(context, builder, yqt, yq_, builder.mul(blk, ir.Constant(i64_t, QK))),
+                                         vec(i8_t, 32).as_pointer())
+                    dy = builder.load(elem_ptr(context, builder, ydt, yd_, blk))
+                    lanes = builder.sitofp(i8_dot_lanes(builder, wv, builder.load(yp, align=1)), vec(f32_t, 8))
+                    d = splat(builder, builder.fmul(dx, dy))
                     builder.store(builder.call(fma8, [d, lanes, builder.load(accs[c])]), accs[c])
                     if mx is not None:  # the _1 formats add m * s per block (compiled as an fma)
-                        sy = builder.load(_elem_ptr(context, builder, yst, ys_, blk))
+                        sy = builder.load(elem_ptr(context, builder, yst, ys_, blk))
                         builder.store(builder.call(fma1, [mx, sy, builder.load(mins[c])]), mins[c])
             out = []
             for c in range(ncols):
-                total = _hsum8(builder, builder.load(accs[c]))
+                total = hsum8(builder, builder.load(accs[c]))
                 out.append(total if m_at is None else builder.fadd(total, builder.load(mins[c])))
             return context.make_tuple(builder, ret, out)
 
@@ -294,28 +224,16 @@ def quantize_q8_rows(x, qs, d, s, with_sum):
 # ----------------------------------------------------------------------------------------------
 # float weights (F32/F16/BF16): fma lanes of ggml_vec_dot_* and llamafile's tinyBLAS
 
-_FLOAT_ELEM = {GGMLType.F32: (4, _F32), GGMLType.F16: (2, _HALF), GGMLType.BF16: (2, _I16)}
-
-
-def _to_f32(builder, v, typ, n):
-    if typ == GGMLType.F16:
-        return builder.fpext(v, _vec(_F32, n)) if n > 1 else builder.fpext(v, _F32)
-    if typ == GGMLType.BF16:
-        wide = _vec(_I32, n) if n > 1 else _I32
-        shifted = builder.shl(builder.zext(v, wide), ir.Constant(wide, [16] * n if n > 1 else 16))
-        return builder.bitcast(shifted, _vec(_F32, n) if n > 1 else _F32)
-    return v
-
 
 def _make_load_weight(typ: GGMLType):
     """Intrinsic load(w, byte_offset) -> float32 of one F32/F16/BF16 weight."""
-    _, elty = _FLOAT_ELEM[typ]
+    _, elty = FLOAT_ELEM[typ]
 
     @intrinsic
     def load(typingctx, w, off):
         def codegen(context, builder, signature, args):
-            v = builder.load(_byte_ptr(context, builder, signature.args[0], args[0], args[1], elty), align=1)
-            return _to_f32(builder, v, typ, 1)
+            v = builder.load(byte_ptr(context, builder, signature.args[0], args[0], args[1], elty), align=1)
+            return to_f32(builder, v, typ, 1)
 
         return types.float32(w, types.int64), codegen
 
@@ -326,7 +244,7 @@ def _make_float_lanes(typ: GGMLType, ways: int):
     """Intrinsic lanes(w, woff, y, yoff, steps) -> 8 floats. ways=1 is tinyBLAS (one 8-wide fma
     accumulator, steps of 8); ways=4 is ggml_vec_dot (four accumulators, steps of 32) already reduced
     lane-wise as (a0 + a2) + (a1 + a3). w: weight bytes at woff; y: float32 activations at yoff."""
-    esize, elty = _FLOAT_ELEM[typ]
+    esize, elty = FLOAT_ELEM[typ]
     ret = types.UniTuple(types.float32, 8)
 
     @intrinsic
@@ -336,27 +254,27 @@ def _make_float_lanes(typ: GGMLType, ways: int):
         def codegen(context, builder, signature, args):
             w_, woff_, y_, yoff_, steps_ = args
             wt, _, yt = signature.args[:3]
-            v8 = _vec(_F32, 8)
-            fma8 = _llvm_fn(builder, "llvm.fma.v8f32", v8, [v8] * 3)
+            v8 = vec(f32_t, 8)
+            fma8 = llvm_fn(builder, "llvm.fma.v8f32", v8, [v8] * 3)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * 8)) for _ in range(ways)]
             with cgutils.for_range(builder, steps_) as loop:
                 for a in range(ways):
-                    k = builder.add(builder.mul(loop.index, ir.Constant(_I64, 8 * ways)), ir.Constant(_I64, 8 * a))
-                    wp = _byte_ptr(context, builder, wt, w_, builder.add(woff_, builder.mul(k, ir.Constant(_I64, esize))),
-                                   _vec(elty, 8))
-                    yp = builder.bitcast(_elem_ptr(context, builder, yt, y_, builder.add(yoff_, k)), v8.as_pointer())
-                    wv = _to_f32(builder, builder.load(wp, align=1), typ, 8)
+                    k = builder.add(builder.mul(loop.index, ir.Constant(i64_t, 8 * ways)), ir.Constant(i64_t, 8 * a))
+                    wp = byte_ptr(context, builder, wt, w_, builder.add(woff_, builder.mul(k, ir.Constant(i64_t, esize))),
+                                   vec(elty, 8))
+                    yp = builder.bitcast(elem_ptr(context, builder, yt, y_, builder.add(yoff_, k)), v8.as_pointer())
+                    wv = to_f32(builder, builder.load(wp, align=1), typ, 8)
                     builder.store(builder.call(fma8, [wv, builder.load(yp, align=4), builder.load(accs[a])]), accs[a])
             v = [builder.load(a) for a in accs]
             if ways == 4:
                 v = [builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))]
-            return context.make_tuple(builder, ret, [builder.extract_element(v[0], ir.Constant(_I32, i)) for i in range(8)])
+            return context.make_tuple(builder, ret, [builder.extract_element(v[0], ir.Constant(i32_t, i)) for i in range(8)])
 
         return sig, codegen
 
     return lanes
 
 
-FLOAT_TYPES = tuple(_FLOAT_ELEM)
+FLOAT_TYPES = tuple(FLOAT_ELEM)
 LOAD_WEIGHT = {t: _make_load_weight(t) for t in FLOAT_TYPES}
 FLOAT_LANES = {t: (_make_float_lanes(t, 1), _make_float_lanes(t, 4)) for t in FLOAT_TYPES}

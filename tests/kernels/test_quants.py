@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import formats, matmul, quants
+from kernels import formats, llvm, matmul, quants
 from kernels.ggml import TYPE_TRAITS, GGMLType
 
 pytestmark = pytest.mark.kernels
@@ -164,7 +164,7 @@ def test_portable_lanes_match_avx2_lanes(type_, monkeypatch):
     raw = gguf.quants.quantize(rng.standard_normal((2, k)).astype(np.float32), gguf_type(type_)).reshape(-1)
     q, d, s = quants.quantize_q8_ref(random_rows(rng, 3, k), True)
     args = (raw, raw.size // 2, k // 32, q.ravel(), d.ravel(), s.ravel(), 0)
-    monkeypatch.setattr(quants, "HAS_AVX2", False)
+    monkeypatch.setattr(llvm, "HAS_AVX2", False)
     portable = _row_dot_caller(type_, 1, quants._make_row_dot(type_, 1))(*args)
     monkeypatch.undo()
     assert portable == _row_dot_caller(type_, 1)(*args)
