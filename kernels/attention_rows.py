@@ -79,7 +79,7 @@ def visible(mrow, ic, mkind, has_mask, slope):
 def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
     """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
     scores[0 : b1-b0] (masked positions' entries are not read); updates vkq in place and returns the
-    new (M, S). V rows and the mask are read in their stored kinds (vkind, mkind: copy.KIND_*)."""
+    new (M, S). V rows and the mask are read in their stored kinds (vkind, mkind: storage.KIND_*)."""
     dv = vkq.shape[0]
     for ic in range(b0, b1):
         mv = slope * load_f32(mrow[ic], mkind) if has_mask else F32(0.0)

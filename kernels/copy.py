@@ -5,7 +5,7 @@ its own shape and the destination is filled in row-major order of *its* shape; o
 must agree. Conversions go through f32, as ggml's `type_conversion_table` does. Into a quantized
 type (a quantized KV cache), each source row is quantized whole by kernels/kv_quants.py.
 
-The scalar F16/BF16 conversions it uses live in kernels/fmath.py (re-exported here).
+Storage kinds, their load/store and the converting copy between them are in kernels/storage.py.
 """
 
 from __future__ import annotations
