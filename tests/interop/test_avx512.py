@@ -25,8 +25,8 @@ pytestmark = pytest.mark.interop
 RUNS = [("fact", "on"), ("list", "on"), ("long", "on"), ("long", "off")]
 MAX_MEAN_KLD = 1e-5
 EMULATED_TIMEOUT = 1200  # the client's CPU baseline on the emulated build: ~3 min for the perplexity run
-# the kernel tests whose ops compute in lane orders that depend on the build (README), run with the
-# AVX-512 build as their oracle; the quantized and other ops are the same in both builds
+# run with the AVX-512 build as their oracle: the kernels whose lane orders depend on the build (README),
+# and quants, kquants and rope, whose results must come out the same in both builds
 KERNEL_TESTS = ["test_matmul.py", "test_softmax.py", "test_attention.py", "test_elementwise.py", "test_norm.py",
                 "test_quants.py", "test_kquants.py", "test_rope.py"]
 
