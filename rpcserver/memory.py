@@ -5,6 +5,11 @@ pages zero-filled on first touch, so untouched pages cost no RSS, no client ever
 bytes, and a freed buffer goes straight back to the system (no allocator heuristics in between).
 Clients address memory by the buffer handles and virtual addresses we hand out; every address they
 send is resolved here, against buffers of their own connection only.
+
+A wire tensor record becomes memory in one checked step, as ggml-rpc's deserialize_tensor does it:
+`BufferTable.locate` checks its type, its buffer and its byte range once, and `BufferTable.tensor` turns
+it into the kernels' Tensor. Whatever a request may not touch raises RequestError, the one error the
+session turns into a closed connection.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.ggml import GGMLType, nbytes, type_traits
+from kernels import Tensor
+from kernels.ggml import GGMLType, TypeTraits, nbytes, type_traits
 from .protocol import RpcTensor
 
 ALIGNMENT = 32  # as ggml's CPU buffers (TENSOR_ALIGNMENT)
@@ -25,8 +31,27 @@ _ADDRESS_SPACE_START = 0x1000_0000
 _PAGE = 4096
 
 
-class AddressError(Exception):
-    """An address or size the client sent does not fit its own buffers."""
+NO_MEMORY = np.zeros(0, dtype=np.uint8)  # what a tensor without a buffer points at; never computed on
+
+
+class RequestError(ValueError):
+    """A request this connection may not make: an invalid type, another connection's buffer, a range
+    outside its buffer, a graph the worker refuses. The session closes the connection on it."""
+
+
+def tensor_label(rec: RpcTensor) -> str:
+    return f"'{rec.name}'" if rec.name else f"id 0x{rec.id:x}"
+
+
+def checked_type(rec: RpcTensor) -> TypeTraits:
+    """The traits of a record's type, which must be a live type with ne[0] a whole number of blocks."""
+    traits = type_traits(rec.type)
+    if traits is None or traits.block_size == 0:
+        raise RequestError(f"tensor {tensor_label(rec)} has invalid type {rec.type}")
+    if rec.ne[0] % traits.block_size:
+        raise RequestError(f"tensor {tensor_label(rec)}: ne[0]={rec.ne[0]} is not a multiple of the block "
+                           f"size {traits.block_size}")
+    return traits
 
 
 def system_memory() -> tuple[int, int]:
@@ -132,7 +157,7 @@ class BufferTable:
     def get(self, handle: int) -> Buffer:
         buf = self.buffers.get(handle)
         if buf is None:
-            raise AddressError(f"buffer 0x{handle:x} is not one of this connection's")
+            raise RequestError(f"buffer 0x{handle:x} is not one of this connection's")
         return buf
 
     def free(self, handle: int) -> None:
@@ -151,16 +176,15 @@ class BufferTable:
 
     def locate(self, tensor: RpcTensor) -> tuple[Buffer, int, int]:
         """(buffer, byte offset of the tensor's data in it, tensor byte size), all checked."""
-        traits = type_traits(tensor.type)
-        if traits is None or traits.block_size == 0:
-            raise AddressError(f"invalid tensor type {tensor.type}")
-        if tensor.ne[0] % traits.block_size:
-            raise AddressError(f"ne[0]={tensor.ne[0]} is not a multiple of the block size {traits.block_size}")
+        checked_type(tensor)
+        return self._span(tensor)
+
+    def _span(self, tensor: RpcTensor) -> tuple[Buffer, int, int]:
         buf = self.get(tensor.buffer)
         size = nbytes(GGMLType(tensor.type), tensor.ne, tensor.nb)
         offset = tensor.data - buf.base
         if not (0 <= offset <= buf.size and size <= buf.size - offset):
-            raise AddressError(
+            raise RequestError(
                 f"tensor '{tensor.name}' data [0x{tensor.data:x}, +{size}) lies outside its buffer "
                 f"[0x{buf.base:x}, +{buf.size})"
             )
@@ -170,5 +194,26 @@ class BufferTable:
         """The bytes [offset, offset+size) of a tensor, checked against the tensor and its buffer."""
         buf, start, tensor_size = self.locate(tensor)
         if not (offset <= tensor_size and size <= tensor_size - offset):
-            raise AddressError(f"region (offset={offset}, size={size}) exceeds tensor '{tensor.name}' of {tensor_size} bytes")
+            raise RequestError(f"region (offset={offset}, size={size}) exceeds tensor '{tensor.name}' of {tensor_size} bytes")
         return buf.mem[start + offset : start + offset + size]
+
+    def tensor(self, rec: RpcTensor) -> Tensor:
+        """The kernels' view of a record, checked so a kernel may trust it: a live type, whole blocks laid
+        out contiguously, data inside a buffer of this connection and aligned to its elements.
+
+        As in ggml-rpc, a tensor may come without memory (buffer 0 and data 0, or a buffer this
+        connection does not own: it lives on another server); it gets NO_MEMORY, and the graph refuses
+        it wherever a node would read or write it. A data pointer without a buffer is refused here."""
+        traits = checked_type(rec)
+        label = tensor_label(rec)
+        if traits.is_quantized and rec.nb[0] != traits.type_size:
+            raise RequestError(f"quantized tensor {label} must have contiguous blocks (nb[0]={rec.nb[0]})")
+        if not self.owns(rec.buffer):
+            if rec.data != 0:
+                raise RequestError(f"tensor {label} has a data pointer but no buffer of this connection")
+            return Tensor(GGMLType(rec.type), rec.ne, rec.nb, NO_MEMORY, 0, rec.name)
+        buf, offset, _ = self._span(rec)
+        itemsize = traits.type_size if not traits.is_quantized else 1
+        if offset % itemsize or any(n % itemsize for n in rec.nb):
+            raise RequestError(f"tensor {label} is not aligned to its element size {itemsize}")
+        return Tensor(GGMLType(rec.type), rec.ne, rec.nb, buf.mem, offset, rec.name)

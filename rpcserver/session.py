@@ -15,10 +15,10 @@ import numpy as np
 
 from . import protocol as p
 from kernels.ggml import GGMLType, nbytes, type_traits
-from .graph import GraphError, Plan, build_plan, run_plan
+from .graph import Plan, build_plan, run_plan
 from kernels.hashing import fnv1a64
 from kernels.target import AVX2, Target
-from .memory import ALIGNMENT, BufferTable, MemoryBudget, AddressError
+from .memory import ALIGNMENT, BufferTable, MemoryBudget, RequestError
 from .protocol import Command, ProtocolError
 
 log = logging.getLogger("rpcserver")
@@ -62,7 +62,7 @@ class Session:
     def handle(self, command: Command, request) -> bytes | None:
         try:
             return HANDLERS[command](self, request)
-        except (AddressError, GraphError) as exc:  # the peer's request was at fault
+        except RequestError as exc:  # the peer's request was at fault
             raise ProtocolError(str(exc), command) from None
 
     # -- device queries --------------------------------------------------------------------------
@@ -93,9 +93,9 @@ class Session:
     def handle_get_alloc_size(self, req: p.GetAllocSizeRequest) -> bytes:
         self._device(Command.GET_ALLOC_SIZE, req.device)
         t = req.tensor
-        traits = type_traits(t.type)
+        traits = type_traits(t.type)  # the type only: a size is asked for before any block rule applies
         if traits is None or traits.block_size == 0:
-            raise ProtocolError(f"invalid tensor type {t.type}", Command.GET_ALLOC_SIZE)
+            raise RequestError(f"invalid tensor type {t.type}")
         return p.U64Response(nbytes(GGMLType(t.type), t.ne, t.nb)).encode()
 
     # -- buffers ---------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class Session:
         try:
             req = p.SetTensorRequest.decode_head(head, memoryview(b""))
             return memoryview(self.buffers.region(req.tensor, req.offset, size))
-        except (ValueError, AddressError) as exc:
+        except ValueError as exc:  # a malformed header, or a RequestError
             raise ProtocolError(str(exc), Command.SET_TENSOR) from None
 
     def handle_set_tensor(self, req: p.SetTensorRequest) -> None:

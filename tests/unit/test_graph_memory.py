@@ -16,7 +16,8 @@ import pytest
 
 from kernels.registry import KERNELS
 from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
-from rpcserver.graph import GraphError, build_plan, run_plan
+from rpcserver.graph import build_plan, run_plan
+from rpcserver.memory import RequestError
 from rpcserver.memory import BufferTable, MemoryBudget
 from rpcserver.protocol import GraphComputeRequest, RpcTensor
 from tool_modules import load_tool
@@ -98,7 +99,7 @@ def test_a_computing_node_may_not_touch_a_tensor_without_memory(op, sub, where, 
     dst, srcs = wire.node(_probe_node(op, sub))
     victim = dst if where == "dst" else srcs[0]
     victim.buffer, victim.data = (0, 0) if how == "no buffer" else (0xBEEF, 0)
-    with pytest.raises(GraphError, match="no buffer"):
+    with pytest.raises(RequestError, match="no buffer"):
         wire.plan(dst)
 
 
@@ -108,7 +109,7 @@ def test_a_data_pointer_without_a_buffer_is_refused(where):
     dst, srcs = wire.node(_probe_node(GGMLOp.ADD, 0))
     victim = dst if where == "dst" else srcs[0]
     victim.buffer = 0xBEEF  # another connection's or another server's handle: no buffer here
-    with pytest.raises(GraphError, match="data pointer but no buffer"):
+    with pytest.raises(RequestError, match="data pointer but no buffer"):
         wire.plan(dst)
 
 
