@@ -36,6 +36,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .jit import JIT
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible
@@ -51,7 +52,6 @@ from .storage import KIND_F16, KIND_F32, KINDS, parallel_worthwhile, storage, wi
 from .vec import NEG_INF, alibi_slope, vec_soft_max
 
 F32 = np.float32
-_jit = dict(cache=True, nogil=True, fastmath=False)
 
 # The split-KV result depends on the thread count of the ggml we imitate: ggml cuts the cache into one
 # slice per thread, and ggml-rpc-server runs -t threads (default hardware_concurrency()/2). The worker's
@@ -61,7 +61,7 @@ TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path
 TILE_KV = 64  # GGML_FA_TILE_KV
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v,
                    out, lanes):
     n_seq, n_head, n_q, _ = q.shape
@@ -76,7 +76,7 @@ def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, s
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _fa_one_chunk(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, out,
                   lanes, parallel):
     """Every query row by itself; k, v and mask as stored (mask F16 bits)."""
@@ -99,7 +99,7 @@ Q8_1_DOTTED = (GGMLType.Q4_1, GGMLType.Q5_1)  # the _1 formats, dotted with q8_1
     ROW_DOT[t] for t in QUANT_K_TYPES[:5])
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _k_dot(kind, kmem, off, nblk, yq, yd, ys, col):
     """ggml's vec_dot of the K row at byte `off` of kmem with quantized query row `col`."""
     if kind == IQ4_NL_KIND:
@@ -115,7 +115,7 @@ def _k_dot(kind, kmem, off, nblk, yq, yd, ys, col):
     return _dot_q8_0(kmem, off, nblk, yq, yd, ys, col)[0]
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks, scale,
                       max_bias, softcap, f16_v, out):
     """_one_chunk_row for a quantized K: kgeom = (byte offset, nb1, nb2, nb3, n_kv, ne2, ne3, blocks per row);
@@ -141,7 +141,7 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask,
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _fa_one_chunk_qk(kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks, scale,
                      max_bias, softcap, f16_v, out, parallel):
     n_rows = q_shape[0] * q_shape[1] * q_shape[2]
@@ -167,7 +167,7 @@ def _quantized_query(q: np.ndarray, k_type: GGMLType):
     return qs.reshape(-1), d.reshape(-1), s.reshape(-1)
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v,
                 part, lanes):
     """Head w // n_chunks over cache slice w % n_chunks: (M, S, unnormalized VKQ) into part."""
@@ -192,7 +192,7 @@ def _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_s
     part[h, c, 1] = S
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _split_merge(h, part, out):
     """ggml_flash_attn_ext_reduce_partials for head h."""
     dv = part.shape[2] - 2
@@ -215,7 +215,7 @@ def _split_merge(h, part, out):
         out[0, 0, h, d] = acc[d] * inv
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, n_chunks,
                  out, lanes, parallel):
     """One query, every head, the cache cut into n_chunks slices merged the way ggml reduces them."""
@@ -235,7 +235,7 @@ def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale,
             _split_merge(h, part, out)
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
     n_seq, n_head, n_q, dk = q.shape
     n_kv = kt.shape[3]
@@ -293,7 +293,7 @@ def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, s
         out[iq3, iq1, iq2, d] = vkq[d] * inv
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes, parallel):
     """kt is K transposed per head, (n_seq, n_head_kv, DK, n_kv), so a tile's scores vectorize."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]

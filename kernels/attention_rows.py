@@ -15,17 +15,17 @@ import math
 import numba
 import numpy as np
 
+from .jit import JIT
 from .fmath import fma32, hsum16, round_f16
 from .storage import KIND_F16, load_f32
 from .vec import NEG_INF
 
 F32 = np.float32
-_jit = dict(cache=True, nogil=True, fastmath=False)
 
 BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time (bounds its scratch)
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _fma_steps(krow, kkind, q, acc, nb, step):
     """The SIMD part of ggml_vec_dot_f16/_f32: acc[t] sums elements t, t + step, ... below nb (FMA)."""
     acc[:step] = 0
@@ -34,7 +34,7 @@ def _fma_steps(krow, kkind, q, acc, nb, step):
             acc[t] = fma32(load_f32(krow[i + t], kkind), q[i + t], acc[t])
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def dot_kq(krow, kkind, q, acc, lanes):
     """ggml's vec_dot of one stored K row (F16 bits or F32, per kkind) with q (float32), as a build with
     `lanes` float lanes computes it; acc is scratch for 64 floats.
@@ -69,13 +69,13 @@ def dot_kq(krow, kkind, q, acc, lanes):
     return s
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def visible(mrow, ic, mkind, has_mask, slope):
     """Whether position ic takes part (ggml skips a -inf mask entry before computing its dot)."""
     return not has_mask or slope * load_f32(mrow[ic], mkind) != NEG_INF
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
     """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
     scores[0 : b1-b0] (masked positions' entries are not read); updates vkq in place and returns the
@@ -114,7 +114,7 @@ def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, s
     return M, S
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v, vkq,
                   lanes):
     """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
@@ -141,7 +141,7 @@ def row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scal
     return M, S
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def apply_sink(sink, M, S, vkq, fused):
     """Fold the head's sink logit into the softmax as one more position with a zero value row;
     returns the new (M, S).
@@ -156,7 +156,7 @@ def apply_sink(sink, M, S, vkq, fused):
     return M, S + math.exp(sink - M)
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2):
     """A per-row path's end: fold in head iq2's sink, normalize by S, store the row (out is permuted)."""
     if has_sinks:
@@ -166,6 +166,6 @@ def finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2):
         out[iq3, iq1, iq2, d] = vkq[d] * inv
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def row_index(r, n_q, n_head):
     return r // (n_head * n_q), (r // n_q) % n_head, r % n_q

@@ -18,7 +18,7 @@ from numba import prange
 
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from .fmath import JIT
+from .jit import JIT
 from .kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, prepared, register

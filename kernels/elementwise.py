@@ -24,7 +24,8 @@ from .ggml import TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp
 from . import storage as st
 from .activations import SQR as _SQR, SQRT as _SQRT
 from .activations import gelu_erf, gelu_table, gelu_tables, reference_unary_values, silu_scalar, silu_vec
-from .fmath import JIT, f16_to_f32, f32_to_f16, fma32
+from .fmath import f16_to_f32, f32_to_f16, fma32
+from .jit import JIT
 from .node import InvalidNode, Node
 from .registry import OpKernel, nothing, prepared, register
 from .storage import rows_contiguous

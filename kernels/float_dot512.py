@@ -25,7 +25,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .fmath import JIT, f32_from_bits, f32_to_bits, fma32, hsum16, np_fma, np_hsum16
+from .fmath import f32_from_bits, f32_to_bits, fma32, hsum16, np_fma, np_hsum16
+from .jit import JIT
 from .ggml import GGMLType
 from .llvm import FLOAT_ELEM, byte_ptr, elem_ptr, f32_t, i32_t, i64_t, llvm_fn, shuffle, to_f32, vec
 from .quants import LOAD_WEIGHT

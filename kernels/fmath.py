@@ -20,7 +20,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
+from .jit import JIT
+
 F32 = np.float32
 
 # ---------------------------------------------------------------------------------------------

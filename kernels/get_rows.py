@@ -13,6 +13,7 @@ from functools import partial
 import numba
 import numpy as np
 
+from .jit import JIT
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import formats, kquants
@@ -66,7 +67,7 @@ _BLOCK_BYTES = (0, 0, 18, 20, 0, 0, 22, 24, 34)
 _QS_AT = (0, 0, 2, 4, 0, 0, 6, 8, 2)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _dequantize_row(kind, mem, off, nblk, out):
     """One row of nblk blocks at byte `off` of mem into out (float32), like dequantize_row_q*."""
     for b in range(nblk):
@@ -99,7 +100,7 @@ def _dequantize_row(kind, mem, off, nblk, out):
                 out[o + j + 16] = np.float32(hi) * d + m
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def _get_rows_quant(kind, mem, off, nb01, nb02, nb03, nblk, idx, out):
     ne12, ne11, ne10 = idx.shape
     for r in numba.prange(ne12 * ne11 * ne10):
@@ -108,7 +109,7 @@ def _get_rows_quant(kind, mem, off, nb01, nb02, nb03, nblk, idx, out):
         _dequantize_row(kind, mem, row, nblk, out[i12, i11, i10])
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def _get_rows_kquant(kind, has_min, block_bytes, qb, mem, off, nb01, nb02, nb03, nblk, idx, out):
     ne12, ne11, ne10 = idx.shape
     for r in numba.prange(ne12 * ne11 * ne10):
@@ -123,7 +124,7 @@ def _get_rows_kquant(kind, has_min, block_bytes, qb, mem, off, nb01, nb02, nb03,
         kquants.dequantize_decoded(has_min, nblk, qb, q, s, m, d, dmin, out[i12, i11, i10])
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def _get_rows_plain(kind, src, idx, out):
     """src: (ne03, ne02, ne01, ne00) view, F16/BF16 as their uint16 bits; kind 0 copies as is."""
     ne12, ne11, ne10 = idx.shape

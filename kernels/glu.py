@@ -16,7 +16,8 @@ from numba import prange
 
 from . import storage as st
 from .activations import gelu_erf, gelu_tables, reference_unary_values, silu_scalar, silu_vec
-from .fmath import JIT, f16_to_f32, f32_to_f16
+from .fmath import f16_to_f32, f32_to_f16
+from .jit import JIT
 from .ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, nothing, prepared, register

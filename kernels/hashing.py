@@ -3,11 +3,13 @@
 import numba
 import numpy as np
 
+from .jit import JIT
+
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(**JIT)
 def _fnv1a64(data, h):
     prime = np.uint64(FNV_PRIME)
     for i in range(data.size):

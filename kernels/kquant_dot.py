@@ -13,6 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .jit import JIT
 from .ggml import TYPE_TRAITS, GGMLType
 
 from .fmath import fma32
@@ -291,7 +292,7 @@ _iq4nl_vec, _iq4nl_tiny = _make_iq4_nl_dot(False), _make_iq4_nl_dot(True)
 iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K.Q for an IQ4_NL K cache
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _block_sumi(kind, w, p, s, soff, y, yoff):
     if kind == 10:
         return _q2k_sumi(w, p, s, soff, y, yoff)
@@ -306,7 +307,7 @@ def _block_sumi(kind, w, p, s, soff, y, yoff):
     return _iq4xs_sumi(w, p, s, soff, y, yoff)
 
 
-@numba.njit(nogil=True)
+@numba.njit(**JIT)
 def _tiled_dot(has_min, kind, w, off, nblk, block_bytes, s, m, d, dmin, yq, yd, ybs, col):
     """The TILED route for one weight row (scales decoded) . activation row col."""
     acc = np.float32(0)
@@ -322,7 +323,7 @@ def _tiled_dot(has_min, kind, w, off, nblk, block_bytes, s, m, d, dmin, yq, yd, 
     return acc
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _vec_dot(kind, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
     if kind == 10:
         return _q2k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
@@ -337,7 +338,7 @@ def _vec_dot(kind, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
     return _iq4xs_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def _mul_mat_kquant(kind, how, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd,
                     ybs, out):
     """Like _mul_mat_quant: a task's weight rows have their scales decoded once (IQ4_NL reads its one

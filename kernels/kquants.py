@@ -17,6 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .jit import JIT
 from .ggml import TYPE_TRAITS, GGMLType
 
 from . import quants
@@ -173,7 +174,7 @@ def quantize_q8_k_ref(x: np.ndarray):
     return q.reshape(rows, -1), d, bsums
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def quantize_q8_k_rows(x, qs, d, bsums):
     """Numba twin of quantize_q8_k_ref, writing into qs, d and bsums."""
     rows, k = x.shape
@@ -329,7 +330,7 @@ _f16_load = LOAD_WEIGHT[T.F16]
 _KV = KVALUES_IQ4NL.astype(np.int32)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _scale_min(j, mem, p):
     """get_scale_min_k4 on the 12 scale bytes at p."""
     if j < 4:
@@ -339,7 +340,7 @@ def _scale_min(j, mem, p):
     return np.int32(sc), np.int32(mn)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _decode_scales(kind, mem, p, s, m, g0):
     """The block at byte p: group scales/minimums into s[g0:], m[g0:]; returns (d, dmin)."""
     if kind == 12 or kind == 13:  # Q4_K, Q5_K: six-bit scales and minimums per 32
@@ -404,7 +405,7 @@ BIT_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # 2- to 6-bit fields; the 
 _CHUNKS = np.array([[_chunk_layout(t, c) for c in range(8)] for t in BIT_TYPES], np.int64)
 
 
-@numba.njit(nogil=True)
+@numba.njit(**JIT)
 def _decode_quants(kind, mem, p, q, e0):
     """The block at byte p: its integer quants into q[e0:] (what the vector chunk sums see)."""
     if kind == 20 or kind == 23:  # IQ4: runs of 16 bytes, low nibbles then high, through the table
@@ -422,20 +423,20 @@ def _decode_quants(kind, mem, p, q, e0):
             q[e0 + 32 * c + l] = v - bias
 
 
-@numba.njit(nogil=True)
+@numba.njit(**JIT)
 def decode_row_scales(kind, mem, off, nblk, block_bytes, qb, s, m, d, dmin):
     for b in range(nblk):
         d[b], dmin[b] = _decode_scales(kind, mem, off + b * block_bytes, s, m, b * (qb // GROUP))
 
 
-@numba.njit(nogil=True)
+@numba.njit(**JIT)
 def decode_row(kind, mem, off, nblk, block_bytes, qb, q, s, m, d, dmin):
     decode_row_scales(kind, mem, off, nblk, block_bytes, qb, s, m, d, dmin)
     for b in range(nblk):
         _decode_quants(kind, mem, off + b * block_bytes, q, b * qb)
 
 
-@numba.njit(nogil=True)
+@numba.njit(**JIT)
 def dequantize_decoded(has_min, nblk, qb, q, s, m, d, dmin, out):
     """(d*S)*q - dmin*M in float32, ggml's order."""
     for b in range(nblk):

@@ -16,6 +16,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .jit import JIT
 from .ggml import TYPE_TRAITS, GGMLType
 
 from .fmath import f32_to_f16
@@ -23,7 +24,6 @@ from .kquants import DEQUANTIZE as _DEQUANTIZE_SUPER, KVALUES_IQ4NL
 from .quants import QK, pack_q8, quantize_q8_ref
 
 F32 = np.float32
-_jit = dict(cache=True, nogil=True, fastmath=False)
 
 KV_QUANT_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.IQ4_NL)
 IQ4NL_VALUES = KVALUES_IQ4NL  # one grid for the weights' and the caches' IQ4_NL
@@ -33,7 +33,7 @@ GROUP_MAX_EPS = F32(1e-15)  # IQ4_NL leaves blocks below this magnitude at scale
 # C's float -> integer casts on x86
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def trunc_i32(value):
     """C float->int32 on x86 (cvttss2si): truncate; NaN and out-of-range give INT32_MIN."""
     v = np.float32(value)
@@ -192,20 +192,20 @@ KIND = {t: i for i, t in enumerate(KV_QUANT_TYPES)}
 _K_Q8_0, _K_Q4_0, _K_Q4_1, _K_Q5_0, _K_Q5_1, _K_IQ4_NL = range(6)
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _put_f16(out, b, v):
     h = f32_to_f16(v)
     out[b] = np.uint8(h & 0xFF)
     out[b + 1] = np.uint8(h >> 8)
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _put_u32(out, b, w):
     for i in range(4):
         out[b + i] = np.uint8((w >> (8 * i)) & 0xFF)
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _signed_max(x, o):
     amax = F32(0)
     mx = F32(0)
@@ -217,7 +217,7 @@ def _signed_max(x, o):
     return amax, mx
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _min_max_block(x, o):
     mn = F32(3.4028234663852886e38)
     mx = F32(-3.4028234663852886e38)
@@ -230,12 +230,12 @@ def _min_max_block(x, o):
     return mn, mx
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _int8(v):
     return np.int32(np.int8(trunc_i32(v)))
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _block_q8_0(x, o, out, b):
     """ggml-cpu's AVX2 quantize_row_q8_0: id = 127/amax, products rounded half to even."""
     amax = F32(0)
@@ -247,7 +247,7 @@ def _block_q8_0(x, o, out, b):
         out[b + 2 + j] = np.uint8(np.int8(np.rint(x[o + j] * inv)))
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _block_q4(x, o, out, b, with_min):
     if with_min:
         mn, mx = _min_max_block(x, o)
@@ -270,7 +270,7 @@ def _block_q4(x, o, out, b, with_min):
         out[b + at + j] = np.uint8((q0 | (q1 << 4)) & 0xFF)
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _block_q5(x, o, out, b, with_min):
     if with_min:
         mn, mx = _min_max_block(x, o)
@@ -299,7 +299,7 @@ def _block_q5(x, o, out, b, with_min):
     _put_u32(out, b + at - 4, qh)
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _iq4nl_index(v, values):
     """ggml best_index_int8(16, kvalues_iq4nl, v)."""
     if v <= values[0]:
@@ -316,7 +316,7 @@ def _iq4nl_index(v, values):
     return mu - 1 if v - values[mu - 1] < values[mu] - v else mu
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _block_iq4_nl(x, o, out, b, values):
     amax, mx = _signed_max(x, o)
     L = np.zeros(QK, np.int32)  # ggml leaves stale codes for near-zero blocks: zeros here
@@ -339,7 +339,7 @@ def _block_iq4_nl(x, o, out, b, values):
         out[b + 2 + j] = np.uint8(L[j] | (L[j + 16] << 4))
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _quantize_row(kind, x, r, out, values):
     nb = x.shape[1] // QK
     for blk in range(nb):
@@ -358,7 +358,7 @@ def _quantize_row(kind, x, r, out, values):
             _block_iq4_nl(x[r], o, out[r], blk * 18, values)
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _quantize_rows(kind, x, out, values, parallel):
     if parallel:
         for r in prange(x.shape[0]):

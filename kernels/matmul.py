@@ -22,6 +22,7 @@ from functools import partial
 import numba
 import numpy as np
 
+from .jit import JIT
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import formats, kquant_dot, kquants, quants
@@ -91,7 +92,7 @@ def check_fwht(node: Node) -> None:
         raise InvalidNode("MUL_MAT (Hadamard): rows of src1 and dst must be contiguous")
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def _fwht_rows(rows, scale):
     n = rows.shape[1]
     for r in numba.prange(rows.shape[0]):
@@ -159,7 +160,7 @@ def _activations(type_: GGMLType, x: np.ndarray) -> np.ndarray:
     ROW_DOT[t] for t in QUANT_TYPES)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _dot1(kind, w, off, nb, yq, yd, ys, col):
     if kind == 2:
         return _q40_1(w, off, nb, yq, yd, ys, col)[0]
@@ -172,7 +173,7 @@ def _dot1(kind, w, off, nb, yq, yd, ys, col):
     return _q80_1(w, off, nb, yq, yd, ys, col)[0]
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _dot4(kind, w, off, nb, yq, yd, ys, col):
     if kind == 2:
         return _q40_4(w, off, nb, yq, yd, ys, col)
@@ -185,7 +186,7 @@ def _dot4(kind, w, off, nb, yq, yd, ys, col):
     return _q80_4(w, off, nb, yq, yd, ys, col)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _quantize_activation_row(x, r, yq, yd, ys, with_sum):
     """Flat activation row r of x (ne13, ne12, ne11, K) into its slice of the flat q8 scratch."""
     ne11, ne12, k = x.shape[2], x.shape[1], x.shape[3]
@@ -195,7 +196,7 @@ def _quantize_activation_row(x, r, yq, yd, ys, with_sum):
                            ys[r * nblk:(r + 1) * nblk], with_sum)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq, yd, ys, with_sum, out):
     """x: the (ne13, ne12, ne11, K) f32 activations, quantized first into the flat scratch yq/yd/ys."""
     ne13, ne12, ne11, _ = x.shape
@@ -224,7 +225,7 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq
 (_f32_tiny, _f32_vec), (_f16_tiny, _f16_vec), (_bf16_tiny, _bf16_vec) = (FLOAT_LANES[t] for t in FLOAT_TYPES)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _load(kind, w, off):
     if kind == 0:
         return _f32_load(w, off)
@@ -233,7 +234,7 @@ def _load(kind, w, off):
     return _bf16_load(w, off)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _lanes(kind, tiny, w, off, y, yoff, n):
     if tiny:
         steps = n // 8
@@ -250,7 +251,7 @@ def _lanes(kind, tiny, w, off, y, yoff, n):
     return _bf16_vec(w, off, y, yoff, steps)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _padded(kind, w, off, esize, y, yoff, rem, lane, acc):
     """tinyBLAS's last partial step loads zero padding: lanes past the tail add fma(0, 0) = +0."""
     if lane < rem:
@@ -258,7 +259,7 @@ def _padded(kind, w, off, esize, y, yoff, rem, lane, acc):
     return acc + np.float32(0)
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def _dot_float(kind, tiny, w, off, esize, y, yoff, n):
     """One weight row . one activation row, as tinyBLAS or ggml_vec_dot_{f32,f16,bf16} on AVX2."""
     v = _lanes(kind, tiny, w, off, y, yoff, n)
@@ -285,7 +286,7 @@ def _dot_float(kind, tiny, w, off, esize, y, yoff, n):
     return tail_sum(kind, w, off, esize, y, yoff, full, n, res)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def _mul_mat_float(kind, tiny, lanes, pairs, w, off, nb01, nb02, nb03, ne01, ne02, ne03, esize, y, out):
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     ne00 = y.size // max(1, ne11 * ne12 * ne13)

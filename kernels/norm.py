@@ -22,7 +22,8 @@ from numba import prange
 
 from .ggml import GGMLOp, GGMLType
 
-from .fmath import JIT, fma32, hsum16, np_fma, np_hsum16
+from .fmath import fma32, hsum16, np_fma, np_hsum16
+from .jit import JIT
 from .node import InvalidNode, Node
 from .registry import OpKernel, nothing, prepared, register
 from .storage import parallel_worthwhile, row_coords

@@ -18,6 +18,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .jit import JIT
 from .ggml import GGMLType
 
 from .fmath import np_bf16_bits_to_f32, round_f16
@@ -194,7 +195,7 @@ ROW_DOT = {t: (_make_row_dot(t, 1), _make_row_dot(t, 4)) for t in QUANT_TYPES}
 # numba activation quantizer
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def quantize_q8_row(x, qs, d, s, with_sum):
     """One row: x (k,) float32 -> qs (k,) int8, d (k/32,) float32 and, if with_sum, s (k/32,)."""
     for b in range(x.shape[0] // QK):
@@ -214,7 +215,7 @@ def quantize_q8_row(x, qs, d, s, with_sum):
             s[b] = round_f16(dv * np.float32(total))
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(parallel=True, **JIT)
 def quantize_q8_rows(x, qs, d, s, with_sum):
     """x (rows, k) float32 -> qs (rows, k) int8, d (rows, k/32) float32 and, if with_sum, s."""
     for r in numba.prange(x.shape[0]):

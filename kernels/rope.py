@@ -19,6 +19,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .jit import JIT
 from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
 from .node import InvalidNode, Node, Tensor
@@ -27,7 +28,6 @@ from .fmath import f16_to_f32, f32_to_f16, fma32, np_fma
 from .storage import parallel_worthwhile, u16_view
 
 F32 = np.float32
-_jit = dict(cache=True, nogil=True, fastmath=False)
 
 
 class RopeParams:
@@ -40,7 +40,7 @@ class RopeParams:
          self.beta_fast, self.beta_slow) = ints[5:11].view(F32)
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
     """ggml_rope_yarn_corr_dims: the dims between which YaRN ramps from extrapolation to interpolation."""
     two_pi = F32(2.0) * F32(math.pi)
@@ -53,7 +53,7 @@ def yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
     return F32(lo), F32(hi)
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def rope_cache(pos, n_pairs, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr_lo, corr_hi,
                freq_factors, has_ff):
     """(cos, sin) of every rotated pair at every position: shape (len(pos), n_pairs, 2)."""
@@ -81,14 +81,14 @@ def rope_cache(pos, n_pairs, n_dims, freq_base, freq_scale, ext_factor, attn_fac
     return out
 
 
-@numba.njit(inline="always", **_jit)
+@numba.njit(inline="always", **JIT)
 def _rotate(x0, x1, c, s, fused):
     if fused:
         return fma32(x0, c, -(x1 * s)), fma32(x0, s, x1 * c)
     return x0 * c - x1 * s, x1 * c + x0 * s
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox):
     ne3, ne2, ne1, ne0 = src.shape
     n_pairs = n_dims // 2
@@ -110,7 +110,7 @@ def _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox):
         dp[i] = sp[i]
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox):
     ne3, ne2, ne1, ne0 = src.shape
     n_pairs = n_dims // 2
@@ -131,7 +131,7 @@ def _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox):
         dp[i] = sp[i]
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _rope_rows_f32(src, dst, cache, n_dims, n_offs, neox, parallel):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     if parallel:
@@ -142,7 +142,7 @@ def _rope_rows_f32(src, dst, cache, n_dims, n_offs, neox, parallel):
             _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _rope_rows_f16(src, dst, cache, n_dims, n_offs, neox, parallel):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     if parallel:
@@ -260,7 +260,7 @@ def _powf(base, exponent):
     return F32(_powf_jit(F32(base), F32(exponent)))
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _powf_jit(base, exponent):
     return math.pow(base, exponent)
 

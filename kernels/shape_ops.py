@@ -13,7 +13,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from .ggml import MAX_DIMS, TYPE_TRAITS, GGMLOp, GGMLType
 
-from .fmath import JIT
+from .jit import JIT
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, register
 from .storage import raw_storage

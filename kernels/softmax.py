@@ -20,6 +20,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .jit import JIT
 from .ggml import GGMLOp, GGMLType
 
 from .fmath import fma32, np_fma
@@ -30,13 +31,12 @@ from .vec import NEG_INF, alibi_slope, np_expf, np_soft_max, vec_soft_max
 
 F32 = np.float32
 
-_jit = dict(cache=True, nogil=True, fastmath=False)
 
 
 # ---------------------------------------------------------------- SOFT_MAX
 
 
-@numba.njit(**_jit)
+@numba.njit(**JIT)
 def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes):
     ne3, ne2, ne1, ne0 = src.shape
     i3 = r // (ne2 * ne1)
@@ -65,7 +65,7 @@ def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias
         dp[i] = wp[i] * inv
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(parallel=True, **JIT)
 def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes, parallel):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     if parallel:

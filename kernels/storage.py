@@ -9,9 +9,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from .fmath import (JIT, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bits_to_f32, np_f16_bits_to_f32,
+from .fmath import (bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bits_to_f32, np_f16_bits_to_f32,
                     np_f32_to_bf16_bits, np_f32_to_f16_bits)
 from .ggml import TYPE_TRAITS, GGMLType
+from .jit import JIT
 from .kv_quants import np_trunc_i32 as np_f32_to_i32
 from .kv_quants import trunc_i32 as f32_to_i32
 from .node import Tensor

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numba
 
+from .jit import JIT
+
 ROWS_PER_TASK = 16  # weight rows kept hot in cache while all activation columns stream past
 
 
-@numba.njit(nogil=True, inline="always")
+@numba.njit(inline="always", **JIT)
 def task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03):
     """One parallel task: a ROWS_PER_TASK slice [lo, hi) of the weight rows of slice (i12, i13), its
     byte offset `base` (src0 broadcast over dims 2/3) and the first activation column `col0`."""

@@ -9,7 +9,8 @@ import math
 import numba
 import numpy as np
 
-from .fmath import JIT, hsum16, np_hsum16, np_v_expf, np_v_expf16, v_expf, v_expf16
+from .fmath import hsum16, np_hsum16, np_v_expf, np_v_expf16, v_expf, v_expf16
+from .jit import JIT
 
 F32 = np.float32
 
