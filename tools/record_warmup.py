@@ -152,33 +152,35 @@ def record_input_nodes(client: RecordingClient) -> None:
     client.get_tensor(wire_tensor(table), table.nbytes)
 
 
-def record() -> bytes:
-    """The warm-up frames of both flash-attention settings, encoded for rpcserver.warmup."""
-    model = _Model()
-    frames = []
-    for flash_attn in (True, False):
-        client = RecordingClient(Session(WorkerConfig(MemoryBudget(warmup.BUDGET))))
-        try:
-            pipe = Pipeline(model, n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
-            pipe.connect([client])
-            pipe.place()
-            pipe.allocate()
-            pipe.upload()
-            with np.errstate(all="ignore"):
-                for n in PROMPTS:
-                    pipe.evaluate_prompt([1] * n)
-                for _ in range(2):
-                    pipe.evaluate_token(1)
-        finally:
-            client.close()
-        frames.append(client.frames)
+def _run_llama(client: RecordingClient, flash_attn: bool) -> None:
+    """A llama client's requests: upload, prompts of each length in PROMPTS, then single tokens."""
+    pipe = Pipeline(_Model(), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
+    pipe.connect([client])
+    pipe.place()
+    pipe.allocate()
+    pipe.upload()
+    with np.errstate(all="ignore"):
+        for n in PROMPTS:
+            pipe.evaluate_prompt([1] * n)
+        for _ in range(2):
+            pipe.evaluate_token(1)
+
+
+def _recorded(drive) -> list[tuple[int, bytes, int]]:
+    """The frames `drive(client)` sends, over a private in-process session."""
     client = RecordingClient(Session(WorkerConfig(MemoryBudget(warmup.BUDGET))))
     try:
-        record_input_nodes(client)
+        drive(client)
     finally:
         client.close()
-    frames.append(client.frames)
-    return warmup.encode(frames)
+    return client.frames
+
+
+def record() -> bytes:
+    """The warm-up frames of both flash-attention settings and of the input nodes, encoded for rpcserver.warmup."""
+    sessions = [_recorded(lambda c, fa=fa: _run_llama(c, fa)) for fa in (True, False)]
+    sessions.append(_recorded(record_input_nodes))
+    return warmup.encode(sessions)
 
 
 def main() -> int:
