@@ -47,7 +47,10 @@ def _skip_numba_blas_probe() -> None:
                    "on this host; avx2: GGML_NATIVE=OFF) [env: PYRPC_ISA]")
 @click.option("--no-warmup", is_flag=True,
               help="listen at once instead of loading/compiling the kernels first (the first graph is then slow)")
-def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup):
+@click.option("--no-peer", is_flag=True,
+              help="never connect to other workers: refuse SET_PEER, so clients relay every activation (peer "
+                   "writes from other workers are still accepted, with a token of the client's session)")
+def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup, no_peer):
     """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for dev in device.split(","):
@@ -83,6 +86,7 @@ def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup):
     print(f"  CPU: Python/numba CPU ({total >> 20} MiB, {free >> 20} MiB free)")
     print(f"  threads        : {threads}")
     print(f"  float orders   : ggml-cpu built for {target.name}")
+    print(f"  peer push      : {'off (--no-peer)' if no_peer else 'on'}")
     if host != "127.0.0.1":
         print(f"WARNING: Host ('{host}') is != '127.0.0.1'. Never expose the RPC server to an open network!",
               file=sys.stderr)
@@ -94,7 +98,7 @@ def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup):
     except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
         runner = asyncio.run
     try:
-        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target)))
+        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target, peer_push=not no_peer)))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol as p
 from .framing import Frame, FrameReader, decode_frame
+from .peers import LOOP_COMMANDS, PeerSide
 from .protocol import ProtocolError
 from .session import HEAVY, Session, WorkerConfig
 
@@ -46,6 +47,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.connections.add(self)
         log.info("client %s connected", self.peer)
+        self.peer_side = PeerSide(self.session, self.executor, self.config.peer_push)
         self.task = asyncio.get_running_loop().create_task(self._serve())
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -109,6 +111,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
             log.exception("client %s: internal error; closing the connection", self.peer)
             self.transport.abort()
         finally:
+            self.peer_side.close()
             await loop.run_in_executor(self.executor, self.session.close)
             log.info("client %s disconnected", self.peer)
 
@@ -118,6 +121,8 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         if not self.greeted:  # the reader let only HELLO through first
             self.greeted = True
             return p.HelloResponse().encode()  # we offer no transport caps (upstream's RDMA)
+        if command in LOOP_COMMANDS:
+            return await self.peer_side.handle(command, request)
         if command in HEAVY and not (frame.placed is not None and not self.session.caching):
             return await loop.run_in_executor(self.executor, self.session.handle, command, request)
         return self.session.handle(command, request)

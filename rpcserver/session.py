@@ -19,6 +19,7 @@ from .graph import Plan, build_plan, run_plan
 from kernels.hashing import fnv1a64
 from kernels.target import AVX2, Target
 from .memory import ALIGNMENT, BufferTable, MemoryBudget, RequestError
+from .peers import LOOP_COMMANDS, TokenTable
 from .protocol import Command, ProtocolError
 
 log = logging.getLogger("rpcserver")
@@ -29,8 +30,10 @@ N_DEVICES = 1
 
 class WorkerConfig:
     def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None, threads: int | None = None,
-                 target: Target = AVX2):
+                 target: Target = AVX2, peer_push: bool = True):
         self.budget = budget
+        self.peer_push = peer_push  # False: SET_PEER refuses, this worker opens no connections
+        self.tokens = TokenTable()  # worker-wide: PEER_WRITE finds its session by token
         self.cache_dir = cache_dir
         self.threads = threads  # numba threads of the compute thread (None: numba's default)
         # the ggml-cpu build whose results we reproduce; -t is its thread count too (split-KV attention)
@@ -42,12 +45,15 @@ class Session:
         self.config = config
         self.buffers = BufferTable(config.budget)
         self.plan: Plan | None = None  # the last graph, for GRAPH_RECOMPUTE
+        self.pushed = 0  # the highest step a PEER_WRITE has landed in this session
+        self.on_push = None  # called (from the compute thread) after each landed PEER_WRITE
 
     @property
     def caching(self) -> bool:
         return self.config.cache_dir is not None
 
     def close(self) -> None:
+        self.config.tokens.revoke(self)
         self.plan = None
         self.buffers.close()
 
@@ -57,11 +63,16 @@ class Session:
             return p.SetTensorRequest.HEADER + self.buffers.largest
         if command == Command.GRAPH_COMPUTE:
             return GRAPH_PAYLOAD_LIMIT
+        if command == Command.PEER_WRITE:  # into another session's buffers: at most all there is
+            return p.PeerWriteRequest.HEADER + self.config.budget.used
         return p.COMMANDS[command].request_size or 0
 
     def handle(self, command: Command, request) -> bytes | None:
+        handler = HANDLERS.get(command)
+        if handler is None:  # SET_PEER, PUSH_TENSOR, WAIT_PUSH: the server's event loop serves them
+            raise ProtocolError("not served without a network connection", command)
         try:
-            return HANDLERS[command](self, request)
+            return handler(self, request)
         except RequestError as exc:  # the peer's request was at fault
             raise ProtocolError(str(exc), command) from None
 
@@ -179,7 +190,27 @@ class Session:
         run_plan(self.plan)
 
     def handle_ext_hello(self, req: p.Empty) -> bytes:
-        return p.ExtHelloResponse(p.EXT_MAGIC, 0).encode()
+        return p.ExtHelloResponse(p.EXT_MAGIC, p.FEATURE_PEER_PUSH).encode()
+
+    # -- peer push (protocol_spec.md §8.1; the commands needing the event loop are in peers.py) --------
+
+    def handle_peer_token(self, req: p.Empty) -> bytes:
+        return p.PeerTokenResponse(self.config.tokens.issue(self)).encode()
+
+    def handle_peer_write(self, req: p.PeerWriteRequest) -> bytes:
+        target = self.config.tokens.session(req.token)
+        if target is None:
+            raise RequestError("PEER_WRITE with a token no live session holds")
+        target.buffers.region(req.tensor, req.offset, len(req.data))[:] = np.frombuffer(req.data, dtype=np.uint8)
+        target.pushed = max(target.pushed, req.step)
+        if target.on_push is not None:
+            target.on_push()
+        return p.U8Response(1).encode()
+
+    def tensor_bytes(self, rec: p.RpcTensor) -> bytes:
+        """A copy of all of a tensor's bytes (what PUSH_TENSOR sends), checked as GET_TENSOR."""
+        _, _, size = self.buffers.locate(rec)
+        return self.buffers.region(rec, 0, size).tobytes()
 
     # -- the -c file cache (same file naming as llama.cpp's worker: 16 hex digits of FNV-1a) ------
 
@@ -205,12 +236,13 @@ class Session:
         return data
 
 
-HANDLERS = {command: getattr(Session, f"handle_{command.name.lower()}") for command in Command}
+HANDLERS = {command: getattr(Session, f"handle_{command.name.lower()}") for command in Command
+            if command not in LOOP_COMMANDS}
 
 # commands whose work is proportional to data or compute: run off the event loop (FREE_BUFFER too:
 # unmapping a large touched buffer takes tens of milliseconds)
 HEAVY = frozenset({
     Command.SET_TENSOR, Command.SET_TENSOR_HASH, Command.GET_TENSOR, Command.COPY_TENSOR,
     Command.MEMSET_TENSOR, Command.BUFFER_CLEAR, Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE,
-    Command.FREE_BUFFER,
+    Command.FREE_BUFFER, Command.PEER_WRITE,
 })

@@ -215,16 +215,16 @@ def free_port(host: str = LOCALHOST) -> int:
 
 
 def worker_command(kind: str, port: int, *, host: str = LOCALHOST, threads: int = 2,
-                   mem_mib: int | None = None, isa: str | None = None) -> list[str]:
-    """Command line for our worker ("ours", computing as ggml built for `isa`) or llama.cpp's
-    ggml-rpc-server ("reference")."""
+                   mem_mib: int | None = None, isa: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """Command line for our worker ("ours", computing as ggml built for `isa`, with `extra` flags) or
+    llama.cpp's ggml-rpc-server ("reference")."""
     if kind == "ours":
         cmd = [sys.executable, "-m", "rpcserver", "-H", host, "-p", str(port), "-t", str(threads)]
         if mem_mib is not None:
             cmd += ["-m", str(mem_mib)]
         if isa is not None:
             cmd += ["--isa", isa]
-        return cmd
+        return cmd + list(extra)
     if kind == "reference":
         # The reference has no memory flag: it reports the machine's free RAM.
         return [str(binary("ggml-rpc-server")), "-H", host, "-p", str(port), "-t", str(threads)]
@@ -297,11 +297,12 @@ class Worker:
 
 
 def start_worker(kind: str, log_dir: Path, *, port: int | None = None, threads: int = 2,
-                 mem_mib: int | None = None, isa: str | None = None, timeout: float = 600.0) -> Worker:
+                 mem_mib: int | None = None, isa: str | None = None, extra: tuple[str, ...] = (),
+                 timeout: float = 600.0) -> Worker:
     """Start a worker on 127.0.0.1 (a free port unless given) and wait until it accepts connections.
     `isa`: the build whose float orders ours reproduces (rpc-server --isa; default: as for this host)."""
     port = free_port() if port is None else port
-    cmd = worker_command(kind, port, threads=threads, mem_mib=mem_mib, isa=isa)
+    cmd = worker_command(kind, port, threads=threads, mem_mib=mem_mib, isa=isa, extra=extra)
     env = llama_env()
     if kind == "ours":
         # Lets a plain checkout run without `pip install -e .`; harmless when installed.

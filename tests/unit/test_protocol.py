@@ -49,7 +49,32 @@ SAMPLES = {
     Command.GRAPH_RECOMPUTE: p.DeviceRequest(0),
     Command.MEMSET_TENSOR: p.MemsetTensorRequest(sample_tensor(), 4, 12, 0x7F),
     Command.EXT_HELLO: p.Empty(),
+    Command.PEER_TOKEN: p.Empty(),
+    Command.SET_PEER: p.SetPeerRequest(3, bytes(range(16)), 50052, b"10.0.0.2".ljust(256, b"\0")),
+    Command.PUSH_TENSOR: p.PushTensorRequest(1, 7, sample_tensor(), sample_tensor(id=1)),
+    Command.PEER_WRITE: p.PeerWriteRequest(bytes(range(16)), 9, sample_tensor(), 8, memoryview(b"data")),
+    Command.WAIT_PUSH: p.WaitPushRequest(9, 250),
 }
+
+
+def test_peer_push_layouts_match_the_spec():
+    """protocol_spec.md §8.1, field by field."""
+    token = bytes(range(16))
+    raw = SAMPLES[Command.SET_PEER].encode()
+    assert len(raw) == 4 + 16 + 2 + 256
+    assert struct.unpack_from("<I16sH", raw) == (3, token, 50052) and raw[22:30] == b"10.0.0.2"
+    assert SAMPLES[Command.SET_PEER].host_name == "10.0.0.2"
+    raw = SAMPLES[Command.PUSH_TENSOR].encode()
+    assert len(raw) == 4 + 8 + 296 * 2 and struct.unpack_from("<IQ", raw) == (1, 7)
+    assert raw[12:308] == sample_tensor().encode() and raw[308:] == sample_tensor(id=1).encode()
+    raw = SAMPLES[Command.PEER_WRITE].encode()
+    assert p.PeerWriteRequest.HEADER == 328 and len(raw) == 328 + 4
+    assert raw[:16] == token and struct.unpack_from("<Q", raw, 16)[0] == 9
+    assert raw[24:320] == sample_tensor().encode() and struct.unpack_from("<Q", raw, 320)[0] == 8
+    assert raw[328:] == b"data"
+    assert SAMPLES[Command.WAIT_PUSH].encode() == struct.pack("<QI", 9, 250)
+    assert p.PeerTokenResponse(token).encode() == token
+    assert p.COMMANDS[Command.PEER_WRITE].variable and p.COMMANDS[Command.PUSH_TENSOR].response is p.U8Response
 
 
 def test_every_command_has_a_sample_and_the_table_matches_the_pinned_protocol():

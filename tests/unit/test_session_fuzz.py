@@ -47,7 +47,8 @@ def tensors(draw, handle, base):
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), command=st.sampled_from([Command.SET_TENSOR, Command.GET_TENSOR, Command.MEMSET_TENSOR,
-                                                 Command.COPY_TENSOR, Command.INIT_TENSOR, Command.GET_ALLOC_SIZE]))
+                                                 Command.COPY_TENSOR, Command.INIT_TENSOR, Command.GET_ALLOC_SIZE,
+                                                 Command.PEER_WRITE]))
 def test_tensor_handlers_never_touch_memory_outside_the_named_tensor(data, command):
     s, buf, base = session_with_buffer()
     buf.mem[:] = 0xAA
@@ -64,6 +65,9 @@ def test_tensor_handlers_never_touch_memory_outside_the_named_tensor(data, comma
         req = p.CopyTensorRequest(data.draw(tensors(buf.handle, base)), t)
     elif command == Command.INIT_TENSOR:
         req = p.TensorRequest(t)
+    elif command == Command.PEER_WRITE:  # with the session's own token: only the range can be wrong
+        token = p.PeerTokenResponse.decode(s.handle(Command.PEER_TOKEN, p.Empty())).token
+        req = p.PeerWriteRequest(token, 1, t, offset, memoryview(bytes(data.draw(st.integers(0, 200)))))
     else:
         req = p.GetAllocSizeRequest(0, t, ())
     try:

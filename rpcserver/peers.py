@@ -1,0 +1,177 @@
+"""Peer push (protocol_spec.md §8.1): the commands that talk to, or wait on, other workers.
+
+PEER_TOKEN and PEER_WRITE are plain Session handlers (a PEER_WRITE is a SET_TENSOR into the session its
+token names). The three here need the event loop: SET_PEER records where the next stage lives,
+PUSH_TENSOR sends a tensor there over a worker-to-worker connection and waits for its acknowledgement,
+WAIT_PUSH holds a connection's later commands until a push has landed. None of them blocks any other
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import struct
+import threading
+
+from . import protocol as p
+from .memory import RequestError
+from .protocol import Command, ProtocolError
+
+log = logging.getLogger("rpcserver")
+
+CONNECT_TIMEOUT = 10.0  # seconds to reach a peer and finish its handshake
+REPLY_TIMEOUT = 300.0  # a PEER_WRITE waits behind the peer's running graphs: be generous
+LOOP_COMMANDS = frozenset({Command.SET_PEER, Command.PUSH_TENSOR, Command.WAIT_PUSH})
+
+
+class TokenTable:
+    """Every live PEER_TOKEN of the worker and the session it opens (thread-safe)."""
+
+    def __init__(self):
+        self._sessions: dict[bytes, object] = {}
+        self._lock = threading.Lock()
+
+    def issue(self, session) -> bytes:
+        token = secrets.token_bytes(p.TOKEN_SIZE)
+        with self._lock:
+            self._sessions[token] = session
+        return token
+
+    def session(self, token: bytes):
+        with self._lock:
+            return self._sessions.get(token)
+
+    def revoke(self, session) -> None:
+        with self._lock:
+            for token in [t for t, s in self._sessions.items() if s is session]:
+                del self._sessions[token]
+
+
+class PeerError(Exception):
+    """A peer could not be reached, is not one of our workers, or refused a write."""
+
+
+class PeerConnection:
+    """One worker-to-worker connection, opened with HELLO and EXT_HELLO, carrying PEER_WRITEs."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def _call(self, command: Command, *parts: bytes, expect: int) -> bytes:
+        size = sum(len(x) for x in parts)
+        self.writer.write(struct.pack("<BQ", command, size))
+        for part in parts:
+            self.writer.write(part)
+        await self.writer.drain()
+        (reply_size,) = struct.unpack("<Q", await self.reader.readexactly(8))
+        if reply_size != expect:
+            raise PeerError(f"{command.name} reply of {reply_size} bytes, expected {expect}")
+        return await self.reader.readexactly(reply_size)
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = p.HelloResponse.decode(await self._call(Command.HELLO, p.HelloRequest().encode(),
+                                                        expect=p.HelloResponse.wire_size()))
+        if hello.major != p.PROTOCOL_VERSION[0]:
+            raise PeerError(f"speaks RPC {hello.major}.{hello.minor}.{hello.patch}")
+        ext = p.ExtHelloResponse.decode(await self._call(Command.EXT_HELLO, expect=p.ExtHelloResponse.wire_size()))
+        if ext.magic != p.EXT_MAGIC or not ext.features & p.FEATURE_PEER_PUSH:
+            raise PeerError("does not offer peer push")
+
+    async def write(self, head: bytes, data: bytes) -> int:
+        return (await self._call(Command.PEER_WRITE, head, data, expect=1))[0]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class PeerSide:
+    """One client connection's links (SET_PEER) and its waits for pushes (WAIT_PUSH)."""
+
+    def __init__(self, session, executor, enabled: bool):
+        self.session = session
+        self.executor = executor
+        self.enabled = enabled
+        self.links: dict[int, tuple[str, int, bytes]] = {}
+        self.connections: dict[int, PeerConnection] = {}
+        self.landed = asyncio.Event()  # set whenever a PEER_WRITE lands in this session
+        loop = asyncio.get_running_loop()
+        session.on_push = lambda: loop.call_soon_threadsafe(self.landed.set)
+
+    async def handle(self, command: Command, request) -> bytes:
+        if command == Command.SET_PEER:
+            status = self.set_peer(request)
+        elif command == Command.PUSH_TENSOR:
+            status = await self.push_tensor(request)
+        else:
+            status = await self.wait_push(request)
+        return p.U8Response(status).encode()
+
+    def set_peer(self, req: p.SetPeerRequest) -> int:
+        self._drop(req.link)
+        host = req.host_name
+        if not self.enabled or not host:
+            return 0
+        self.links[req.link] = (host, req.port, req.token)
+        return 1
+
+    async def push_tensor(self, req: p.PushTensorRequest) -> int:
+        loop = asyncio.get_running_loop()
+        try:  # read on the compute thread: after the graph that made it, never racing a FREE_BUFFER
+            data = await loop.run_in_executor(self.executor, self.session.tensor_bytes, req.src)
+        except RequestError as exc:
+            raise ProtocolError(str(exc), Command.PUSH_TENSOR) from None
+        link = self.links.get(req.link)
+        if link is None:
+            return 0
+        host, port, token = link
+        head = p.PeerWriteRequest(token, req.step, req.dst, 0, memoryview(b"")).encode_head()
+        try:
+            conn = self.connections.get(req.link)
+            if conn is None:
+                conn = PeerConnection(host, port)
+                self.connections[req.link] = conn
+                await asyncio.wait_for(conn.open(), CONNECT_TIMEOUT)
+            return await asyncio.wait_for(conn.write(head, data), REPLY_TIMEOUT)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError, PeerError, ValueError) as exc:
+            log.warning("push to %s:%d over link %d failed: %s", host, port, req.link, exc or type(exc).__name__)
+            self._drop_connection(req.link)
+            return 0
+
+    async def wait_push(self, req: p.WaitPushRequest) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.timeout_ms / 1000
+        while self.session.pushed < req.step:
+            self.landed.clear()
+            if self.session.pushed >= req.step:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return 0
+            try:
+                await asyncio.wait_for(self.landed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return int(self.session.pushed >= req.step)
+        return 1
+
+    def _drop_connection(self, link: int) -> None:
+        conn = self.connections.pop(link, None)
+        if conn is not None:
+            conn.close()
+
+    def _drop(self, link: int) -> None:
+        self.links.pop(link, None)
+        self._drop_connection(link)
+
+    def close(self) -> None:
+        for link in list(self.connections):
+            self._drop_connection(link)
+        self.links.clear()

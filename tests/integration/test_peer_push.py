@@ -1,0 +1,215 @@
+"""Peer push between two of our workers (protocol_spec.md §8.1): bytes land exactly, in order, and
+nothing a client sends can make a worker write outside the token's session or fall over."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from orchestrator.client import RpcClient, WorkerError
+from rpcserver import protocol as p
+from rpcserver.protocol import Command
+from kernels.ggml import GGMLOp, GGMLType
+from tools import reference
+
+from .conftest import GraphBuilder
+
+F32 = GGMLType.F32
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("peers")
+    started = []
+    try:
+        for extra in ((), (), ("--no-peer",)):
+            started.append(reference.start_worker("ours", log_dir, mem_mib=256, extra=extra, timeout=300))
+        yield started
+    finally:
+        for w in started:
+            w.stop()
+    for w in started:  # refused requests close connections; none may be a bug of ours
+        assert "internal error" not in w.log_path.read_text(errors="replace"), w.log_path
+
+
+@pytest.fixture
+def connect(workers):
+    clients = []
+
+    def make(index):
+        c = RpcClient(workers[index].address, timeout=60)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def status(reply: bytes) -> int:
+    return p.U8Response.decode(reply).result
+
+
+def token_of(client) -> bytes:
+    return p.PeerTokenResponse.decode(client.call(Command.PEER_TOKEN)).token
+
+
+def set_peer(client, link, token, worker=None, *, port=None) -> int:
+    req = p.SetPeerRequest(link, token, worker.port if worker else port, b"127.0.0.1")
+    return status(client.call(Command.SET_PEER, req))
+
+
+def push(client, link, step, src, dst) -> int:
+    return status(client.call(Command.PUSH_TENSOR, p.PushTensorRequest(link, step, src, dst)))
+
+
+def wait_push(client, step, timeout_ms=60_000) -> int:
+    return status(client.call(Command.WAIT_PUSH, p.WaitPushRequest(step, timeout_ms)))
+
+
+def alive(worker) -> None:
+    with RpcClient(worker.address, timeout=30) as c:
+        assert c.device_memory()[1] > 0
+
+
+def test_ext_hello_offers_peer_push(connect):
+    for index in (0, 2):  # --no-peer still accepts writes, so it still offers the feature
+        reply = p.ExtHelloResponse.decode(connect(index).call(Command.EXT_HELLO))
+        assert reply.magic == p.EXT_MAGIC and reply.features & p.FEATURE_PEER_PUSH
+
+
+def test_push_lands_exactly_and_waits_are_ordered(workers, connect):
+    a, b = connect(0), connect(1)
+    ga, gb = GraphBuilder(a), GraphBuilder(b)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    src = ga.tensor(F32, (64, 4), data=x)
+    doubled = ga.tensor(F32, (64, 4), op=GGMLOp.ADD, src=(src, src))
+    inp = gb.tensor(F32, (64, 4), data=np.zeros((4, 64), np.float32))
+    out = gb.tensor(F32, (64, 4), op=GGMLOp.MUL, src=(inp, inp))
+    assert set_peer(a, 1, token_of(b), workers[1]) == 1
+
+    results = {}
+
+    def stage_b():  # sent first: B must hold its graph until A's push for step 1 has landed
+        results["wait"] = wait_push(b, 1)
+        gb.compute(out)
+        results["out"] = gb.read(out, np.float32)
+
+    t = threading.Thread(target=stage_b)
+    t.start()
+    time.sleep(0.2)  # so that, in practice, B's WAIT_PUSH and graph arrive before A computes
+    ga.compute(doubled)
+    assert push(a, 1, 1, doubled, inp) == 1
+    t.join(60)
+    assert results["wait"] == 1
+    np.testing.assert_array_equal(gb.read(inp, np.float32), (x + x).reshape(-1))  # bit-exact
+    np.testing.assert_array_equal(results["out"], ((x + x) * (x + x)).reshape(-1))
+
+    # the link is kept: a second step goes over the same connection
+    ga.compute(doubled)
+    assert push(a, 1, 2, src, inp) == 1 and wait_push(b, 2) == 1
+    np.testing.assert_array_equal(gb.read(inp, np.float32), x.reshape(-1))
+
+
+def test_wait_push_times_out_without_a_push(connect):
+    b = connect(1)
+    assert wait_push(b, 5, timeout_ms=50) == 0
+    alive_client = connect(1)
+    assert alive_client.device_memory()[1] > 0
+
+
+def raw_peer_write(worker, token, tensor, data, offset=0):
+    c = RpcClient(worker.address, timeout=30)
+    try:
+        req = p.PeerWriteRequest(token, 1, tensor, offset, memoryview(data))
+        return status(c.call(Command.PEER_WRITE, req))
+    finally:
+        c.close()
+
+
+def test_bad_token_is_refused(workers, connect):
+    b = connect(1)
+    gb = GraphBuilder(b)
+    dst = gb.tensor(F32, (16,), data=np.ones(16, np.float32))
+    with pytest.raises(WorkerError):
+        raw_peer_write(workers[1], os.urandom(16), dst, np.zeros(16, np.float32).tobytes())
+    np.testing.assert_array_equal(gb.read(dst, np.float32), np.ones(16))
+    assert raw_peer_write(workers[1], token_of(b), dst, np.full(16, 7, np.float32).tobytes()) == 1  # a client may relay
+    np.testing.assert_array_equal(gb.read(dst, np.float32), np.full(16, 7))
+
+
+def test_token_cannot_reach_another_sessions_buffer(workers, connect):
+    b1, b2 = connect(1), connect(1)
+    g2 = GraphBuilder(b2)
+    victim = g2.tensor(F32, (16,), data=np.ones(16, np.float32))
+    with pytest.raises(WorkerError):  # b1's token, b2's buffer
+        raw_peer_write(workers[1], token_of(b1), victim, np.zeros(16, np.float32).tobytes())
+    np.testing.assert_array_equal(g2.read(victim, np.float32), np.ones(16))
+
+
+def test_out_of_range_push_fails_and_both_workers_live_on(workers, connect):
+    a, b = connect(0), connect(1)
+    ga, gb = GraphBuilder(a), GraphBuilder(b)
+    big = ga.tensor(F32, (64,), data=np.arange(64, dtype=np.float32))
+    small = gb.tensor(F32, (16,), data=np.ones(16, np.float32))
+    assert set_peer(a, 3, token_of(b), workers[1]) == 1
+    assert push(a, 3, 1, big, small) == 0  # 256 bytes into a 64-byte tensor: B refuses, A reports it
+    np.testing.assert_array_equal(gb.read(small, np.float32), np.ones(16))
+    fits = ga.tensor(F32, (16,), data=np.full(16, 3, np.float32))
+    assert push(a, 3, 2, fits, small) == 1  # the link reconnects
+    np.testing.assert_array_equal(gb.read(small, np.float32), np.full(16, 3))
+    for w in workers[:2]:
+        alive(w)
+
+
+def test_push_to_a_closed_peer_or_a_dead_session(workers, connect):
+    a, b = connect(0), connect(1)
+    ga = GraphBuilder(a)
+    src = ga.tensor(F32, (16,), data=np.ones(16, np.float32))
+    gb = GraphBuilder(b)
+    dst = gb.tensor(F32, (16,))
+    assert set_peer(a, 1, token_of(b), port=reference.free_port()) == 1  # nobody listens there
+    assert push(a, 1, 1, src, dst) == 0
+    assert push(a, 9, 1, src, dst) == 0  # no such link
+    token = token_of(b)
+    b.close()  # the token dies with its session
+    assert set_peer(a, 2, token, workers[1]) == 1
+    assert push(a, 2, 1, src, dst) == 0
+    alive(workers[0])
+    alive(workers[1])
+
+
+def test_push_racing_free_buffer(workers, connect):
+    a, b = connect(0), connect(1)
+    ga = GraphBuilder(a)
+    src = ga.tensor(F32, (1 << 16,), data=np.ones(1 << 16, np.float32))
+    assert set_peer(a, 1, token_of(b), workers[1]) == 1
+    outcomes = set()
+    for step in range(1, 9):
+        gb = GraphBuilder(b, size=1 << 18)
+        dst = gb.tensor(F32, (1 << 16,))
+        t = threading.Thread(target=lambda: outcomes.add(push(a, 1, step, src, dst)))
+        t.start()
+        b.free_buffer(gb.handle)
+        t.join(60)
+    assert outcomes <= {0, 1}
+    alive(workers[1])
+    alive(workers[0])
+
+
+def test_no_peer_worker_refuses_set_peer(workers, connect):
+    c = connect(2)
+    assert set_peer(c, 1, os.urandom(16), workers[1]) == 0
+    src = GraphBuilder(c).tensor(F32, (4,), data=np.ones(4, np.float32))
+    assert push(c, 1, 1, src, src) == 0
+
+
+def test_push_of_a_foreign_source_closes_the_clients_connection(workers, connect):
+    a = connect(0)
+    bogus = p.RpcTensor(id=1, type=int(F32), buffer=0xdead, ne=(4, 1, 1, 1), nb=(4, 16, 16, 16), data=0x1234)
+    with pytest.raises(WorkerError):
+        push(a, 1, 1, bogus, bogus)
+    alive(workers[0])
