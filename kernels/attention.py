@@ -36,7 +36,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT
+from .jit import JIT, row_loop
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible
@@ -76,19 +76,14 @@ def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, s
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
-@numba.njit(parallel=True, **JIT)
+@row_loop
 def _fa_one_chunk(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, out,
-                  lanes, parallel):
+                  lanes):
     """Every query row by itself; k, v and mask as stored (mask F16 bits)."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
-                           f16_v, out, lanes)
-    else:
-        for r in range(n_rows):
-            _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
-                           f16_v, out, lanes)
+    for r in prange(n_rows):
+        _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
+                       f16_v, out, lanes)
 
 
 # --- quantized K: Q goes to K's vec_dot_type (q8_0 or q8_1) and K.Q is ggml_vec_dot_<K>_q8_* ---------
@@ -141,18 +136,13 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask,
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
-@numba.njit(parallel=True, **JIT)
+@row_loop
 def _fa_one_chunk_qk(kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks, scale,
-                     max_bias, softcap, f16_v, out, parallel):
+                     max_bias, softcap, f16_v, out):
     n_rows = q_shape[0] * q_shape[1] * q_shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks,
-                              scale, max_bias, softcap, f16_v, out)
-    else:
-        for r in range(n_rows):
-            _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks,
-                              scale, max_bias, softcap, f16_v, out)
+    for r in prange(n_rows):
+        _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks,
+                          scale, max_bias, softcap, f16_v, out)
 
 
 def _quantized_query(q: np.ndarray, k_type: GGMLType):
@@ -215,24 +205,17 @@ def _split_merge(h, part, out):
         out[0, 0, h, d] = acc[d] * inv
 
 
-@numba.njit(parallel=True, **JIT)
+@row_loop
 def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v, n_chunks,
-                 out, lanes, parallel):
+                 out, lanes):
     """One query, every head, the cache cut into n_chunks slices merged the way ggml reduces them."""
     n_head = q.shape[1]
     part = np.zeros((n_head, n_chunks, 2 + v.shape[3]), F32)
-    if parallel:
-        for w in prange(n_head * n_chunks):
-            _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
-                        softcap, f16_v, part, lanes)
-        for h in prange(n_head):
-            _split_merge(h, part, out)
-    else:
-        for w in range(n_head * n_chunks):
-            _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
-                        softcap, f16_v, part, lanes)
-        for h in range(n_head):
-            _split_merge(h, part, out)
+    for w in prange(n_head * n_chunks):
+        _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
+                    softcap, f16_v, part, lanes)
+    for h in prange(n_head):
+        _split_merge(h, part, out)
 
 
 @numba.njit(**JIT)
@@ -293,16 +276,12 @@ def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, s
         out[iq3, iq1, iq2, d] = vkq[d] * inv
 
 
-@numba.njit(parallel=True, **JIT)
-def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes, parallel):
+@row_loop
+def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
     """kt is K transposed per head, (n_seq, n_head_kv, DK, n_kv), so a tile's scores vectorize."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
-    else:
-        for r in range(n_rows):
-            _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
+    for r in prange(n_rows):
+        _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
 
 
 class _Parts:

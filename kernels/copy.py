@@ -18,7 +18,7 @@ from numba import prange
 
 from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
-from .jit import JIT
+from .jit import JIT, row_loop
 from .kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, prepared, register
@@ -184,19 +184,15 @@ def _set_rows_plane(values, idx, dst, vkind, dkind, p):
                 store_f32(dst, i3, i2, row, i0, load_f32(v, vkind), dkind)
 
 
-@numba.njit(parallel=True, **JIT)
-def _set_rows(values, idx, dst, vkind, dkind, parallel):
+@row_loop
+def _set_rows(values, idx, dst, vkind, dkind):
     """Returns False, having written nothing, if an index is out of range."""
     for v in idx.flat:
         if v < 0 or v >= dst.shape[2]:
             return False
     n_planes = values.shape[0] * values.shape[1]
-    if parallel:
-        for p in prange(n_planes):
-            _set_rows_plane(values, idx, dst, vkind, dkind, p)
-    else:
-        for p in range(n_planes):
-            _set_rows_plane(values, idx, dst, vkind, dkind, p)
+    for p in prange(n_planes):
+        _set_rows_plane(values, idx, dst, vkind, dkind, p)
     return True
 
 

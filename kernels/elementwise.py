@@ -25,7 +25,7 @@ from . import storage as st
 from .activations import SQR as _SQR, SQRT as _SQRT
 from .activations import gelu_erf, gelu_table, gelu_tables, reference_unary_values, silu_scalar, silu_vec
 from .fmath import f16_to_f32, f32_to_f16, fma32
-from .jit import JIT
+from .jit import JIT, row_loop
 from .node import InvalidNode, Node
 from .registry import OpKernel, nothing, prepared, register
 from .storage import rows_contiguous
@@ -123,15 +123,11 @@ def _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r):
         dst[i3, i2, i1, i0] = _unary_scalar(op, src[i3, i2, i1, i0], gelu_tab, quick_tab, s, bias)
 
 
-@numba.njit(parallel=True, **JIT)
-def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, parallel):
+@row_loop
+def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, lanes):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r)
-    else:
-        for r in range(n_rows):
-            _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r)
+    for r in prange(n_rows):
+        _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r)
 
 
 def _unary_code(node: Node) -> int:
@@ -208,15 +204,11 @@ def _binary_row(op, a, b, dst, r):
                 z[base + k] = x[base + k] / y[k]
 
 
-@numba.njit(parallel=True, **JIT)
-def _binary_rows(op, a, b, dst, parallel):
+@row_loop
+def _binary_rows(op, a, b, dst):
     n_rows = a.shape[0] * a.shape[1] * a.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _binary_row(op, a, b, dst, r)
-    else:
-        for r in range(n_rows):
-            _binary_row(op, a, b, dst, r)
+    for r in prange(n_rows):
+        _binary_row(op, a, b, dst, r)
 
 
 def _check_binary(node: Node) -> None:

@@ -17,7 +17,7 @@ from numba import prange
 from . import storage as st
 from .activations import gelu_erf, gelu_tables, reference_unary_values, silu_scalar, silu_vec
 from .fmath import f16_to_f32, f32_to_f16
-from .jit import JIT
+from .jit import JIT, row_loop
 from .ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, nothing, prepared, register
@@ -58,15 +58,11 @@ def _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, r):
         dst[i3, i2, i1, i0] = out
 
 
-@numba.njit(parallel=True, **JIT)
-def _glu_rows(op, x, g, dst, gelu_tab, quick_tab, lanes, parallel):
+@row_loop
+def _glu_rows(op, x, g, dst, gelu_tab, quick_tab, lanes):
     n_rows = dst.shape[0] * dst.shape[1] * dst.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, r)
-    else:
-        for r in range(n_rows):
-            _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, r)
+    for r in prange(n_rows):
+        _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, r)
 
 
 def _contiguous_1(t: Tensor) -> bool:

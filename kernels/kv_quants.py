@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT
+from .jit import JIT, row_loop
 from .ggml import TYPE_TRAITS, GGMLType
 
 from .fmath import f32_to_f16
@@ -358,14 +358,10 @@ def _quantize_row(kind, x, r, out, values):
             _block_iq4_nl(x[r], o, out[r], blk * 18, values)
 
 
-@numba.njit(parallel=True, **JIT)
-def _quantize_rows(kind, x, out, values, parallel):
-    if parallel:
-        for r in prange(x.shape[0]):
-            _quantize_row(kind, x, r, out, values)
-    else:
-        for r in range(x.shape[0]):
-            _quantize_row(kind, x, r, out, values)
+@row_loop
+def _quantize_rows(kind, x, out, values):
+    for r in prange(x.shape[0]):
+        _quantize_row(kind, x, r, out, values)
 
 
 def quantize_rows(type_: GGMLType, x: np.ndarray, parallel: bool = False) -> np.ndarray:

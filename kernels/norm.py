@@ -23,7 +23,7 @@ from numba import prange
 from .ggml import GGMLOp, GGMLType
 
 from .fmath import fma32, hsum16, np_fma, np_hsum16
-from .jit import JIT
+from .jit import JIT, row_loop
 from .node import InvalidNode, Node
 from .registry import OpKernel, nothing, prepared, register
 from .storage import parallel_worthwhile, row_coords
@@ -130,15 +130,11 @@ def _norm_row(op, src, dst, eps, contiguous, lanes, r):
         dst[i3, i2, i1, i0] = src[i3, i2, i1, i0] * scale
 
 
-@numba.njit(parallel=True, **JIT)
-def _norm_rows(op, src, dst, eps, contiguous, lanes, parallel):
+@row_loop
+def _norm_rows(op, src, dst, eps, contiguous, lanes):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _norm_row(op, src, dst, eps, contiguous, lanes, r)
-    else:
-        for r in range(n_rows):
-            _norm_row(op, src, dst, eps, contiguous, lanes, r)
+    for r in prange(n_rows):
+        _norm_row(op, src, dst, eps, contiguous, lanes, r)
 
 
 def _check_norm(node: Node) -> None:

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT
+from .jit import JIT, row_loop
 from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
 from .node import InvalidNode, Node, Tensor
@@ -131,26 +131,18 @@ def _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox):
         dp[i] = sp[i]
 
 
-@numba.njit(parallel=True, **JIT)
-def _rope_rows_f32(src, dst, cache, n_dims, n_offs, neox, parallel):
+@row_loop
+def _rope_rows_f32(src, dst, cache, n_dims, n_offs, neox):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
-    else:
-        for r in range(n_rows):
-            _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
+    for r in prange(n_rows):
+        _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
 
 
-@numba.njit(parallel=True, **JIT)
-def _rope_rows_f16(src, dst, cache, n_dims, n_offs, neox, parallel):
+@row_loop
+def _rope_rows_f16(src, dst, cache, n_dims, n_offs, neox):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
-    else:
-        for r in range(n_rows):
-            _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
+    for r in prange(n_rows):
+        _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
 
 
 def check_rope(node: Node) -> None:

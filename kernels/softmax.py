@@ -20,7 +20,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT
+from .jit import JIT, row_loop
 from .ggml import GGMLOp, GGMLType
 
 from .fmath import fma32, np_fma
@@ -65,15 +65,11 @@ def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias
         dp[i] = wp[i] * inv
 
 
-@numba.njit(parallel=True, **JIT)
-def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes, parallel):
+@row_loop
+def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes)
-    else:
-        for r in range(n_rows):
-            _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes)
+    for r in prange(n_rows):
+        _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes)
 
 
 def _soft_max_parts(node: Node):

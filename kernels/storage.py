@@ -12,7 +12,7 @@ from numba import prange
 from .fmath import (bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bits_to_f32, np_f16_bits_to_f32,
                     np_f32_to_bf16_bits, np_f32_to_f16_bits)
 from .ggml import TYPE_TRAITS, GGMLType
-from .jit import JIT
+from .jit import JIT, row_loop
 from .kv_quants import np_trunc_i32 as np_f32_to_i32
 from .kv_quants import trunc_i32 as f32_to_i32
 from .node import Tensor
@@ -63,9 +63,9 @@ def store_f32(dst, i3, i2, i1, i0, f, kind):
     else:
         dst[i3, i2, i1, i0] = f
 # ---------------------------------------------------------------------------------------------
-# row loops. Each kernel is a per-row body plus one driver whose `parallel` flag picks prange or a
-# plain loop: threads pay off only on big tensors, on small ones (decode steps) waking them costs
-# more than the work. (A plain range loop in a parallel=True function never touches the pool.)
+# row loops. Each kernel is a per-row body plus one driver (a prange loop, `jit.row_loop`) whose last
+# argument, `parallel`, picks its threaded or its serial compilation: threads pay off only on big
+# tensors, on small ones (decode steps) waking them costs more than the work.
 
 PARALLEL_MIN_WORK = 1 << 18
 
@@ -121,15 +121,11 @@ def _copy_row(src, dst, skind, dkind, r):
         j0 += 1
 
 
-@numba.njit(parallel=True, **JIT)
-def _copy_rows(src, dst, skind, dkind, parallel):
+@row_loop
+def _copy_rows(src, dst, skind, dkind):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    if parallel:
-        for r in prange(n_rows):
-            _copy_row(src, dst, skind, dkind, r)
-    else:
-        for r in range(n_rows):
-            _copy_row(src, dst, skind, dkind, r)
+    for r in prange(n_rows):
+        _copy_row(src, dst, skind, dkind, r)
 
 
 def copy_arrays(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
@@ -202,21 +198,14 @@ def _widen_plane_transposed(r, buf, off, ne, st, out):
                 col[u] = tmp[u, t]
 
 
-@numba.njit(parallel=True, **JIT)
-def _widen(buf, off, ne, st, out, transpose, parallel):
+@row_loop
+def _widen(buf, off, ne, st, out, transpose):
     n = ne[3] * ne[2] if transpose else ne[3] * ne[2] * ne[1]
-    if parallel:
-        for r in prange(n):
-            if transpose:
-                _widen_plane_transposed(r, buf, off, ne, st, out)
-            else:
-                _widen_row(r, buf, off, ne, st, out)
-    else:
-        for r in range(n):
-            if transpose:
-                _widen_plane_transposed(r, buf, off, ne, st, out)
-            else:
-                _widen_row(r, buf, off, ne, st, out)
+    for r in prange(n):
+        if transpose:
+            _widen_plane_transposed(r, buf, off, ne, st, out)
+        else:
+            _widen_row(r, buf, off, ne, st, out)
 
 
 def u16_view(t: Tensor) -> np.ndarray:
