@@ -37,18 +37,18 @@ import numpy as np
 from numba import prange
 
 from .jit import JIT, row_loop
-from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import (TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_TRAITS, GGMLOp,
+                   GGMLType)
 
 from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible
 from .fmath import fma32
 from .formats import dequantize_rows
 from .kquant_dot import iq4_nl_vec_dot
-from .kquants import IQ4_NL_KIND
 from .kv_quants import dequantize_iq4_nl_reference
 from .node import InvalidNode, Node, Tensor
 from .quants import QK, ROW_DOT, quantize_q8_ref, quantize_q8_rows, unpack_blocks
 from .registry import OpKernel, prepared, register
-from .storage import KIND_F16, KIND_F32, KINDS, parallel_worthwhile, storage, widen_f16
+from .storage import parallel_worthwhile, storage, widen_f16
 from .vec import NEG_INF, alibi_slope, vec_soft_max
 
 F32 = np.float32
@@ -71,7 +71,7 @@ def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, s
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
     mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
     vkq = np.empty(v.shape[3], F32)
-    M, S = row_one_chunk(q[iq3, iq2, iq1], k2, kkind, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap,
+    M, S = row_one_chunk(q[iq3, iq2, iq1], k2, kkind, v2, vkind, mrow, TYPE_F16, has_mask, slope, scale, softcap,
                          0, k.shape[2], f16_v, vkq, lanes)
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
@@ -97,15 +97,15 @@ Q8_1_DOTTED = (GGMLType.Q4_1, GGMLType.Q5_1)  # the _1 formats, dotted with q8_1
 @numba.njit(inline="always", **JIT)
 def _k_dot(kind, kmem, off, nblk, yq, yd, ys, col):
     """ggml's vec_dot of the K row at byte `off` of kmem with quantized query row `col`."""
-    if kind == IQ4_NL_KIND:
+    if kind == TYPE_IQ4_NL:
         return iq4_nl_vec_dot(kmem, off, nblk, yq, yd, col)
-    if kind == 2:
+    if kind == TYPE_Q4_0:
         return _dot_q4_0(kmem, off, nblk, yq, yd, ys, col)[0]
-    if kind == 3:
+    if kind == TYPE_Q4_1:
         return _dot_q4_1(kmem, off, nblk, yq, yd, ys, col)[0]
-    if kind == 6:
+    if kind == TYPE_Q5_0:
         return _dot_q5_0(kmem, off, nblk, yq, yd, ys, col)[0]
-    if kind == 7:
+    if kind == TYPE_Q5_1:
         return _dot_q5_1(kmem, off, nblk, yq, yd, ys, col)[0]
     return _dot_q8_0(kmem, off, nblk, yq, yd, ys, col)[0]
 
@@ -129,9 +129,9 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask,
     for b0 in range(0, n_kv, BLOCK_KV):
         b1 = min(b0 + BLOCK_KV, n_kv)
         for ic in range(b0, b1):
-            if visible(mrow, ic, KIND_F16, has_mask, slope):
+            if visible(mrow, ic, TYPE_F16, has_mask, slope):
                 scores[ic - b0] = _k_dot(kind, kmem, base + ic * nb1, nblk, yq, yd, ys, r)
-        M, S = accumulate(scores, b0, b1, v2, vkind, mrow, KIND_F16, has_mask, slope, scale, softcap, f16_v, vkq,
+        M, S = accumulate(scores, b0, b1, v2, vkind, mrow, TYPE_F16, has_mask, slope, scale, softcap, f16_v, vkq,
                           M, S)
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
@@ -174,7 +174,7 @@ def _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_s
     k2 = k[0, h // (n_head // k.shape[1])]
     v2 = v[0, h // (n_head // v.shape[1])]
     vkq = part[h, c, 2:]
-    M, S = row_one_chunk(q[0, h, 0], k2, kkind, v2, vkind, mask[0, h % mask.shape[1], 0], KIND_F16, has_mask, slope,
+    M, S = row_one_chunk(q[0, h, 0], k2, kkind, v2, vkind, mask[0, h % mask.shape[1], 0], TYPE_F16, has_mask, slope,
                          scale, softcap, ic0, min(ic0 + chunk, n_kv), f16_v, vkq, lanes)
     if has_sinks and c == 0:  # ggml applies the sink with the first slice only
         M, S = apply_sink(sinks[h], M, S, vkq, False)
@@ -390,7 +390,7 @@ def prepare_flash_attn_ext(node: Node):
     common = (mask, has_mask, sinks, has_sinks, p.scale, p.max_bias, p.softcap, f16_v, out)
 
     def values():
-        return (_dequantized(p.v), KIND_F32) if p.v.is_quantized else (storage(p.v), KINDS[p.v.type])
+        return (_dequantized(p.v), TYPE_F32) if p.v.is_quantized else (storage(p.v), int(p.v.type))
 
     k = p.k
     if k.is_quantized:
@@ -402,7 +402,7 @@ def prepare_flash_attn_ext(node: Node):
             _fa_one_chunk_qk(int(k.type), k.mem, kgeom, yq, yd, ys, q_shape, *values(), *common, parallel)
 
         return run_quantized_k
-    kstore, kkind = storage(k), KINDS[k.type]
+    kstore, kkind = storage(k), int(k.type)
     if path == "split":
         return lambda: _fa_split_kv(q, kstore, kkind, *values(), *common[:-1], node.target.threads, out, lanes,
                                     parallel)

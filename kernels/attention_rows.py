@@ -17,7 +17,8 @@ import numpy as np
 
 from .jit import JIT
 from .fmath import fma32, hsum16, round_f16
-from .storage import KIND_F16, load_f32
+from .ggml import TYPE_F16
+from .storage import load_f32
 from .vec import NEG_INF
 
 F32 = np.float32
@@ -58,7 +59,7 @@ def dot_kq(krow, kkind, q, acc, lanes):
     else:
         s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
     if nb < dk:
-        if kkind == KIND_F16:
+        if kkind == TYPE_F16:
             total = np.float64(s)
             for i in range(nb, dk):
                 total += np.float64(load_f32(krow[i], kkind) * q[i])
@@ -79,7 +80,7 @@ def visible(mrow, ic, mkind, has_mask, slope):
 def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S):
     """The online-softmax steps of one_chunk for kv positions [b0, b1), whose raw K.Q dot products are
     scores[0 : b1-b0] (masked positions' entries are not read); updates vkq in place and returns the
-    new (M, S). V rows and the mask are read in their stored kinds (vkind, mkind: storage.KIND_*)."""
+    new (M, S). V rows and the mask are read in their stored kinds (vkind, mkind: ggml type numbers)."""
     dv = vkq.shape[0]
     for ic in range(b0, b1):
         mv = slope * load_f32(mrow[ic], mkind) if has_mask else F32(0.0)
@@ -126,7 +127,7 @@ def row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scal
     dk = qrow.shape[0]
     q = np.empty(dk, F32)
     for i in range(dk):
-        q[i] = round_f16(qrow[i]) if kkind == KIND_F16 else qrow[i]
+        q[i] = round_f16(qrow[i]) if kkind == TYPE_F16 else qrow[i]
     acc = np.empty(64, F32)
     scores = np.empty(BLOCK_KV, F32)
     vkq[:] = 0

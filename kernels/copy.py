@@ -16,13 +16,13 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import TYPE_F32, TYPE_TRAITS, GGMLOp, GGMLType
 
 from .jit import JIT, row_loop
 from .kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, prepared, register
-from .storage import (KIND_F32, KIND_RAW, KINDS, copy_arrays, from_f32_reference, load_f32, parallel_worthwhile,
+from .storage import (RAW_BITS, copy_arrays, from_f32_reference, load_f32, parallel_worthwhile,
                       raw_storage, storage, store_f32, to_f32_reference, widen_f32)
 
 # ---------------------------------------------------------------------------------------------
@@ -62,11 +62,11 @@ def copy_tensor(src: Tensor, dst: Tensor) -> None:
             values = widen_f32(src).reshape(-1, src.ne[0])
             _write_contiguous(dst, quantize_rows(dst.type, values, parallel_worthwhile(values.size, cost=8)))
     elif src.type != dst.type:
-        copy_arrays(storage(src), storage(dst), KINDS[src.type], KINDS[dst.type])
+        copy_arrays(storage(src), storage(dst), int(src.type), int(dst.type))
     elif not TYPE_TRAITS[src.type].is_quantized:
-        copy_arrays(raw_storage(src), raw_storage(dst), KIND_RAW, KIND_RAW)
+        copy_arrays(raw_storage(src), raw_storage(dst), RAW_BITS, RAW_BITS)
     else:  # whole blocks, which lie contiguously within rows: row-major bytes = row-major blocks
-        copy_arrays(src.rows(), dst.rows(), KIND_RAW, KIND_RAW)
+        copy_arrays(src.rows(), dst.rows(), RAW_BITS, RAW_BITS)
 
 
 def _check_quantizing_copy(node: Node, src: Tensor, dst: Tensor) -> None:
@@ -178,7 +178,7 @@ def _set_rows_plane(values, idx, dst, vkind, dkind, p):
         row = idx[0, i3 % idx.shape[1], i2 % idx.shape[2], i1]
         for i0 in range(n0):
             v = values[i3, i2, i1, i0]
-            if vkind == dkind and vkind != KIND_F32:
+            if vkind == dkind and vkind != TYPE_F32:
                 dst[i3, i2, row, i0] = v  # F16 into F16: a plain copy
             else:
                 store_f32(dst, i3, i2, row, i0, load_f32(v, vkind), dkind)
@@ -205,9 +205,9 @@ def _prepare_set_rows(node: Node):
 
         def scatter():
             rows = quantize_rows(dst.type, widen_f32(values), quantize_parallel)
-            return _set_rows(rows, idx, dst_rows, KIND_RAW, KIND_RAW, parallel)
+            return _set_rows(rows, idx, dst_rows, RAW_BITS, RAW_BITS, parallel)
     else:
-        scatter = partial(_set_rows, storage(values), idx, storage(dst), KINDS[values.type], KINDS[dst.type], parallel)
+        scatter = partial(_set_rows, storage(values), idx, storage(dst), int(values.type), int(dst.type), parallel)
 
     def run():  # the indices come with each run's inputs: checked as the kernel meets them
         if not scatter():

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ggml import TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp
+from .ggml import TYPE_F32, TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp
 
 from . import storage as st
 from .activations import SQR as _SQR, SQRT as _SQRT
@@ -243,7 +243,7 @@ def _prepare_binary(node: Node):
         out = dst.array() if dst.type == GGMLType.F32 else np.empty_like(xa)
         _binary_rows(code, xa, xb, out, parallel)
         if dst.type != GGMLType.F32:
-            st.convert_into(out, st.storage(dst), st.KIND_F32, st.KINDS[dst.type])
+            st.convert_into(out, st.storage(dst), TYPE_F32, int(dst.type))
 
     return run_widened
 

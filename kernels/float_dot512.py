@@ -27,12 +27,11 @@ from numba.extending import intrinsic
 
 from .fmath import f32_from_bits, f32_to_bits, fma32, hsum16, np_fma, np_hsum16
 from .jit import JIT
-from .ggml import GGMLType
+from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, GGMLType
 from .llvm import FLOAT_ELEM, byte_ptr, elem_ptr, f32_t, i32_t, i64_t, llvm_fn, shuffle, to_f32, vec
 from .quants import LOAD_WEIGHT
 
 F32 = np.float32
-KIND_F32, KIND_F16, KIND_BF16 = 0, 1, 2  # matmul's float kinds: FLOAT_TYPES.index(type)
 SCRATCH = 32  # float32 lanes a dot needs in its scratch array
 
 
@@ -101,9 +100,9 @@ _load_f32, _load_f16, _load_bf16 = (LOAD_WEIGHT[t] for t in (T.F32, T.F16, T.BF1
 
 @numba.njit(inline="always", **JIT)
 def _load(kind, w, off):
-    if kind == KIND_F32:
+    if kind == TYPE_F32:
         return _load_f32(w, off)
-    if kind == KIND_F16:
+    if kind == TYPE_F16:
         return _load_f16(w, off)
     return _load_bf16(w, off)
 
@@ -138,7 +137,7 @@ def tail_sum(kind, w, off, esize, y, yoff, i, n, res):
     """ggml_vec_dot_{f16,f32}'s elements i..n-1 after the SIMD part `res`: F16 products are exact and
     summed in double; F32 as gcc compiles that loop for AVX2: 8- then 4-wide multiply-then-add, then
     scalar fma."""
-    if kind != KIND_F32:
+    if kind != TYPE_F32:
         total = np.float64(res)
         for j in range(i, n):
             total += np.float64(_load(kind, w, off + j * esize) * y[yoff + j])
@@ -176,13 +175,13 @@ def np_tail_sum(type_: GGMLType, w: np.ndarray, x: np.ndarray, i: int, res: np.n
 def dot16(kind, tiny, pairs, w, off, esize, y, yoff, n, acc):
     """One weight row (bytes at `off` of w) . one activation row (y[yoff:yoff+n], already rounded to the
     weights' vec_dot_type) as the AVX-512 build; acc: float32 scratch of SCRATCH lanes."""
-    pairs = pairs and kind == KIND_BF16
+    pairs = pairs and kind == TYPE_BF16
     if tiny:
         kn = 32 if pairs else 16
         steps = n // kn
-        if kind == KIND_F32:
+        if kind == TYPE_F32:
             _tiny_f32(w, off, y, yoff, steps, acc)
-        elif kind == KIND_F16:
+        elif kind == TYPE_F16:
             _tiny_f16(w, off, y, yoff, steps, acc)
         elif pairs:
             _tiny_bf16_pairs(w, off, y, yoff, steps, acc)
@@ -191,7 +190,7 @@ def dot16(kind, tiny, pairs, w, off, esize, y, yoff, n, acc):
         if n % kn:
             _tiny_tail(kind, pairs, w, off, esize, y, yoff, n, steps * kn, acc)
         return hsum16(acc, 0)
-    if kind == KIND_BF16:
+    if kind == TYPE_BF16:
         step = 64 if pairs else 32
         steps = n // step
         if pairs:
@@ -204,7 +203,7 @@ def dot16(kind, tiny, pairs, w, off, esize, y, yoff, n, acc):
             total += np.float64(_load(kind, w, off + i * esize) * y[yoff + i])
         return F32(total)
     steps = n // 64
-    if kind == KIND_F32:
+    if kind == TYPE_F32:
         _vec_f32(w, off, y, yoff, steps, acc)
     else:
         _vec_f16(w, off, y, yoff, steps, acc)

@@ -14,7 +14,8 @@ import numba
 import numpy as np
 
 from .jit import JIT
-from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import (TYPE_BF16, TYPE_F16, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_TRAITS, GGMLOp,
+                   GGMLType)
 
 from . import formats, kquants
 from .kquants import KQUANT_TYPES
@@ -62,9 +63,9 @@ def _indices(node: Node) -> np.ndarray:
 # numba kernels
 
 _f16_load = LOAD_WEIGHT[GGMLType.F16]
-# block bytes and offset of the 4-bit quants, indexed by the type number (Q4_0=2 ... Q8_0=8)
-_BLOCK_BYTES = (0, 0, 18, 20, 0, 0, 22, 24, 34)
-_QS_AT = (0, 0, 2, 4, 0, 0, 6, 8, 2)
+# block bytes indexed by the type number (Q4_0=2 ... Q8_0=8), from TYPE_TRAITS; a 4-bit block's quants
+# are its last QK/2 bytes
+_BLOCK_BYTES = tuple(TYPE_TRAITS[GGMLType(t)].type_size if t in QUANT_TYPES else 0 for t in range(TYPE_Q8_0 + 1))
 
 
 @numba.njit(inline="always", **JIT)
@@ -74,14 +75,14 @@ def _dequantize_row(kind, mem, off, nblk, out):
         p = off + b * _BLOCK_BYTES[kind]
         d = _f16_load(mem, p)
         o = b * QK
-        if kind == 8:  # Q8_0
+        if kind == TYPE_Q8_0:
             for j in range(QK):
                 out[o + j] = np.float32(np.int8(mem[p + 2 + j])) * d
             continue
-        m = _f16_load(mem, p + 2) if kind == 3 or kind == 7 else np.float32(0)
-        qs = p + _QS_AT[kind]
+        m = _f16_load(mem, p + 2) if kind == TYPE_Q4_1 or kind == TYPE_Q5_1 else np.float32(0)
+        qs = p + _BLOCK_BYTES[kind] - QK // 2
         qh = np.int64(0)
-        if kind == 6 or kind == 7:
+        if kind == TYPE_Q5_0 or kind == TYPE_Q5_1:
             h = qs - 4
             qh = (np.int64(mem[h]) | (np.int64(mem[h + 1]) << 8) | (np.int64(mem[h + 2]) << 16)
                   | (np.int64(mem[h + 3]) << 24))
@@ -89,10 +90,10 @@ def _dequantize_row(kind, mem, off, nblk, out):
             byte = np.int64(mem[qs + j])
             lo = (byte & 15) | (((qh >> j) & 1) << 4)
             hi = (byte >> 4) | (((qh >> (j + 16)) & 1) << 4)
-            if kind == 2:
+            if kind == TYPE_Q4_0:
                 out[o + j] = np.float32(lo - 8) * d
                 out[o + j + 16] = np.float32(hi - 8) * d
-            elif kind == 6:
+            elif kind == TYPE_Q5_0:
                 out[o + j] = np.float32(lo - 16) * d
                 out[o + j + 16] = np.float32(hi - 16) * d
             else:  # Q4_1, Q5_1
@@ -126,7 +127,7 @@ def _get_rows_kquant(kind, has_min, block_bytes, qb, mem, off, nb01, nb02, nb03,
 
 @numba.njit(parallel=True, **JIT)
 def _get_rows_plain(kind, src, idx, out):
-    """src: (ne03, ne02, ne01, ne00) view, F16/BF16 as their uint16 bits; kind 0 copies as is."""
+    """src: (ne03, ne02, ne01, ne00) view, F16/BF16 as their uint16 bits; any other kind copies as is."""
     ne12, ne11, ne10 = idx.shape
     ne00 = src.shape[3]
     for r in numba.prange(ne12 * ne11 * ne10):
@@ -134,9 +135,9 @@ def _get_rows_plain(kind, src, idx, out):
         s = src[i12, i11, idx[i12, i11, i10]]
         o = out[i12, i11, i10]
         for i in range(ne00):
-            if kind == 1:
+            if kind == TYPE_F16:
                 o[i] = f16_to_f32(s[i])
-            elif kind == 2:
+            elif kind == TYPE_BF16:
                 o[i] = bf16_to_f32(s[i])
             else:
                 o[i] = s[i]
@@ -155,9 +156,9 @@ def prepare(node: Node):
         gather = partial(_get_rows_kquant, int(src0.type), kquants.HAS_MIN[src0.type], tt.type_size, tt.block_size,
                          src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[0] // tt.block_size)
     else:
-        kind = {GGMLType.F16: 1, GGMLType.BF16: 2}.get(src0.type, 0)
         src = src0.array()
-        gather = partial(_get_rows_plain, kind, src.view(np.uint16) if kind else src)
+        half = src0.type in (GGMLType.F16, GGMLType.BF16)
+        gather = partial(_get_rows_plain, int(src0.type), src.view(np.uint16) if half else src)
     return lambda: gather(_indices(node), out)  # the indices come with each run's inputs
 
 

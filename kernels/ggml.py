@@ -56,6 +56,15 @@ class GGMLType(enum.IntEnum):
     Q2_0 = 42
 
 
+# The type numbers kernels pass to numba as `kind`, as plain ints: numba freezes module globals when it
+# compiles, and plain ints are what it folds into `kind == TYPE_Q4_0`. One numbering everywhere: ggml's.
+TYPE_F32, TYPE_F16, TYPE_BF16, TYPE_I32 = (int(GGMLType[n]) for n in ("F32", "F16", "BF16", "I32"))
+TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0 = (int(GGMLType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                                                                 "Q8_0"))
+TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K = (int(GGMLType[n]) for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                                                                 "Q6_K"))
+TYPE_IQ4_NL, TYPE_IQ4_XS = int(GGMLType.IQ4_NL), int(GGMLType.IQ4_XS)
+
 TYPE_COUNT = 43
 
 

@@ -14,10 +14,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit import JIT
-from .ggml import TYPE_TRAITS, GGMLType
+from .ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 
 from .fmath import fma32
-from .kquants import (BIT_TYPES, GROUP, HAS_MIN, IQ4_NL_KIND, KVALUES_IQ4NL, QK_K, TINYBLAS, VEC,
+from .kquants import (BIT_TYPES, GROUP, HAS_MIN, KVALUES_IQ4NL, QK_K, TINYBLAS, VEC,
                       _chunk_layout, decode_row_scales, quantize_activations, route)
 from .llvm import (HAS_AVX2, PREFETCH_AHEAD, byte_ptr, elem_ptr, hsum8, i8_dot_lanes, i8_t, i16_t, i32_t, llvm_fn,
                    prefetch, shuffle, splat, vec)
@@ -294,15 +294,15 @@ iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K
 
 @numba.njit(inline="always", **JIT)
 def _block_sumi(kind, w, p, s, soff, y, yoff):
-    if kind == 10:
+    if kind == TYPE_Q2_K:
         return _q2k_sumi(w, p, s, soff, y, yoff)
-    if kind == 11:
+    if kind == TYPE_Q3_K:
         return _q3k_sumi(w, p, s, soff, y, yoff)
-    if kind == 12:
+    if kind == TYPE_Q4_K:
         return _q4k_sumi(w, p, s, soff, y, yoff)
-    if kind == 13:
+    if kind == TYPE_Q5_K:
         return _q5k_sumi(w, p, s, soff, y, yoff)
-    if kind == 14:
+    if kind == TYPE_Q6_K:
         return _q6k_sumi(w, p, s, soff, y, yoff)
     return _iq4xs_sumi(w, p, s, soff, y, yoff)
 
@@ -325,15 +325,15 @@ def _tiled_dot(has_min, kind, w, off, nblk, block_bytes, s, m, d, dmin, yq, yd, 
 
 @numba.njit(inline="always", **JIT)
 def _vec_dot(kind, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
-    if kind == 10:
+    if kind == TYPE_Q2_K:
         return _q2k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
-    if kind == 11:
+    if kind == TYPE_Q3_K:
         return _q3k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
-    if kind == 12:
+    if kind == TYPE_Q4_K:
         return _q4k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
-    if kind == 13:
+    if kind == TYPE_Q5_K:
         return _q5k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
-    if kind == 14:
+    if kind == TYPE_Q6_K:
         return _q6k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
     return _iq4xs_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
 
@@ -351,7 +351,7 @@ def _mul_mat_kquant(kind, how, has_min, block_bytes, qb, w, off, nb01, nb02, nb0
         m = np.zeros_like(s)
         d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
         dmin = np.zeros_like(d)
-        if kind != IQ4_NL_KIND:
+        if kind != TYPE_IQ4_NL:
             for r in range(lo, hi):
                 decode_row_scales(kind, w, base + r * nb01, nblk, block_bytes, qb, s[r - lo], m[r - lo],
                                   d[r - lo], dmin[r - lo])
@@ -359,7 +359,7 @@ def _mul_mat_kquant(kind, how, has_min, block_bytes, qb, w, off, nb01, nb02, nb0
             col = col0 + i11
             for ir in range(lo, hi):
                 row, t = base + ir * nb01, ir - lo
-                if kind == IQ4_NL_KIND:
+                if kind == TYPE_IQ4_NL:
                     if how == TINYBLAS:
                         v = _iq4nl_tiny(w, row, nblk, yq, yd, col)
                     else:

@@ -18,7 +18,8 @@ import numba
 import numpy as np
 
 from .jit import JIT
-from .ggml import TYPE_TRAITS, GGMLType
+from .ggml import (TYPE_IQ4_NL, TYPE_IQ4_XS, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS,
+                   GGMLType)
 
 from . import quants
 from .fmath import np_fma
@@ -40,7 +41,6 @@ FORMATS = {
     T.IQ4_XS: (QK_K, False, T.Q8_K),
 }
 KQUANT_TYPES = tuple(FORMATS)
-IQ4_NL_KIND = int(T.IQ4_NL)  # the one 32-element format, special-cased inside the kernels
 HAS_MIN = {t: f[1] for t, f in FORMATS.items()}
 VEC_DOT_TYPE = {t: f[2] for t, f in FORMATS.items()}
 
@@ -343,7 +343,7 @@ def _scale_min(j, mem, p):
 @numba.njit(inline="always", **JIT)
 def _decode_scales(kind, mem, p, s, m, g0):
     """The block at byte p: group scales/minimums into s[g0:], m[g0:]; returns (d, dmin)."""
-    if kind == 12 or kind == 13:  # Q4_K, Q5_K: six-bit scales and minimums per 32
+    if kind == TYPE_Q4_K or kind == TYPE_Q5_K:  # Q4_K, Q5_K: six-bit scales and minimums per 32
         for i in range(8):
             sc, mn = _scale_min(i, mem, p + 4)
             s[g0 + 2 * i] = sc
@@ -351,25 +351,25 @@ def _decode_scales(kind, mem, p, s, m, g0):
             m[g0 + 2 * i] = mn
             m[g0 + 2 * i + 1] = mn
         return _f16_load(mem, p), _f16_load(mem, p + 2)
-    if kind == 14:  # Q6_K: int8 scales per 16
+    if kind == TYPE_Q6_K:  # Q6_K: int8 scales per 16
         for g in range(16):
             s[g0 + g] = np.int32(np.int8(mem[p + 192 + g]))
             m[g0 + g] = 0
         return _f16_load(mem, p + 208), np.float32(0)
-    if kind == 10:  # Q2_K: 4-bit scale and minimum per 16
+    if kind == TYPE_Q2_K:  # Q2_K: 4-bit scale and minimum per 16
         for g in range(16):
             sc = mem[p + g]
             s[g0 + g] = np.int32(sc & 0xF)
             m[g0 + g] = np.int32(sc >> 4)
         return _f16_load(mem, p + 80), _f16_load(mem, p + 82)
-    if kind == 11:  # Q3_K: six-bit scales per 16, split over 12 bytes, offset by 32
+    if kind == TYPE_Q3_K:  # Q3_K: six-bit scales per 16, split over 12 bytes, offset by 32
         for k in range(16):
             low = (mem[p + 96 + k % 8] >> (4 * (k // 8))) & 0xF
             top = (mem[p + 96 + 8 + k % 4] >> (2 * (k // 4))) & 3
             s[g0 + k] = np.int32(low | (top << 4)) - 32
             m[g0 + k] = 0
         return _f16_load(mem, p + 108), np.float32(0)
-    if kind == 20:  # IQ4_NL: 32 elements, one scale
+    if kind == TYPE_IQ4_NL:  # IQ4_NL: 32 elements, one scale
         s[g0] = 1
         s[g0 + 1] = 1
         m[g0] = 0
@@ -401,23 +401,24 @@ def _chunk_layout(type_: GGMLType, c: int):
 
 
 BIT_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # 2- to 6-bit fields; the IQ4s index a table
-# _chunk_layout as one array for numba: [type number - 10, chunk] -> the 8 fields
+# _chunk_layout as one array for numba: [type number - TYPE_Q2_K, chunk] -> the 8 fields
+assert [int(t) - TYPE_Q2_K for t in BIT_TYPES] == list(range(len(BIT_TYPES)))
 _CHUNKS = np.array([[_chunk_layout(t, c) for c in range(8)] for t in BIT_TYPES], np.int64)
 
 
 @numba.njit(**JIT)
 def _decode_quants(kind, mem, p, q, e0):
     """The block at byte p: its integer quants into q[e0:] (what the vector chunk sums see)."""
-    if kind == 20 or kind == 23:  # IQ4: runs of 16 bytes, low nibbles then high, through the table
-        base = p + 2 if kind == 20 else p + 8
-        for r in range((32 if kind == 20 else QK_K) // 32):
+    if kind == TYPE_IQ4_NL or kind == TYPE_IQ4_XS:  # IQ4: runs of 16 bytes, low nibbles then high, via the table
+        base = p + 2 if kind == TYPE_IQ4_NL else p + 8
+        for r in range((32 if kind == TYPE_IQ4_NL else QK_K) // 32):
             for l in range(16):
                 byte = mem[base + 16 * r + l]
                 q[e0 + 32 * r + l] = _KV[byte & 0xF]
                 q[e0 + 32 * r + 16 + l] = _KV[byte >> 4]
         return
     for c in range(QK_K // 32):
-        a, sa, ma, b, sb, mb, hs, bias = _CHUNKS[kind - 10, c]
+        a, sa, ma, b, sb, mb, hs, bias = _CHUNKS[kind - TYPE_Q2_K, c]
         for l in range(32):
             v = ((np.int32(mem[p + a + l]) >> sa) & ma) | (((np.int32(mem[p + b + l]) >> sb) & mb) << hs)
             q[e0 + 32 * c + l] = v - bias

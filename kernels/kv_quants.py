@@ -17,7 +17,7 @@ import numpy as np
 from numba import prange
 
 from .jit import JIT, row_loop
-from .ggml import TYPE_TRAITS, GGMLType
+from .ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_TRAITS, GGMLType
 
 from .fmath import f32_to_f16
 from .kquants import DEQUANTIZE as _DEQUANTIZE_SUPER, KVALUES_IQ4NL
@@ -188,8 +188,6 @@ dequantize_iq4_nl_reference = _DEQUANTIZE_SUPER[GGMLType.IQ4_NL]
 # ---------------------------------------------------------------------------------------------
 # numba: one block of 32 floats x[o:o+32] into the bytes out[b:b+type_size]
 
-KIND = {t: i for i, t in enumerate(KV_QUANT_TYPES)}
-_K_Q8_0, _K_Q4_0, _K_Q4_1, _K_Q5_0, _K_Q5_1, _K_IQ4_NL = range(6)
 
 
 @numba.njit(inline="always", **JIT)
@@ -344,15 +342,15 @@ def _quantize_row(kind, x, r, out, values):
     nb = x.shape[1] // QK
     for blk in range(nb):
         o = blk * QK
-        if kind == _K_Q8_0:
+        if kind == TYPE_Q8_0:
             _block_q8_0(x[r], o, out[r], blk * 34)
-        elif kind == _K_Q4_0:
+        elif kind == TYPE_Q4_0:
             _block_q4(x[r], o, out[r], blk * 18, False)
-        elif kind == _K_Q4_1:
+        elif kind == TYPE_Q4_1:
             _block_q4(x[r], o, out[r], blk * 20, True)
-        elif kind == _K_Q5_0:
+        elif kind == TYPE_Q5_0:
             _block_q5(x[r], o, out[r], blk * 22, False)
-        elif kind == _K_Q5_1:
+        elif kind == TYPE_Q5_1:
             _block_q5(x[r], o, out[r], blk * 24, True)
         else:
             _block_iq4_nl(x[r], o, out[r], blk * 18, values)
@@ -369,6 +367,8 @@ def quantize_rows(type_: GGMLType, x: np.ndarray, parallel: bool = False) -> np.
     x = np.ascontiguousarray(x, F32)
     flat = x.reshape(-1, x.shape[-1]) if x.size else x.reshape(0, x.shape[-1])
     out = np.empty((flat.shape[0], flat.shape[1] // QK * TYPE_TRAITS[type_].type_size), np.uint8)
+    if type_ not in KV_QUANT_TYPES:
+        raise KeyError(type_)
     if flat.shape[0]:
-        _quantize_rows(KIND[type_], flat, out, IQ4NL_VALUES.astype(F32), parallel)
+        _quantize_rows(int(type_), flat, out, IQ4NL_VALUES.astype(F32), parallel)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -23,7 +23,8 @@ import numba
 import numpy as np
 
 from .jit import JIT
-from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import (TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_TRAITS, GGMLOp,
+                   GGMLType)
 
 from . import formats, kquant_dot, kquants, quants
 from .float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum, tail_sum
@@ -162,26 +163,26 @@ def _activations(type_: GGMLType, x: np.ndarray) -> np.ndarray:
 
 @numba.njit(inline="always", **JIT)
 def _dot1(kind, w, off, nb, yq, yd, ys, col):
-    if kind == 2:
+    if kind == TYPE_Q4_0:
         return _q40_1(w, off, nb, yq, yd, ys, col)[0]
-    if kind == 3:
+    if kind == TYPE_Q4_1:
         return _q41_1(w, off, nb, yq, yd, ys, col)[0]
-    if kind == 6:
+    if kind == TYPE_Q5_0:
         return _q50_1(w, off, nb, yq, yd, ys, col)[0]
-    if kind == 7:
+    if kind == TYPE_Q5_1:
         return _q51_1(w, off, nb, yq, yd, ys, col)[0]
     return _q80_1(w, off, nb, yq, yd, ys, col)[0]
 
 
 @numba.njit(inline="always", **JIT)
 def _dot4(kind, w, off, nb, yq, yd, ys, col):
-    if kind == 2:
+    if kind == TYPE_Q4_0:
         return _q40_4(w, off, nb, yq, yd, ys, col)
-    if kind == 3:
+    if kind == TYPE_Q4_1:
         return _q41_4(w, off, nb, yq, yd, ys, col)
-    if kind == 6:
+    if kind == TYPE_Q5_0:
         return _q50_4(w, off, nb, yq, yd, ys, col)
-    if kind == 7:
+    if kind == TYPE_Q5_1:
         return _q51_4(w, off, nb, yq, yd, ys, col)
     return _q80_4(w, off, nb, yq, yd, ys, col)
 
@@ -227,9 +228,9 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq
 
 @numba.njit(inline="always", **JIT)
 def _load(kind, w, off):
-    if kind == 0:
+    if kind == TYPE_F32:
         return _f32_load(w, off)
-    if kind == 1:
+    if kind == TYPE_F16:
         return _f16_load(w, off)
     return _bf16_load(w, off)
 
@@ -238,15 +239,15 @@ def _load(kind, w, off):
 def _lanes(kind, tiny, w, off, y, yoff, n):
     if tiny:
         steps = n // 8
-        if kind == 0:
+        if kind == TYPE_F32:
             return _f32_tiny(w, off, y, yoff, steps)
-        if kind == 1:
+        if kind == TYPE_F16:
             return _f16_tiny(w, off, y, yoff, steps)
         return _bf16_tiny(w, off, y, yoff, steps)
     steps = n // 32
-    if kind == 0:
+    if kind == TYPE_F32:
         return _f32_vec(w, off, y, yoff, steps)
-    if kind == 1:
+    if kind == TYPE_F16:
         return _f16_vec(w, off, y, yoff, steps)
     return _bf16_vec(w, off, y, yoff, steps)
 
@@ -279,7 +280,7 @@ def _dot_float(kind, tiny, w, off, esize, y, yoff, n):
         return (t0 + t2) + (t1 + t3)
     t0, t1, t2, t3 = v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]
     full = n & ~31
-    if kind == 2:  # bf16 reduces like hsum_float_8, f32/f16 with two haddps
+    if kind == TYPE_BF16:  # bf16 reduces like hsum_float_8, f32/f16 with two haddps
         res = (t0 + t2) + (t1 + t3)
     else:
         res = (t0 + t1) + (t2 + t3)
@@ -312,7 +313,7 @@ def prepare(node: Node):
     x = src1.array()
     out = dst.array()
     if src0.type in FLOAT_TYPES:
-        kind, tiny = FLOAT_TYPES.index(src0.type), _tinyblas_takes(node)
+        kind, tiny = int(src0.type), _tinyblas_takes(node)
         lanes, pairs = node.target.lanes, node.target.bf16_pairs
 
         def run_float():  # the activations are rounded to the weights' float type on every run

@@ -11,7 +11,7 @@ from numba import prange
 
 from .fmath import (bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bits_to_f32, np_f16_bits_to_f32,
                     np_f32_to_bf16_bits, np_f32_to_f16_bits)
-from .ggml import TYPE_TRAITS, GGMLType
+from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_I32, TYPE_TRAITS, GGMLType
 from .jit import JIT, row_loop
 from .kv_quants import np_trunc_i32 as np_f32_to_i32
 from .kv_quants import trunc_i32 as f32_to_i32
@@ -22,8 +22,9 @@ F32 = np.float32
 # ---------------------------------------------------------------------------------------------
 # storage kinds: how a kernel reads/writes the elements of an array
 
-KIND_F32, KIND_F16, KIND_BF16, KIND_I32, KIND_RAW = 0, 1, 2, 3, 4
-KINDS = {GGMLType.F32: KIND_F32, GGMLType.F16: KIND_F16, GGMLType.BF16: KIND_BF16, GGMLType.I32: KIND_I32}
+# A kind is the ggml type number (ggml.TYPE_F32, TYPE_F16, TYPE_BF16, TYPE_I32: pass int(t.type)), or
+# RAW_BITS, which is no ggml type: copy the elements' bits unconverted.
+RAW_BITS = -1
 
 
 # numpy views numba can handle: half floats travel as their uint16 bit patterns
@@ -44,9 +45,9 @@ def raw_storage(t: Tensor) -> np.ndarray:
 @numba.njit(inline="always", **JIT)
 def load_f32(v, kind):
     """One stored element as float32."""
-    if kind == KIND_F16:
+    if kind == TYPE_F16:
         return f16_to_f32(np.uint32(v))
-    if kind == KIND_BF16:
+    if kind == TYPE_BF16:
         return bf16_to_f32(np.uint32(v))
     return np.float32(v)
 
@@ -54,11 +55,11 @@ def load_f32(v, kind):
 @numba.njit(inline="always", **JIT)
 def store_f32(dst, i3, i2, i1, i0, f, kind):
     """Write float32 `f` into dst[i3, i2, i1, i0], converting to the storage kind."""
-    if kind == KIND_F16:
+    if kind == TYPE_F16:
         dst[i3, i2, i1, i0] = f32_to_f16(f)
-    elif kind == KIND_BF16:
+    elif kind == TYPE_BF16:
         dst[i3, i2, i1, i0] = f32_to_bf16(f)
-    elif kind == KIND_I32:
+    elif kind == TYPE_I32:
         dst[i3, i2, i1, i0] = f32_to_i32(f)
     else:
         dst[i3, i2, i1, i0] = f
@@ -98,7 +99,7 @@ def _unflatten(flat, d2, d1, d0):
 
 @numba.njit(inline="always", **JIT)
 def _convert(src, dst, skind, dkind, i3, i2, i1, i0, j3, j2, j1, j0):
-    if skind == KIND_RAW:
+    if skind == RAW_BITS:
         dst[j3, j2, j1, j0] = src[i3, i2, i1, i0]
     else:
         store_f32(dst, j3, j2, j1, j0, load_f32(src[i3, i2, i1, i0], skind), dkind)
@@ -141,7 +142,7 @@ def convert_into(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> No
 def widen_f32(t: Tensor) -> np.ndarray:
     """A fresh contiguous float32 (ne3, ne2, ne1, ne0) copy of an F32/F16/BF16 tensor."""
     out = np.empty((t.ne[3], t.ne[2], t.ne[1], t.ne[0]), dtype=np.float32)
-    copy_arrays(storage(t), out, KINDS[t.type], KIND_F32)
+    copy_arrays(storage(t), out, int(t.type), TYPE_F32)
     return out
 
 
