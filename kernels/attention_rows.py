@@ -18,6 +18,7 @@ import numpy as np
 from .jit import JIT
 from .fmath import fma32, hsum16, round_f16
 from .ggml import TYPE_F16
+from .float_dot512 import tail_sum
 from .storage import load_f32
 from .vec import NEG_INF
 
@@ -43,7 +44,7 @@ def dot_kq(krow, kkind, q, acc, lanes):
     ggml_vec_dot_f16/_f32 keep 4 vectors of FMA accumulators (4 * lanes in all: lane t sums elements t,
     t + 4*lanes, ...), add them up in a fixed tree (GGML_F32_VEC_REDUCE: (acc0 + acc2) + (acc1 + acc3)
     lane by lane, then across the lanes: AVX2's shuffle/hadd order or _mm512_reduce_add_ps), and finish
-    the last DK % (4*lanes) elements in double (F16) or float (F32).
+    the last DK % (4*lanes) elements in double (F16) or float (F32): float_dot512.tail_sum, as matmul.
     """
     dk = q.shape[0]
     step = 4 * lanes
@@ -58,16 +59,7 @@ def dot_kq(krow, kkind, q, acc, lanes):
         s = hsum16(acc, 0)
     else:
         s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
-    if nb < dk:
-        if kkind == TYPE_F16:
-            total = np.float64(s)
-            for i in range(nb, dk):
-                total += np.float64(load_f32(krow[i], kkind) * q[i])
-            s = F32(total)
-        else:
-            for i in range(nb, dk):
-                s = s + load_f32(krow[i], kkind) * q[i]  # not contracted in ggml_vec_dot_f32
-    return s
+    return tail_sum(kkind, krow, 0, 1, q, 0, nb, dk, s)
 
 
 @numba.njit(inline="always", **JIT)

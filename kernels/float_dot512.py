@@ -23,13 +23,14 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .fmath import f32_from_bits, f32_to_bits, fma32, hsum16, np_fma, np_hsum16
 from .jit import JIT
 from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, GGMLType
 from .llvm import FLOAT_ELEM, byte_ptr, elem_ptr, f32_t, i32_t, i64_t, llvm_fn, shuffle, to_f32, vec
 from .quants import LOAD_WEIGHT
+from .storage import load_f32
 
 F32 = np.float32
 SCRATCH = 32  # float32 lanes a dot needs in its scratch array
@@ -107,6 +108,19 @@ def _load(kind, w, off):
     return _load_bf16(w, off)
 
 
+def load_elem(kind, w, off):
+    """Element `off` of w as float32, w either raw memory (uint8; off a byte offset; kind F32, F16 or
+    BF16) or a storage array (float32, or F16/BF16 bits; off an index): what tail_sum reads."""
+    raise NotImplementedError("numba only")
+
+
+@overload(load_elem, inline="always")
+def _load_elem(kind, w, off):
+    if w.dtype == types.uint8:
+        return lambda kind, w, off: _load(kind, w, off)
+    return lambda kind, w, off: load_f32(w[off], kind)
+
+
 @numba.njit(inline="always", **JIT)
 def _ftz(x):
     return f32_from_bits(f32_to_bits(x) & np.uint32(0x80000000)) if (f32_to_bits(x) & np.uint32(0x7F800000)) == 0 else x
@@ -136,19 +150,20 @@ def _tiny_tail(kind, pairs, w, off, esize, y, yoff, n, b, acc):
 def tail_sum(kind, w, off, esize, y, yoff, i, n, res):
     """ggml_vec_dot_{f16,f32}'s elements i..n-1 after the SIMD part `res`: F16 products are exact and
     summed in double; F32 as gcc compiles that loop for AVX2: 8- then 4-wide multiply-then-add, then
-    scalar fma."""
+    scalar fma. Element j of w is at off + j*esize (see load_elem): matmul's weights in raw memory, or
+    (esize 1) a K row of flash attention."""
     if kind != TYPE_F32:
         total = np.float64(res)
         for j in range(i, n):
-            total += np.float64(_load(kind, w, off + j * esize) * y[yoff + j])
+            total += np.float64(load_elem(kind, w, off + j * esize) * y[yoff + j])
         return F32(total)
     while n - i >= 4:
         step = 8 if n - i >= 8 else 4
         for j in range(i, i + step):
-            res = res + _load(kind, w, off + j * 4) * y[yoff + j]
+            res = res + load_elem(kind, w, off + j * esize) * y[yoff + j]
         i += step
     for j in range(i, n):
-        res = fma32(_load(kind, w, off + j * 4), y[yoff + j], res)
+        res = fma32(load_elem(kind, w, off + j * esize), y[yoff + j], res)
     return res
 
 

@@ -113,6 +113,9 @@ CASES = {
     "d128": dict(n_q=3, dk=128, n_kv=45, sinks=1.0),
     "kv-f32-d80-d96": dict(n_q=2, kt=T.F32, vt=T.F32, dk=80, dv=96, n_kv=61),
     "k-f32-d96": dict(n_q=2, kt=T.F32, dk=96, n_kv=29),
+    # F32 K whose head size is no multiple of 4: ggml_vec_dot_f32's leftover loop ends in scalar fma
+    "kv-f32-d39": dict(n_q=3, kt=T.F32, vt=T.F32, dk=39, n_kv=77),
+    "k-f32-d7": dict(n_q=2, kt=T.F32, dk=7, dv=16, n_kv=33),
     "tiled": dict(n_q=70, n_kv=200),
     "tiled-sinks-softcap": dict(n_q=64, n_kv=130, sinks=1.0, softcap=20.0, dk=40, dv=24),
     "tiled-big-sinks": dict(n_q=64, n_kv=9, sinks=3.0),
