@@ -20,12 +20,12 @@ import numpy as np
 from numba import prange
 
 from .jit import JIT, row_loop
-from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
+from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_F16, GGMLOp, GGMLType
 
 from .node import InvalidNode, Node, Tensor
 from .registry import OpKernel, prepared, register
-from .fmath import f16_to_f32, f32_to_f16, fma32, np_fma
-from .storage import parallel_worthwhile, u16_view
+from .fmath import fma32, np_fma
+from .storage import load_f32, parallel_worthwhile, store_f32, u16_view
 
 F32 = np.float32
 
@@ -89,10 +89,12 @@ def _rotate(x0, x1, c, s, fused):
 
 
 @numba.njit(**JIT)
-def _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox):
+def _rope_row(r, src, dst, cache, n_dims, n_offs, neox, kind):
+    """Row r of src (float32, or F16 bits: kind TYPE_F32 / TYPE_F16) into dst. F32 NORMAL rows leave an
+    odd last pair unfused (ggml's vectorized loop goes two pairs at a time); F16 rows fuse every pair."""
     ne3, ne2, ne1, ne0 = src.shape
     n_pairs = n_dims // 2
-    n_fused = n_pairs if neox else n_pairs - n_pairs % 2
+    n_fused = n_pairs if neox or kind == TYPE_F16 else n_pairs - n_pairs % 2
     i3 = r // (ne2 * ne1)
     i2 = (r // ne1) % ne2
     i1 = r % ne1
@@ -101,30 +103,9 @@ def _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox):
     for p in range(n_pairs):
         a = n_offs + p if neox else n_offs + 2 * p
         b = a + n_pairs if neox else a + 1
-        y0, y1 = _rotate(sp[a], sp[b], cache[i2, p, 0], cache[i2, p, 1], p < n_fused)
-        dp[a] = y0
-        dp[b] = y1
-    for i in range(n_offs):
-        dp[i] = sp[i]
-    for i in range(n_offs + n_dims, ne0):
-        dp[i] = sp[i]
-
-
-@numba.njit(**JIT)
-def _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox):
-    ne3, ne2, ne1, ne0 = src.shape
-    n_pairs = n_dims // 2
-    i3 = r // (ne2 * ne1)
-    i2 = (r // ne1) % ne2
-    i1 = r % ne1
-    sp = src[i3, i2, i1]
-    dp = dst[i3, i2, i1]
-    for p in range(n_pairs):
-        a = n_offs + p if neox else n_offs + 2 * p
-        b = a + n_pairs if neox else a + 1
-        y0, y1 = _rotate(f16_to_f32(sp[a]), f16_to_f32(sp[b]), cache[i2, p, 0], cache[i2, p, 1], True)
-        dp[a] = f32_to_f16(y0)
-        dp[b] = f32_to_f16(y1)
+        y0, y1 = _rotate(load_f32(sp[a], kind), load_f32(sp[b], kind), cache[i2, p, 0], cache[i2, p, 1], p < n_fused)
+        store_f32(dst, i3, i2, i1, a, y0, kind)
+        store_f32(dst, i3, i2, i1, b, y1, kind)
     for i in range(n_offs):
         dp[i] = sp[i]
     for i in range(n_offs + n_dims, ne0):
@@ -132,17 +113,10 @@ def _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox):
 
 
 @row_loop
-def _rope_rows_f32(src, dst, cache, n_dims, n_offs, neox):
+def _rope_rows(src, dst, cache, n_dims, n_offs, neox, kind):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     for r in prange(n_rows):
-        _rope_row_f32(r, src, dst, cache, n_dims, n_offs, neox)
-
-
-@row_loop
-def _rope_rows_f16(src, dst, cache, n_dims, n_offs, neox):
-    n_rows = src.shape[0] * src.shape[1] * src.shape[2]
-    for r in prange(n_rows):
-        _rope_row_f16(r, src, dst, cache, n_dims, n_offs, neox)
+        _rope_row(r, src, dst, cache, n_dims, n_offs, neox, kind)
 
 
 def check_rope(node: Node) -> None:
@@ -196,11 +170,11 @@ def prepare_rope(node: Node):
     src, dst = node.src[0], node.dst
     neox = p.mode == ROPE_MODE_NEOX
     if src.type == GGMLType.F16:
-        x, y, rows = u16_view(src), u16_view(dst), _rope_rows_f16
+        x, y = u16_view(src), u16_view(dst)
     else:
-        x, y, rows = src.array(), dst.array(), _rope_rows_f32
-    rotate = partial(rows, x, y)
-    tail = (p.n_dims, p.n_offs, neox, parallel_worthwhile(x.size, cost=4))
+        x, y = src.array(), dst.array()
+    rotate = partial(_rope_rows, x, y)
+    tail = (p.n_dims, p.n_offs, neox, int(src.type), parallel_worthwhile(x.size, cost=4))
     return lambda: rotate(_cache(node, p), *tail)  # the positions are read on every run
 
 
