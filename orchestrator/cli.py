@@ -76,6 +76,9 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
 @click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
               help="threads of each local worker")
+@click.option("--no-push", is_flag=True,
+              help="relay every activation through the orchestrator, even between workers that can push it to "
+                   "each other (--rpc host:port@peerhost:port: how the other workers reach that one)")
 @click.option("-v", "--verbose", is_flag=True, help="log tokens and per-step details")
 def main(**options) -> None:
     """Generate text with a GGUF model split across llama.cpp RPC workers."""
@@ -119,7 +122,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
              temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
-             chat, system_prompt, display_prompt, verbose) -> int:
+             chat, system_prompt, display_prompt, no_push, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
     from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
@@ -167,6 +170,9 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
         pipe.place(parse_tensor_split(tensor_split))
         log_placement(pipe)
         pipe.allocate()
+        for link in pipe.link(push=not no_push):
+            log("  " + link.describe())
+        pipe.on_relay = lambda link: log(f"\n{link.describe()}: relaying from now on")
         upload_with_progress_bar(pipe)
         t_loaded = time.perf_counter()
 

@@ -52,6 +52,10 @@ class RpcClient:
     def call(self, command: Command, message=None) -> bytes:
         """A request and its reply payload."""
         self.send(command, message)
+        return self.receive(command)
+
+    def receive(self, command: Command) -> bytes:
+        """The reply payload of `command`, the oldest request sent whose reply was not read yet."""
         try:
             while (payload := self.reader.next_payload(command)) is None:
                 chunk = self.sock.recv(1 << 20)

@@ -1,10 +1,11 @@
 """Runs a model across workers: placement, weight upload, the KV cache, and one decode step at a time.
 
 A Pipeline owns one Stage per worker with blocks to run. Each decode step feeds every stage the same
-small inputs (positions, cache slots, attention mask), computes the stages in order and relays the
-activation from one stage's output to the next stage's input through the orchestrator
-(GET_TENSOR -> SET_TENSOR). `Pipeline.relay` is the one place a direct worker-to-worker push would
-replace. A stage whose graph shape did not change since its last step gets GRAPH_RECOMPUTE.
+small inputs (positions, cache slots, attention mask) and computes the stages in order. Between two of
+our workers the activation goes straight from one to the next (push, protocol_spec.md §8.1): the whole
+step is one burst of requests, and the only reply waited for is the logits; elsewhere the orchestrator
+relays it (GET_TENSOR -> SET_TENSOR). A stage whose graph shape did not change since its last step gets
+GRAPH_RECOMPUTE.
 
 This is a library: each step (connect, place, allocate, upload, evaluate) is a method the caller invokes,
 and nothing here prints; the `orchestrator` command (orchestrator/cli.py) reports the steps.
@@ -24,6 +25,9 @@ from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
 from orchestrator.model import ModelFile
 from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
 from orchestrator.planner import plan_memory, round_up
+from orchestrator.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, deliver, split_endpoint
+from rpcserver import protocol as p
+from rpcserver.protocol import Command
 from kernels.hashing import fnv1a64
 from kernels.ggml import GGMLType
 
@@ -62,6 +66,7 @@ class Stage:
         self.compute: RemoteBuffer | None = None
         self.graph: StageGraph | None = None
         self.shape: Shape | None = None
+        self.fresh = False  # the graph changed since the worker last computed one
 
     def _layout(self, tensors, buffer: RemoteBuffer) -> int:
         offset = 0
@@ -97,11 +102,9 @@ class Stage:
                 self.client.set_tensor(wire, data)
             progress(data.nbytes)
 
-    def run(self, shape: Shape, feed: dict[str, np.ndarray]) -> None:
-        """Sets the inputs and computes; reuses the worker's last graph when the shape is unchanged."""
+    def prepare(self, shape: Shape) -> None:
+        """Builds and binds the graph for `shape` unless the worker already holds it (then it recomputes)."""
         if shape == self.shape:
-            self._set_inputs(feed)
-            self.client.graph_recompute()
             return
         sg = self.builder.build(self.blocks, shape)
         plan = plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment)
@@ -109,15 +112,20 @@ class Stage:
             self.client.free_buffer(self.compute.handle)
             self.compute = self._allocate(plan.size, "compute buffer")
         plan.bind(self.compute)
-        self.graph, self.shape = sg, shape
-        self._set_inputs(feed)
-        self.client.graph_compute(*sg.graph.serialize())
+        self.graph, self.shape, self.fresh = sg, shape, True
 
-    def _set_inputs(self, feed: dict[str, np.ndarray]) -> None:
+    def launch(self, feed: dict[str, np.ndarray]) -> None:
+        """Sets the inputs `feed` names (a pushed input is absent) and computes, without waiting."""
         for name, tensor in self.graph.inputs.items():
-            data = np.ascontiguousarray(feed[name])
-            assert data.nbytes == tensor.nbytes, (name, data.nbytes, tensor.nbytes)
-            self.client.set_tensor(wire_tensor(tensor), data)
+            if name in feed:
+                data = np.ascontiguousarray(feed[name])
+                assert data.nbytes == tensor.nbytes, (name, data.nbytes, tensor.nbytes)
+                self.client.set_tensor(wire_tensor(tensor), data)
+        if self.fresh:
+            self.client.graph_compute(*self.graph.graph.serialize())
+            self.fresh = False
+        else:
+            self.client.graph_recompute()
 
     def read_output(self) -> np.ndarray:
         out = self.graph.output
@@ -156,11 +164,23 @@ class Pipeline:
         self.stages: list[Stage] = []
         self.plans: list[StagePlan] = []  # one per stage, from place()
         self.idle: list[str] = []  # endpoints of the workers place() gave no blocks
+        self.peer_addresses: dict[str, str] = {}  # endpoint -> how the other workers reach it
+        self.features: dict[str, int] = {}  # endpoint -> the extensions it offers (EXT_HELLO)
+        self.links: list[Link] = []  # one per stage boundary, from link()
+        self.on_relay: Callable[[Link], None] | None = None  # told when a failed push turns a link to relay
+        self.step = 0
+        self._settled, self._waits, self._pushes = -1, set(), set()
 
     def connect(self, workers: list[str | RpcClient]) -> None:
-        """Opens a connection (HELLO) to every host:port given; a client given instead is used as it is."""
+        """Opens a connection (HELLO) to every host:port given (host:port@peerhost:port: the other workers
+        reach it at peerhost:port); a client given instead is used as it is."""
         for worker in workers:
-            self.clients.append(RpcClient(worker) if isinstance(worker, str) else worker)
+            if isinstance(worker, str):
+                endpoint, peer = split_endpoint(worker)
+                if peer:
+                    self.peer_addresses[endpoint] = peer
+                worker, self.features[endpoint] = connect_probing(endpoint)
+            self.clients.append(worker)
 
     def close(self) -> None:
         """Closes every worker connection."""
@@ -209,6 +229,12 @@ class Pipeline:
         for stage in self.stages:
             stage.upload(sent)
 
+    def link(self, push: bool = True) -> list[Link]:
+        """Decides, per stage boundary, whether the worker pushes its activation to the next (both ours,
+        push not disabled) or the orchestrator relays it; returns the links. Call after allocate()."""
+        self.links = connect_links(self.stages, self.features, self.peer_addresses, push)
+        return self.links
+
     # -- decoding ----------------------------------------------------------------------------------
 
     def _inputs(self, n_tokens: int, n_kv: int) -> dict[str, np.ndarray]:
@@ -239,16 +265,47 @@ class Pipeline:
         n_kv = min(self.n_ctx, max(KV_PAD, round_up(used, KV_PAD)))
         shape = Shape(n, n_kv, 1)
         feed = self._inputs(n, n_kv)
+        for stage in self.stages:
+            stage.prepare(shape)
+        self.step += 1
+        self._settled, self._waits, self._pushes = -1, set(), set()  # this step's replies still to read
         activation = self.model.token_embeddings(tokens)
         for i, stage in enumerate(self.stages):
-            stage.run(shape, {**feed, "embd": activation})
-            activation = self.relay(stage, self.stages[i + 1] if i + 1 < len(self.stages) else None)
+            if self._pushed(i - 1):  # its input arrives from the previous worker: wait for it there
+                stage.client.send(Command.WAIT_PUSH, p.WaitPushRequest(self.step, WAIT_TIMEOUT_MS))
+                self._waits.add(i)
+                stage.launch(feed)
+            else:
+                stage.launch({**feed, "embd": activation})
+            if self._pushed(i):
+                nxt = self.stages[i + 1]
+                stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
+                    i, self.step, wire_tensor(stage.graph.output), wire_tensor(nxt.graph.inputs["embd"])))
+                self._pushes.add(i)
+            else:  # relayed, or the logits: read the output through the orchestrator
+                self._settle(i)
+                activation = stage.read_output()
         self.n_past = used
         return activation
 
-    def relay(self, src: Stage, dst: Stage | None) -> np.ndarray:
-        """The activation leaving src, fetched through the orchestrator (dst then receives it as input)."""
-        return src.read_output()
+    def _pushed(self, i: int) -> bool:
+        return 0 <= i < len(self.links) and self.links[i].push
+
+    def _settle(self, upto: int) -> None:
+        """Reads, stage by stage, the replies of this step's WAIT_PUSH and PUSH_TENSOR up to stage `upto`.
+        A push that failed is delivered by the orchestrator instead, and its link relays from then on."""
+        for j in range(self._settled + 1, upto + 1):
+            stage = self.stages[j]
+            if j in self._waits:
+                if p.U8Response.decode(stage.client.receive(Command.WAIT_PUSH)).result != 1:
+                    raise WorkerError(f"worker {stage.endpoint}: the activation of step {self.step} never came")
+            if j in self._pushes and p.U8Response.decode(stage.client.receive(Command.PUSH_TENSOR)).result != 1:
+                link, nxt = self.links[j], self.stages[j + 1]
+                deliver(link, nxt.endpoint, self.step, wire_tensor(nxt.graph.inputs["embd"]), stage.read_output().tobytes())
+                link.push, link.reason = False, "the push failed"
+                if self.on_relay is not None:
+                    self.on_relay(link)
+            self._settled = j
 
     def evaluate_prompt(self, tokens: list[int]) -> np.ndarray:
         """The prompt in n_batch chunks of n_ubatch ubatches, as llama-completion feeds llama_decode."""

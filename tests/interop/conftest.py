@@ -166,3 +166,16 @@ def text_diff(expected: str, got: str, expected_name: str = "cpu", got_name: str
                                  fromfile=expected_name, tofile=got_name)
     return (f"outputs differ at character {at}: {expected_name}={expected[at:at + 40]!r} "
             f"{got_name}={got[at:at + 40]!r}\n" + "".join(lines))
+
+
+@pytest.fixture(scope="session")
+def cpu_text(llama):
+    cache: dict[tuple, str] = {}
+
+    def baseline(args: list) -> str:
+        key = tuple(map(str, args))
+        if key not in cache:
+            cache[key] = llama("llama-completion", [*args, "-no-cnv", "-t", CLIENT_THREADS], timeout=CPU_TIMEOUT).stdout
+        return cache[key]
+
+    return baseline

@@ -4,13 +4,17 @@ llama-server process, and the Gemma 3 long prompt (shared by several test module
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 
-from .conftest import CLIENT_THREADS, RPC_TIMEOUT, reference
+import pytest
+
+from .conftest import CLIENT_THREADS, REPO_ROOT, RPC_TIMEOUT, ClientFailed, reference
 from .perplexity import corpus_text
 
 N_PREDICT = 64
@@ -120,3 +124,46 @@ def started(server: LlamaServer) -> LlamaServer:
         server.stop()
         raise
     return server
+
+
+# -- our orchestrator over workers started for a module ---------------------------------------------------
+
+
+def start_workers(kinds, log_dir, mem_mib=None, extra=None) -> list:
+    """Workers of the given kinds ("ours"/"reference"); mem_mib: a tuple, one per worker; extra: flags
+    of our worker number i."""
+    mem_mib = mem_mib or (None,) * len(kinds)
+    workers = []
+    try:
+        for i, (kind, mem) in enumerate(zip(kinds, mem_mib, strict=True)):
+            workers.append(reference.start_worker(kind, log_dir, threads=CLIENT_THREADS, mem_mib=mem,
+                                                  extra=(extra or {}).get(i, ())))
+    except reference.WorkerFailed as exc:
+        for w in workers:
+            w.stop()
+        pytest.fail(str(exc), pytrace=False)
+    return workers
+
+
+def stop_workers(workers) -> None:
+    dead = [w for w in workers if not w.alive()]
+    for w in workers:
+        w.stop()
+    if dead:
+        pytest.fail("a worker died during the module.\n" + "\n".join(w.describe() for w in dead), pytrace=False)
+
+
+def run_orchestrator(args, workers=(), timeout=RPC_TIMEOUT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "orchestrator", *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise ClientFailed(f"orchestrator timed out after {timeout:.0f}s\n{(exc.stderr or b'')[-3000:].decode()}"
+                           + "".join(w.describe() for w in workers)) from None
+    done.stdout = done.stdout.decode("utf-8", "replace")
+    done.stderr = done.stderr.decode("utf-8", "replace")
+    if done.returncode != 0:
+        raise ClientFailed(f"orchestrator exited with {done.returncode}\ncommand: {' '.join(cmd)}\n"
+                           f"stderr:\n{done.stderr[-3000:]}\n" + "".join(w.describe() for w in workers))
+    return done

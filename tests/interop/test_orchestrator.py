@@ -6,41 +6,18 @@ tools/make_model.py. Placement is checked against llama.cpp's own layer assignme
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import CLIENT_THREADS, CPU_TIMEOUT, REPO_ROOT, RPC_TIMEOUT, ClientFailed, reference, text_diff
-from .programs import PROMPTS
+from .conftest import CLIENT_THREADS, CPU_TIMEOUT, RPC_TIMEOUT, text_diff
+from .programs import PROMPTS, run_orchestrator, start_workers, stop_workers
 
 pytestmark = pytest.mark.interop
 
 N_PREDICT = 64
 WORKER_SETS = {"reference+reference": ("reference", "reference"), "ours+ours": ("ours", "ours"),
                "ours+reference": ("ours", "reference")}
-
-
-def start_workers(kinds, log_dir, mem_mib=(None, None)):
-    workers = []
-    try:
-        for kind, mem in zip(kinds, mem_mib):
-            workers.append(reference.start_worker(kind, log_dir, threads=CLIENT_THREADS, mem_mib=mem))
-    except reference.WorkerFailed as exc:
-        for w in workers:
-            w.stop()
-        pytest.fail(str(exc), pytrace=False)
-    return workers
-
-
-def stop_workers(workers) -> None:
-    dead = [w for w in workers if not w.alive()]
-    for w in workers:
-        w.stop()
-    if dead:
-        pytest.fail("a worker died during the module.\n" + "\n".join(w.describe() for w in dead), pytrace=False)
 
 
 @pytest.fixture(scope="module", params=list(WORKER_SETS))
@@ -50,38 +27,9 @@ def worker_pair(request, bin_dir, tmp_path_factory):
     stop_workers(workers)
 
 
-def run_orchestrator(args, workers=(), timeout=RPC_TIMEOUT) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "orchestrator", *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    try:
-        done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        raise ClientFailed(f"orchestrator timed out after {timeout:.0f}s\n{(exc.stderr or b'')[-3000:].decode()}"
-                           + "".join(w.describe() for w in workers)) from None
-    done.stdout = done.stdout.decode("utf-8", "replace")
-    done.stderr = done.stderr.decode("utf-8", "replace")
-    if done.returncode != 0:
-        raise ClientFailed(f"orchestrator exited with {done.returncode}\ncommand: {' '.join(cmd)}\n"
-                           f"stderr:\n{done.stderr[-3000:]}\n" + "".join(w.describe() for w in workers))
-    return done
-
-
 def generation_args(model, prompt_id: str) -> list:
     args = ["-m", model, "-p", PROMPTS[prompt_id], "-n", N_PREDICT, "--temp", 0, "--ignore-eos"]
     return args + (["-b", 64] if prompt_id == "long" else [])
-
-
-@pytest.fixture(scope="session")
-def cpu_text(llama):
-    cache: dict[tuple, str] = {}
-
-    def baseline(args: list) -> str:
-        key = tuple(map(str, args))
-        if key not in cache:
-            cache[key] = llama("llama-completion", [*args, "-no-cnv", "-t", CLIENT_THREADS], timeout=CPU_TIMEOUT).stdout
-        return cache[key]
-
-    return baseline
 
 
 @pytest.mark.parametrize("prompt_id", list(PROMPTS))

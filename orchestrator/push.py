@@ -1,0 +1,80 @@
+"""Stage-to-stage links: which boundaries push (protocol_spec.md §8.1) and which relay.
+
+A boundary between two stages pushes when both workers are ours (EXT_HELLO offers feature bit 0, asked
+first thing on the connection, as the spec requires) and the sending one accepts SET_PEER; otherwise the
+orchestrator relays the activation (GET_TENSOR, then SET_TENSOR). The address the sending worker uses
+to reach the next one may differ from ours: `--rpc host:port@peerhost:port` gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.client import RpcClient, WorkerError
+from rpcserver import protocol as p
+from rpcserver.protocol import Command
+
+WAIT_TIMEOUT_MS = 600_000  # a WAIT_PUSH outlasts any stage's compute; a failed push is answered sooner
+
+
+def split_endpoint(entry: str) -> tuple[str, str | None]:
+    """'host:port' or 'host:port@peerhost:port' -> (our address, the address workers use, or None)."""
+    ours, _, peer = entry.partition("@")
+    return ours, (peer or None)
+
+
+def connect_probing(endpoint: str) -> tuple[RpcClient, int]:
+    """A connection to a worker and the extension features it offers (protocol_spec.md §8): EXT_HELLO on
+    the new connection itself; an upstream worker closes it, and we connect again."""
+    client = RpcClient(endpoint)
+    try:
+        reply = p.ExtHelloResponse.decode(client.call(Command.EXT_HELLO))
+    except WorkerError:  # upstream: "unknown command", connection closed
+        client.close()
+        return RpcClient(endpoint), 0
+    return client, reply.features if reply.magic == p.EXT_MAGIC else 0
+
+
+@dataclass
+class Link:
+    """The boundary after stage `index`: pushed (with the next stage's token) or relayed."""
+
+    index: int
+    src: str
+    dst: str
+    push: bool
+    reason: str = ""  # why it relays
+    token: bytes = b""
+
+    def describe(self) -> str:
+        how = "push" if self.push else f"relay ({self.reason})"
+        return f"link {self.index + 1}: {self.src} -> {self.dst}: {how}"
+
+
+def connect_links(stages, features: dict[str, int], peer_addresses: dict[str, str], push: bool) -> list[Link]:
+    """Sets up the push links between consecutive stages (features: what connect_probing found per
+    endpoint); returns every boundary's Link."""
+    links = []
+    for i, (a, b) in enumerate(zip(stages, stages[1:])):
+        link = Link(i, a.endpoint, b.endpoint, False)
+        if not push:
+            link.reason = "--no-push"
+        elif not all(features.get(s.endpoint, 0) & p.FEATURE_PEER_PUSH for s in (a, b)):
+            link.reason = "not both of them our workers"
+        else:
+            link.token = p.PeerTokenResponse.decode(b.client.call(Command.PEER_TOKEN)).token
+            host, _, port = peer_addresses.get(b.endpoint, b.endpoint).rpartition(":")
+            req = p.SetPeerRequest(i, link.token, int(port), host.encode())
+            link.push = p.U8Response.decode(a.client.call(Command.SET_PEER, req)).result == 1
+            link.reason = "" if link.push else f"{a.endpoint} makes no peer connections (--no-peer)"
+        links.append(link)
+    return links
+
+
+def deliver(link: Link, endpoint: str, step: int, dst, data: bytes) -> None:
+    """The relay of a push that failed: the orchestrator writes the activation with the link's token
+    over a connection of its own, which also releases the next stage's WAIT_PUSH."""
+    with RpcClient(endpoint, timeout=60) as side:
+        req = p.PeerWriteRequest(link.token, step, dst, 0, memoryview(data))
+        if p.U8Response.decode(side.call(Command.PEER_WRITE, req)).result != 1:
+            raise WorkerError(f"worker {endpoint} refused the relayed activation")

@@ -1,0 +1,72 @@
+"""Peer push in the orchestrator (protocol_spec.md §8.1): the text is llama-completion's whether the
+activations are pushed between workers or relayed, over a chain that mixes both.
+
+The chain: ours, ours, llama.cpp's ggml-rpc-server, ours started with --no-peer, ours. Only the first
+boundary can push; the others relay (a llama.cpp worker on either side, or a sender that makes no peer
+connections).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import reference, text_diff
+from .programs import PROMPTS, run_orchestrator, start_workers, stop_workers
+
+pytestmark = pytest.mark.interop
+
+N_PREDICT = 32
+LINK_RE = re.compile(r"^\s*link (\d+): (\S+) -> (\S+): (push|relay \(.*\))$", re.M)
+
+
+@pytest.fixture(scope="module")
+def chain(bin_dir, tmp_path_factory):
+    workers = start_workers(("ours", "ours", "reference", "ours", "ours"), tmp_path_factory.mktemp("chain"),
+                            extra={3: ("--no-peer",)})
+    yield workers
+    stop_workers(workers)
+
+
+def links(stderr: str) -> list[str]:
+    return [how.split(" ")[0] for _, _, _, how in LINK_RE.findall(stderr)]
+
+
+@pytest.fixture(scope="module")
+def models(model_path, tmp_path_factory):
+    from tools.make_model import write_model  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("push-models")
+    return {"llama": model_path,
+            **{arch: write_model(folder / f"{arch}.gguf", arch, vocab_from=model_path, seed=3, n_layer=10)
+               for arch in ("qwen2", "qwen3")}}
+
+
+@pytest.mark.parametrize("arch, prompt_id", [("llama", "fact"), ("llama", "long"), ("qwen2", "list"),
+                                             ("qwen3", "list")])
+def test_pushed_relayed_and_llama_completion_agree(models, chain, cpu_text, arch, prompt_id):
+    args = ["-m", models[arch], "-p", PROMPTS[prompt_id], "-n", N_PREDICT, "--temp", 0, "--ignore-eos"]
+    args += ["-b", 64] if prompt_id == "long" else []  # several ubatches: graphs rebuilt between pushes
+    expected = cpu_text(args)
+    rpc = ["--rpc", ",".join(w.address for w in chain)]
+    pushed = run_orchestrator([*rpc, *args], chain)
+    assert links(pushed.stderr) == ["push", "relay", "relay", "relay"], pushed.stderr[-3000:]
+    assert "makes no peer connections" in pushed.stderr and "not both of them our workers" in pushed.stderr
+    assert pushed.stdout == expected, text_diff(expected, pushed.stdout, "llama-completion", "pushed")
+    relayed = run_orchestrator([*rpc, *args, "--no-push"], chain)
+    assert links(relayed.stderr) == ["relay"] * 4
+    assert relayed.stdout == expected, text_diff(expected, relayed.stdout, "llama-completion", "relayed")
+
+
+def test_a_push_that_cannot_reach_its_peer_falls_back_to_relay(models, chain, cpu_text):
+    """The second worker's peer address is a port nobody listens on: the link is set up as push, the first
+    push fails, the orchestrator delivers that activation itself and relays from then on."""
+    args = ["-m", models["llama"], "-p", PROMPTS["fact"], "-n", N_PREDICT, "--temp", 0, "--ignore-eos"]
+    expected = cpu_text(args)
+    dead = f"127.0.0.1:{reference.free_port()}"
+    rpc = f"{chain[0].address},{chain[1].address}@{dead}"
+    done = run_orchestrator(["--rpc", rpc, *args], chain)
+    assert links(done.stderr)[:1] == ["push"]
+    assert "relaying from now on" in done.stderr, done.stderr[-3000:]
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "fallback")
+    assert all(w.alive() for w in chain)
