@@ -114,7 +114,7 @@ def load_elem(kind, w, off):
     raise NotImplementedError("numba only")
 
 
-@overload(load_elem, inline="always")
+@overload(load_elem)
 def _load_elem(kind, w, off):
     if w.dtype == types.uint8:
         return lambda kind, w, off: _load(kind, w, off)
