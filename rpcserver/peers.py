@@ -103,6 +103,7 @@ class PeerSide:
         self.links: dict[int, tuple[str, int, bytes]] = {}
         self.connections: dict[int, PeerConnection] = {}
         self.landed = asyncio.Event()  # set whenever a PEER_WRITE lands in this session
+        self.closing = False  # the client is gone: a WAIT_PUSH must not hold its session any longer
         loop = asyncio.get_running_loop()
         session.on_push = lambda: loop.call_soon_threadsafe(self.landed.set)
 
@@ -153,6 +154,8 @@ class PeerSide:
             self.landed.clear()
             if self.session.pushed >= req.step:
                 break
+            if self.closing:
+                return 0
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return 0
@@ -171,7 +174,13 @@ class PeerSide:
         self.links.pop(link, None)
         self._drop_connection(link)
 
+    def cancel_waits(self) -> None:
+        """The client disconnected: end a pending WAIT_PUSH now, so the session's memory is freed."""
+        self.closing = True
+        self.landed.set()
+
     def close(self) -> None:
+        self.cancel_waits()
         for link in list(self.connections):
             self._drop_connection(link)
         self.links.clear()

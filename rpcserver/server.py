@@ -82,6 +82,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.wakeup.set()
+        self.peer_side.cancel_waits()
         self.connections.discard(self)
 
     # -- request processing --------------------------------------------------------------------------

@@ -213,3 +213,19 @@ def test_push_of_a_foreign_source_closes_the_clients_connection(workers, connect
     with pytest.raises(WorkerError):
         push(a, 1, 1, bogus, bogus)
     alive(workers[0])
+
+
+def test_a_client_gone_during_wait_push_frees_its_memory(workers):
+    """A WAIT_PUSH of ten minutes must not keep a departed client's buffers: its session ends with it."""
+    with RpcClient(workers[1].address, timeout=30) as probe:
+        free_before, _ = probe.device_memory()
+        c = RpcClient(workers[1].address, timeout=30)
+        c.alloc_buffer(64 << 20)
+        assert probe.device_memory()[0] <= free_before - (64 << 20)
+        c.send(Command.WAIT_PUSH, p.WaitPushRequest(1, 600_000))
+        c.close()
+        for _ in range(300):  # polled, not timed: without the fix it stays allocated for 600 s
+            if probe.device_memory()[0] == free_before:
+                break
+            time.sleep(0.1)
+        assert probe.device_memory()[0] == free_before
