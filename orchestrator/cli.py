@@ -76,6 +76,9 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
 @click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
               help="threads of each local worker")
+@click.option("--no-ring", is_flag=True,
+              help="greedy generation too goes through the orchestrator token by token (by default the last "
+                   "worker picks the greedy token and passes it to the first one itself)")
 @click.option("--no-push", is_flag=True,
               help="relay every activation through the orchestrator, even between workers that can push it to "
                    "each other (--rpc host:port@peerhost:port: how the other workers reach that one)")
@@ -122,11 +125,12 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
              temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
-             chat, system_prompt, display_prompt, no_push, verbose) -> int:
+             chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
     from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
     from orchestrator.model import ModelFile  # noqa: PLC0415
+    from orchestrator.ring import Ring  # noqa: PLC0415
     from orchestrator.runner import Pipeline, context_size  # noqa: PLC0415
     from orchestrator.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplingParams  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
@@ -192,6 +196,11 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
                 emit(t)
         if verbose:
             log(f"prompt: {len(tokens)} tokens {tokens}")
+        ring = None if no_ring or not params.greedy else Ring(pipe, banned)
+        if ring is not None:
+            why = ring.why_not() or (None if ring.setup() else f"{pipe.stages[-1].endpoint} refuses peer links")
+            log(f"  ring: {'on' if why is None else f'off ({why})'}")
+            ring = ring if why is None else None
         t_sampling = 0.0
         n_generated = 0
         while n_predict < 0 or n_generated < n_predict:
@@ -211,6 +220,10 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
                 break
             if n_predict >= 0 and n_generated >= n_predict:
                 break
+            if ring is not None:  # the workers generate the rest among themselves
+                limit = n_predict - n_generated if n_predict >= 0 else pipe.n_ctx
+                n_generated += ring_generate(pipe, ring, token, limit, vocab, emit)
+                break
             logits = pipe.evaluate_token(token)
         out.write(b"\n\n")
         out.flush()
@@ -223,6 +236,26 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     log(_rate("eval", tm.eval_seconds, tm.eval_tokens, "runs"))
     log(f"total time = {1e3 * (time.perf_counter() - t_start):10.2f} ms / {tm.prompt_tokens + tm.eval_tokens} tokens")
     return 0
+
+
+def ring_generate(pipe, ring, token: int, limit: int, vocab, emit) -> int:
+    """Greedy tokens from the ring after `token`, printed as they come; returns how many."""
+    start, n = time.perf_counter(), 0
+    tokens = ring.generate(token, limit)
+    try:
+        for token in tokens:
+            n += 1
+            emit(token)
+            if vocab.is_eog(token):
+                sys.stdout.buffer.write(b" [end of text]\n")
+                break
+    finally:
+        tokens.close()
+        if n < limit and pipe.n_past >= pipe.n_ctx:
+            log(f"\ncontext full ({pipe.n_ctx} tokens): stopping")
+        pipe.timings.eval_tokens += n
+        pipe.timings.eval_seconds += time.perf_counter() - start
+    return n
 
 
 def log_placement(pipe) -> None:

@@ -20,6 +20,7 @@ class RpcClient:
         if not host or not port.isdigit():
             raise WorkerError(f"invalid endpoint '{endpoint}': expected host:port")
         self.endpoint = endpoint
+        self.owed = 0  # replies of requests sent with send() not read yet
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         except OSError as exc:
@@ -43,19 +44,24 @@ class RpcClient:
         self.close()
 
     def send(self, command: Command, message=None) -> None:
-        """A request without a reply."""
+        """A request; if it has a reply, receive() reads it later (replies come in request order)."""
         try:
             self.sock.sendall(p.encode_request(command, message))
         except OSError as exc:
             raise WorkerError(f"worker {self.endpoint} dropped the connection during {command.name}: {exc}") from None
+        if p.COMMANDS[command].response is not None:
+            self.owed += 1
 
     def call(self, command: Command, message=None) -> bytes:
-        """A request and its reply payload."""
+        """A request and its reply payload; no other reply may be owed (it would be read instead)."""
+        if self.owed:
+            raise RuntimeError(f"{command.name} called on {self.endpoint} with {self.owed} replies still owed")
         self.send(command, message)
         return self.receive(command)
 
     def receive(self, command: Command) -> bytes:
         """The reply payload of `command`, the oldest request sent whose reply was not read yet."""
+        self.owed -= 1
         try:
             while (payload := self.reader.next_payload(command)) is None:
                 chunk = self.sock.recv(1 << 20)
@@ -115,6 +121,7 @@ class InProcessClient(RpcClient):
 
     def __init__(self, session, endpoint: str = "in-process"):
         self.session, self.endpoint, self.version = session, endpoint, p.PROTOCOL_VERSION
+        self.owed = 0
 
     def close(self) -> None:
         self.session.close()

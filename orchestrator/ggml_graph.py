@@ -159,6 +159,10 @@ class Graph:
         type_ = GGMLType.I32 if a.type == GGMLType.I32 else GGMLType.F32
         return self._node(type_, (a.ne[0], rows.ne[0], rows.ne[1], rows.ne[2]), GGMLOp.GET_ROWS, (a, rows), name=name)
 
+    def argmax(self, a: Tensor, name: str = "") -> Tensor:
+        """Per row, the index of its largest element (ggml's: the last of equal maxima)."""
+        return self._node(GGMLType.I32, (a.ne[1],), GGMLOp.ARGMAX, (a,), name=name)
+
     def mul_mat(self, a: Tensor, b: Tensor, name: str = "") -> Tensor:
         if a.ne[0] != b.ne[0] or b.ne[2] % a.ne[2] or b.ne[3] % a.ne[3]:
             raise ValueError(f"mul_mat: cannot multiply '{a.name}' {a.ne} by '{b.name}' {b.ne}")

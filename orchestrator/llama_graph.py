@@ -2,7 +2,8 @@
 
 A worker owns a contiguous range of "blocks": 0..n_layer-1 are the repeating layers, block n_layer is
 the output head (final norm and the vocabulary projection). The token embeddings are looked up on the
-orchestrator, as llama.cpp keeps its input layer on the CPU. Matching llama.cpp's ops, types and
+orchestrator, as llama.cpp keeps its input layer on the CPU; in the ring (orchestrator/ring.py) the first
+stage looks them up itself (GET_ROWS of token ids) and the last one ends in the greedy token (ARGMAX). Matching llama.cpp's ops, types and
 shapes exactly is what makes the generated tokens identical to its own.
 """
 
@@ -37,14 +38,20 @@ class LayerBuilder:
                  flash_attn: bool):
         self.hp, self.w, self.kv, self.flash_attn = hp, weights, kv, flash_attn
 
-    def build(self, blocks: range, shape: Shape) -> StageGraph:
+    def build(self, blocks: range, shape: Shape, *, token_ids: bool = False, greedy: bool = False,
+              logit_bias: bool = False) -> StageGraph:
+        """The stage's graph; token_ids: its input is token ids, looked up in token_embd here; greedy: its
+        output is each row's ARGMAX of the logits (plus the input `logit_bias` if asked)."""
         hp, g = self.hp, Graph()
         n_tokens = shape.n_tokens
         inputs: dict[str, Tensor] = {}
         layers = [il for il in blocks if il < hp.n_layer]
         # a stage holding only the output head receives the rows already picked by out_ids
         n_rows = n_tokens if layers else shape.n_outputs
-        inputs["embd"] = new_tensor(GGMLType.F32, (hp.n_embd, n_rows), "inp_embd")
+        if token_ids:
+            inputs["tokens"] = new_tensor(GGMLType.I32, (n_tokens,), "inp_tokens")
+        else:
+            inputs["embd"] = new_tensor(GGMLType.F32, (hp.n_embd, n_rows), "inp_embd")
         if layers:
             inputs["pos"] = new_tensor(GGMLType.I32, (n_tokens,), "inp_pos")
             inputs["k_idxs"] = new_tensor(GGMLType.I64, (n_tokens,), "attn_inp_k_idxs")
@@ -55,7 +62,10 @@ class LayerBuilder:
         if hp.n_layer - 1 in layers:
             inputs["out_ids"] = new_tensor(GGMLType.I32, (shape.n_outputs,), "out_ids")
 
-        cur = inputs["embd"]
+        if token_ids:
+            cur = g.get_rows(self.w["token_embd.weight"], inputs["tokens"], "inp_embd")
+        else:
+            cur = inputs["embd"]
         for il in layers:
             cur = self._layer(g, il, cur, inputs, shape)
         if hp.n_layer in blocks:
@@ -63,6 +73,11 @@ class LayerBuilder:
             cur = g.mul_mat(self._output_weight(), cur, "result_output")
             if (bias := self.w.get("output.bias")) is not None:  # qwen2 may carry one
                 cur = g.add(cur, bias, "result_output_b")
+            if logit_bias:
+                inputs["logit_bias"] = new_tensor(GGMLType.F32, (hp.n_vocab,), "logit_bias")
+                cur = g.add(cur, inputs["logit_bias"], "result_biased")
+            if greedy:
+                cur = g.argmax(cur, "result_token")
         for t in inputs.values():
             t.flags |= FLAG_INPUT
         cur.flags |= FLAG_OUTPUT

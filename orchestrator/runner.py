@@ -65,7 +65,7 @@ class Stage:
         self.kv_bytes = self._layout([t for pair in self.kv.values() for t in pair], RemoteBuffer(0, 0, 0))
         self.compute: RemoteBuffer | None = None
         self.graph: StageGraph | None = None
-        self.shape: Shape | None = None
+        self.key = None  # what the worker's last graph was built for: (shape, ring options)
         self.fresh = False  # the graph changed since the worker last computed one
 
     def _layout(self, tensors, buffer: RemoteBuffer) -> int:
@@ -102,23 +102,27 @@ class Stage:
                 self.client.set_tensor(wire, data)
             progress(data.nbytes)
 
-    def prepare(self, shape: Shape) -> None:
-        """Builds and binds the graph for `shape` unless the worker already holds it (then it recomputes)."""
-        if shape == self.shape:
+    def prepare(self, shape: Shape, **ring) -> None:
+        """Builds and binds the graph for `shape` unless the worker already holds it (then it recomputes);
+        `ring`: LayerBuilder.build's ring options (token ids in, greedy token out)."""
+        key = (shape, tuple(sorted(ring.items())))
+        if key == self.key:
             return
-        sg = self.builder.build(self.blocks, shape)
+        sg = self.builder.build(self.blocks, shape, **ring)
         plan = plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment)
         if plan.size > self.compute.size:
             self.client.free_buffer(self.compute.handle)
             self.compute = self._allocate(plan.size, "compute buffer")
         plan.bind(self.compute)
-        self.graph, self.shape, self.fresh = sg, shape, True
+        self.graph, self.key, self.fresh = sg, key, True
 
-    def launch(self, feed: dict[str, np.ndarray]) -> None:
-        """Sets the inputs `feed` names (a pushed input is absent) and computes, without waiting."""
+    def launch(self, feed: dict[str, np.ndarray], sticky: dict[str, np.ndarray] | None = None) -> None:
+        """Sets the inputs `feed` names (a pushed input is absent) and, for a new graph, those in `sticky`
+        (they keep their value from step to step); computes without waiting."""
+        values = {**feed, **(sticky or {})} if self.fresh else feed
         for name, tensor in self.graph.inputs.items():
-            if name in feed:
-                data = np.ascontiguousarray(feed[name])
+            if name in values:
+                data = np.ascontiguousarray(values[name])
                 assert data.nbytes == tensor.nbytes, (name, data.nbytes, tensor.nbytes)
                 self.client.set_tensor(wire_tensor(tensor), data)
         if self.fresh:
@@ -126,6 +130,18 @@ class Stage:
             self.fresh = False
         else:
             self.client.graph_recompute()
+
+    def add_token_embd(self) -> None:
+        """Uploads token_embd into a buffer of its own, unless the stage has it, so that its graph can look
+        up token ids itself (the first stage of the ring)."""
+        name = "token_embd.weight"
+        if name in self.weights:
+            return
+        info = self.model.weights[name]
+        tensor = new_tensor(info.type, info.ne, name)
+        tensor.place(self._allocate(tensor.nbytes, "token embeddings"), 0)
+        self.client.set_tensor(wire_tensor(tensor), info.data)
+        self.weights[name] = tensor
 
     def read_output(self) -> np.ndarray:
         out = self.graph.output

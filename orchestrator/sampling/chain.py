@@ -37,6 +37,15 @@ class SamplingParams:
         if self.repeat_last_n < 0:
             raise ValueError("repeat_last_n must be >= 0")
 
+    @property
+    def greedy(self) -> bool:
+        """The chain always picks the highest logit: temperature <= 0 and no penalty that would change
+        the logits first (top-k/p and min-p keep the highest one)."""
+        penalized = self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                                                 or self.presence_penalty != 0.0)
+        return self.temp <= 0 and not penalized
+
+
 def random_seed() -> int:
     """What get_rng_seed does for LLAMA_DEFAULT_SEED: a fresh 32-bit seed from the OS."""
     return secrets.randbits(32)

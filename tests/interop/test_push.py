@@ -70,3 +70,34 @@ def test_a_push_that_cannot_reach_its_peer_falls_back_to_relay(models, chain, cp
     assert "relaying from now on" in done.stderr, done.stderr[-3000:]
     assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "fallback")
     assert all(w.alive() for w in chain)
+
+
+@pytest.mark.parametrize("arch, prompt_id, flags", [("llama", "fact", []), ("llama", "long", ["-fa", "off"]),
+                                                    ("qwen3", "list", [])])
+def test_the_ring_generates_llama_completions_text(models, chain, cpu_text, arch, prompt_id, flags):
+    """Three of our workers: every boundary pushes, so greedy tokens go round the ring; with --ignore-eos
+    the last stage adds the logit bias before its ARGMAX. --no-ring is the stepwise push."""
+    ours = [chain[0], chain[1], chain[4]]
+    args = ["-m", models[arch], "-p", PROMPTS[prompt_id], "-n", N_PREDICT, "--temp", 0, "--ignore-eos", *flags]
+    args += ["-b", 64] if prompt_id == "long" else []
+    expected = cpu_text(args)
+    rpc = ["--rpc", ",".join(w.address for w in ours)]
+    ring = run_orchestrator([*rpc, *args], ours)
+    assert "ring: on" in ring.stderr and links(ring.stderr) == ["push", "push"], ring.stderr[-3000:]
+    assert ring.stdout == expected, text_diff(expected, ring.stdout, "llama-completion", "ring")
+    stepwise = run_orchestrator([*rpc, *args, "--no-ring"], ours)
+    assert "ring:" not in stepwise.stderr
+    assert stepwise.stdout == expected, text_diff(expected, stepwise.stdout, "llama-completion", "stepwise push")
+
+
+def test_the_ring_stops_at_end_of_text(models, chain):
+    """Without --ignore-eos the ring stops at the first end-of-generation token, where the stepwise
+    orchestrator (whose greedy text is llama-completion's, test_orchestrator.py) stops."""
+    ours = [chain[0], chain[4]]
+    args = ["-m", models["llama"], "-p", PROMPTS["fact"], "-n", 200, "--temp", 0, "--chat"]
+    rpc = ["--rpc", ",".join(w.address for w in ours)]
+    ring = run_orchestrator([*rpc, *args], ours)
+    stepwise = run_orchestrator([*rpc, *args, "--no-ring"], ours)
+    assert "ring: on" in ring.stderr
+    assert "[end of text]" in stepwise.stdout, stepwise.stdout
+    assert ring.stdout == stepwise.stdout

@@ -1,0 +1,137 @@
+"""Greedy generation with the orchestrator out of the per-token loop: the ring.
+
+The last stage ends its graph in the greedy token (ARGMAX of the logits, plus a bias of -inf for banned
+tokens) and pushes it straight to the first stage, whose graph looks the token up in its own copy of
+token_embd; every boundary pushes as in stepwise decoding. The orchestrator only sends each step's
+commands a few steps ahead (positions, cache slots and masks do not depend on the tokens) and reads the
+tokens as the last stage's GET_TENSOR replies bring them back, so a token costs the stages' compute and
+the worker-to-worker hops, not an orchestrator round trip.
+
+Used when sampling is greedy and every boundary pushes. The tokens are the greedy sampler's except
+where two logits tie exactly for the maximum: ggml's ARGMAX takes the last of them, llama.cpp's greedy
+sampler the first in its sorted candidates (float logits of a real model practically never tie).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+import numpy as np
+
+from orchestrator.client import WorkerError
+from orchestrator.ggml_graph import wire_tensor
+from orchestrator.llama_graph import Shape
+from orchestrator.planner import round_up
+from orchestrator.push import WAIT_TIMEOUT_MS
+from rpcserver import protocol as p
+from rpcserver.protocol import Command
+
+WINDOW = 3  # steps whose commands are in flight at once: enough to hide one orchestrator round trip
+
+
+class Ring:
+    def __init__(self, pipe, banned: list[int], window: int = WINDOW):
+        self.pipe, self.window = pipe, window
+        hp = pipe.model.hparams
+        self.bias = None
+        if banned:
+            self.bias = np.zeros(hp.n_vocab, np.float32)
+            self.bias[banned] = -np.inf
+        self.link = len(pipe.stages) - 1  # the ring's link number on the last stage: after the boundaries
+        self.ready = False
+
+    def why_not(self) -> str | None:
+        """None if the ring can run over this pipeline, else why not."""
+        pipe = self.pipe
+        if not pipe.stages:
+            return "no stages"
+        if any(not link.push for link in pipe.links):
+            return "a boundary relays"
+        if not all(pipe.features.get(s.endpoint, 0) & p.FEATURE_PEER_PUSH for s in (pipe.stages[0], pipe.stages[-1])):
+            return "not our workers"
+        return None
+
+    def setup(self) -> bool:
+        """Gives the first stage the embeddings and the last one a link to it; False if refused."""
+        first, last = self.pipe.stages[0], self.pipe.stages[-1]
+        token = p.PeerTokenResponse.decode(first.client.call(Command.PEER_TOKEN)).token
+        host, _, port = self.pipe.peer_addresses.get(first.endpoint, first.endpoint).rpartition(":")
+        req = p.SetPeerRequest(self.link, token, int(port), host.encode())
+        if p.U8Response.decode(last.client.call(Command.SET_PEER, req)).result != 1:
+            return False
+        first.add_token_embd()
+        self.ready = True
+        return True
+
+    def _ring_options(self, i: int) -> dict:
+        last = len(self.pipe.stages) - 1
+        return {"token_ids": i == 0, "greedy": i == last, "logit_bias": i == last and self.bias is not None}
+
+    def _send(self, step: int, pos: int, first_token: int | None) -> list[list[Command]]:
+        """Sends every stage its commands of one step at position `pos`; returns the replies owed."""
+        pipe, stages = self.pipe, self.pipe.stages
+        n_kv = min(pipe.n_ctx, max(256, round_up(pos + 1, 256)))
+        shape = Shape(1, n_kv, 1)
+        pipe.n_past = pos
+        feed = pipe._inputs(1, n_kv)
+        for i, stage in enumerate(stages):
+            stage.prepare(shape, **self._ring_options(i))
+        owed = []
+        for i, stage in enumerate(stages):
+            replies = []
+            sticky = {"logit_bias": self.bias} if i == len(stages) - 1 and self.bias is not None else None
+            if i == 0 and first_token is not None:
+                stage.launch({**feed, "tokens": np.array([first_token], np.int32)}, sticky)
+            else:
+                stage.client.send(Command.WAIT_PUSH, p.WaitPushRequest(step, WAIT_TIMEOUT_MS))
+                replies.append(Command.WAIT_PUSH)
+                stage.launch(feed, sticky)
+            if i + 1 < len(stages):
+                dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
+            else:  # the token goes round to the first stage, as its input of the next step
+                n_kv_next = min(pipe.n_ctx, max(256, round_up(pos + 2, 256)))
+                stages[0].prepare(Shape(1, n_kv_next, 1), **self._ring_options(0))
+                dst, link, to_step = stages[0].graph.inputs["tokens"], self.link, step + 1
+            stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
+                link, to_step, wire_tensor(stage.graph.output), wire_tensor(dst)))
+            replies.append(Command.PUSH_TENSOR)
+            owed.append(replies)
+        out = stages[-1].graph.output
+        stages[-1].client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
+        owed[-1].append(Command.GET_TENSOR)
+        return owed
+
+    def _receive(self, owed: list[list[Command]]) -> int:
+        token = None
+        for stage, replies in zip(self.pipe.stages, owed):
+            for command in replies:
+                payload = stage.client.receive(command)
+                if command == Command.GET_TENSOR:
+                    token = int(np.frombuffer(payload, np.int32)[0])
+                elif p.U8Response.decode(payload).result != 1:
+                    raise WorkerError(f"worker {stage.endpoint}: {command.name} failed in the ring "
+                                      "(a worker or a link between them went away; --no-ring avoids the ring)")
+        return token
+
+    def generate(self, first_token: int, limit: int) -> Iterator[int]:
+        """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded).
+        Stop early by closing the generator: the steps in flight finish and their tokens are dropped."""
+        pipe = self.pipe
+        start, step0 = pipe.n_past, pipe.step + 1
+        limit = min(limit, pipe.n_ctx - start)
+        in_flight: deque = deque()
+        sent = done = 0
+        try:
+            while done < limit:
+                while sent < limit and len(in_flight) < self.window:
+                    in_flight.append(self._send(step0 + sent, start + sent, first_token if sent == 0 else None))
+                    sent += 1
+                token = self._receive(in_flight.popleft())
+                done += 1
+                yield token
+        finally:
+            while in_flight:  # the replies of the steps sent but not wanted
+                self._receive(in_flight.popleft())
+            pipe.step = step0 + sent
+            pipe.n_past = start + done
