@@ -100,7 +100,8 @@ _load_f32, _load_f16, _load_bf16 = (LOAD_WEIGHT[t] for t in (T.F32, T.F16, T.BF1
 
 
 @numba.njit(inline="always", **JIT)
-def _load(kind, w, off):
+def load_weight(kind, w, off):
+    """The F32, F16 or BF16 (kind: its ggml type number) element at byte `off` of raw memory w, as float32."""
     if kind == TYPE_F32:
         return _load_f32(w, off)
     if kind == TYPE_F16:
@@ -117,7 +118,7 @@ def load_elem(kind, w, off):
 @overload(load_elem)
 def _load_elem(kind, w, off):
     if w.dtype == types.uint8:
-        return lambda kind, w, off: _load(kind, w, off)
+        return lambda kind, w, off: load_weight(kind, w, off)
     return lambda kind, w, off: load_f32(w[off], kind)
 
 
@@ -132,16 +133,16 @@ def _tiny_tail(kind, pairs, w, off, esize, y, yoff, n, b, acc):
     if pairs:
         for j in range(16):
             e0, e1 = b + 2 * j, b + 2 * j + 1
-            x0 = _ftz(_load(kind, w, off + e0 * esize)) if e0 < n else F32(0.0)
+            x0 = _ftz(load_weight(kind, w, off + e0 * esize)) if e0 < n else F32(0.0)
             y0 = _ftz(y[yoff + e0]) if e0 < n else F32(0.0)
-            x1 = _ftz(_load(kind, w, off + e1 * esize)) if e1 < n else F32(0.0)
+            x1 = _ftz(load_weight(kind, w, off + e1 * esize)) if e1 < n else F32(0.0)
             y1 = _ftz(y[yoff + e1]) if e1 < n else F32(0.0)
             acc[j] = _ftz(fma32(x0, y0, _ftz(fma32(x1, y1, _ftz(acc[j])))))
         return
     for j in range(16):
         e = b + j
         if e < n:
-            acc[j] = fma32(_load(kind, w, off + e * esize), y[yoff + e], acc[j])
+            acc[j] = fma32(load_weight(kind, w, off + e * esize), y[yoff + e], acc[j])
         else:
             acc[j] = acc[j] + F32(0.0)
 
@@ -215,7 +216,7 @@ def dot16(kind, tiny, pairs, w, off, esize, y, yoff, n, acc):
         total = np.float64(0.0) + np.float64(hsum16(acc, 0))
         total += np.float64(hsum16(acc, 16))
         for i in range(steps * step, n):  # bf16 products are exact in float32
-            total += np.float64(_load(kind, w, off + i * esize) * y[yoff + i])
+            total += np.float64(load_weight(kind, w, off + i * esize) * y[yoff + i])
         return F32(total)
     steps = n // 64
     if kind == TYPE_F32:

@@ -27,11 +27,11 @@ from .ggml import (TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_
                    GGMLType)
 
 from . import formats, kquant_dot, kquants, quants
-from .float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum, tail_sum
+from .float_dot512 import SCRATCH, dot16, load_weight, np_dot16, np_tail_sum, tail_sum
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32, np_fma
-from .quants import FLOAT_LANES, FLOAT_TYPES, LOAD_WEIGHT, QK, QUANT_TYPES, ROW_DOT
+from .quants import FLOAT_LANES, FLOAT_TYPES, QK, QUANT_TYPES, ROW_DOT
 from .registry import OpKernel, nothing, prepared, register
 from .tasks import ROWS_PER_TASK, task_tile
 
@@ -222,17 +222,7 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq
                 out[i13, i12, i, ir] = _dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)
 
 
-(_f32_load, _f16_load, _bf16_load) = (LOAD_WEIGHT[t] for t in FLOAT_TYPES)
 (_f32_tiny, _f32_vec), (_f16_tiny, _f16_vec), (_bf16_tiny, _bf16_vec) = (FLOAT_LANES[t] for t in FLOAT_TYPES)
-
-
-@numba.njit(inline="always", **JIT)
-def _load(kind, w, off):
-    if kind == TYPE_F32:
-        return _f32_load(w, off)
-    if kind == TYPE_F16:
-        return _f16_load(w, off)
-    return _bf16_load(w, off)
 
 
 @numba.njit(inline="always", **JIT)
@@ -256,7 +246,7 @@ def _lanes(kind, tiny, w, off, y, yoff, n):
 def _padded(kind, w, off, esize, y, yoff, rem, lane, acc):
     """tinyBLAS's last partial step loads zero padding: lanes past the tail add fma(0, 0) = +0."""
     if lane < rem:
-        return fma32(_load(kind, w, off + lane * esize), y[yoff + lane], acc)
+        return fma32(load_weight(kind, w, off + lane * esize), y[yoff + lane], acc)
     return acc + np.float32(0)
 
 
