@@ -1,13 +1,15 @@
-"""The nodes x latency matrix (issue 12, item 3): llama.cpp's relay against ours, with an ideal line per design.
+"""The nodes x latency matrix (issue 12, item 3): llama.cpp's relay against our orchestrator relaying,
+pushing stepwise and running the ring, with an ideal line per design.
 
-    python tools/bench_pipeline.py [--nodes 1,2,3,4] [--latency-ms 0,5,10,20] [--mode transfer]
-        [--serial] [--tokens 32] [--prompt TEXT] [--reps 3] [--designs llamacpp,ours] [-m MODEL]
+    python tools/bench_pipeline.py [--nodes 1,2,3,4] [--latency-ms 0,5,10,20] [--mode transfer] [--apart]
+        [--serial] [--tokens 32] [--prompt TEXT] [--reps 3] [--designs llamacpp,ours,push,ring] [-m MODEL]
 
 For each node count N, N workers of each kind a design needs are started once (ggml-rpc-server for
 llama.cpp, ours for our orchestrator, `-t 1` by default) and warmed up by one untimed run per design
 (our worker's JIT). For each one-way latency L, every worker gets a LatencyProxy (tools/latency_proxy.py)
 in front of it, so the client (llama-completion or our orchestrator) is "far" from every worker and the
-workers are together. The proxies are kept at 0 ms too (with nothing delayed), so the proxies' own
+workers are together; with --apart each worker gets a second proxy that the other workers push through,
+so every host is far from every other. The proxies are kept at 0 ms too (with nothing delayed), so the proxies' own
 overhead is in every cell of every design alike. The same prompt and token count are run R times per
 cell, alternately (llama.cpp, ours, llama.cpp, ours...), greedy, --ignore-eos; medians are reported.
 
@@ -20,9 +22,10 @@ Definitions:
   ideal   per design: C + hops(N) * L per token, C the design's median ms/token at 0 ms with the same N
           (its compute plus its fixed per-token costs, proxies included), hops the one-way link crossings
           the design cannot avoid per token. Relay (the orchestrator fetches each stage's output and
-          feeds the next): N round trips, 2*N*L. A push design (each stage sends its output straight to
-          the next, the workers being together): one crossing to the first stage and one back from the
-          last, 2*L. "% of ideal" = measured tok/s / ideal tok/s. With --serial the proxy is not a link
+          feeds the next): N round trips, 2*N*L. Stepwise push (each stage sends its output straight to
+          the next): one crossing to the first stage and one back from the last, 2*L, plus N-1 pushes
+          when apart. The ring (the last stage's token goes straight to the first; the client sends
+          steps ahead): nothing when the workers are together, N*L round the ring apart. "% of ideal" = measured tok/s / ideal tok/s. With --serial the proxy is not a link
           (every delayed command costs L, replies none), so the ideal is not a bound there.
 
 Checks: every run's stdout (prompt + greedy text) must equal the first llama.cpp run's; a cell where
@@ -60,22 +63,28 @@ from tools.latency_proxy import MODES, LatencyProxy  # noqa: E402
 # -- designs ------------------------------------------------------------------------------------------
 
 
-def relay_hops(nodes: int) -> int:
+def relay_hops(nodes: int, apart: bool) -> int:
     """One-way link crossings per token when the client relays every stage's output: N round trips."""
     return 2 * nodes
 
 
-def push_hops(nodes: int) -> int:
-    """When stages push activations to each other: in to the first stage, out of the last."""
-    return 2
+def push_hops(nodes: int, apart: bool) -> int:
+    """Stepwise push: in to the first stage, out of the last, and (hosts apart) each boundary's push."""
+    return 2 + (nodes - 1 if apart else 0)
+
+
+def ring_hops(nodes: int, apart: bool) -> int:
+    """The ring: the client's round trip is hidden by the steps it sends ahead; what is left is the
+    token's way round the workers, N links when they are apart, none when together."""
+    return nodes if apart else 0
 
 
 @dataclass(frozen=True)
 class Design:
     label: str  # column heading
     worker_kind: str  # reference.start_worker kind its workers are
-    topology: str  # "relay" | "push", for the headings
-    hops: Callable[[int], int]  # one-way crossings per token at N nodes (the ideal line)
+    topology: str  # "relay" | "push" | "ring", for the headings
+    hops: Callable[[int, bool], int]  # one-way crossings per token at N nodes, hosts apart or not (ideal line)
     command: Callable[["argparse.Namespace", list[str], int], list[str]]  # (args, endpoints, tokens) -> argv
 
 
@@ -85,20 +94,21 @@ def llamacpp_command(args, endpoints: list[str], tokens: int) -> list[str]:
             "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-fit", "off"]
 
 
-def ours_command(args, endpoints: list[str], tokens: int) -> list[str]:
-    return [sys.executable, "-m", "orchestrator", "--rpc", ",".join(endpoints), "-m", str(args.model),
-            "-p", args.prompt, "-n", str(tokens), "--temp", "0", "-s", "1", "--ignore-eos"]
+def ours_command(*flags: str) -> Callable:
+    def command(args, endpoints: list[str], tokens: int) -> list[str]:
+        return [sys.executable, "-m", "orchestrator", "--rpc", ",".join(endpoints), "-m", str(args.model),
+                "-p", args.prompt, "-n", str(tokens), "--temp", "0", "-s", "1", "--ignore-eos", *flags]
+    return command
 
 
-# The first design is the baseline of the ratio columns and the source of the reference text.
+# The first design is the baseline of the ratio columns and the source of the reference text. Push and
+# ring designs get endpoints `proxy@peer`: the client reaches a worker through its proxy, the workers
+# reach each other at `peer` (the worker itself, or with --apart a second proxy in front of it).
 DESIGNS: dict[str, Design] = {
     "llamacpp": Design("llama.cpp", "reference", "relay", relay_hops, llamacpp_command),
-    "ours": Design("ours", "ours", "relay", relay_hops, ours_command),
-    # When PUSH_TENSOR_TO_PEER exists, add:
-    #   "push": Design("ours push", "ours", "push", push_hops, ours_push_command),
-    # with ours_push_command running the orchestrator in its push mode over the proxied endpoints (the
-    # workers reach each other directly, unproxied: in `transfer` mode they are "together"). Nothing else
-    # here changes: its columns, its ideal (2*L per token) and the text check follow from this entry.
+    "ours": Design("ours", "ours", "relay", relay_hops, ours_command("--no-push")),
+    "push": Design("ours push", "ours", "push", push_hops, ours_command("--no-ring")),
+    "ring": Design("ours ring", "ours", "ring", ring_hops, ours_command()),
 }
 
 
@@ -217,9 +227,17 @@ def measure_cell(cell: Cell, designs: list[str], workers: WorkerSets, args, env)
             except (reference.WorkerFailed, OSError) as exc:
                 cell.errors[name] = f"workers: {exc}"
                 continue
-            proxies[name] = [proxies_stack.enter_context(
-                LatencyProxy(w.address, latency_s, args.mode, serial=args.serial, log=log)) for w in targets]
+            def proxy(worker):
+                return proxies_stack.enter_context(
+                    LatencyProxy(worker.address, latency_s, args.mode, serial=args.serial, log=log))
+
+            proxies[name] = [proxy(w) for w in targets]
             endpoints[name] = [p.address for p in proxies[name]]
+            if DESIGNS[name].topology != "relay":
+                peer_proxies = [proxy(w) for w in targets] if args.apart else []
+                proxies[name] += peer_proxies
+                peers = [x.address for x in peer_proxies] if args.apart else [w.address for w in targets]
+                endpoints[name] = [f"{e}@{peer}" for e, peer in zip(endpoints[name], peers)]
         for rep in range(args.reps):
             for name in designs:  # alternately: llama.cpp, ours, llama.cpp, ours...
                 if name in cell.errors:
@@ -269,12 +287,13 @@ def headings(designs: list[str]) -> list[str]:
     return cols
 
 
-def row(cell: Cell, designs: list[str], compute_ms: dict[tuple[str, int], float], reference_text: str | None) -> list[str]:
+def row(cell: Cell, designs: list[str], compute_ms: dict[tuple[str, int], float], reference_text: str | None,
+        apart: bool) -> list[str]:
     tok_s = {d: cell.median(d, "tok_s") for d in designs}
     ideal = {}
     for d in designs:
         c = compute_ms.get((d, cell.nodes))
-        ideal[d] = None if c is None else 1e3 / (c + DESIGNS[d].hops(cell.nodes) * cell.latency_ms)
+        ideal[d] = None if c is None else 1e3 / (c + DESIGNS[d].hops(cell.nodes, apart) * cell.latency_ms)
     base = tok_s[designs[0]]
     cols = [str(cell.nodes), f"{cell.latency_ms:g}"]
     cols += [fmt(tok_s[d]) for d in designs]
@@ -325,6 +344,9 @@ def parse_args(argv):
                     help="one-way latencies in ms (default 0,5,10,20; 0 is always added)")
     ap.add_argument("--mode", choices=list(MODES), default="transfer", help="which commands the proxies delay")
     ap.add_argument("--serial", action="store_true", help="proxies as the published llama.cpp proxy (not a link)")
+    ap.add_argument("--apart", action="store_true",
+                    help="all hosts apart: worker-to-worker links go through proxies too (default: the workers "
+                         "are together, only the client is far)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens to generate per run (default 32)")
     ap.add_argument("--prompt", default=PROMPT, help="the prompt of every run")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per cell and design (default 3)")
@@ -373,9 +395,10 @@ def main(argv=None) -> int:
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, load average at start: {load_start}")
     print(f"model: {Path(args.model).name}, tokens: {args.tokens}, repetitions: {args.reps} (medians), "
           f"threads: {args.threads}, prompt: {args.prompt!r}")
+    print(f"topology: {'all hosts apart' if args.apart else 'workers together, client far'}")
     print(f"proxies: mode {args.mode}, {'serial (as the published llama.cpp proxy)' if args.serial else 'pipelined link'}, "
           f"one per worker, kept at 0 ms; tok/s = eval runs / eval time; TTFT = prompt eval time; "
-          f"ideal = C(0 ms) + hops x L per token (relay: 2N, push: 2); ratio = tok/s over {DESIGNS[args.designs[0]].label}'s")
+          f"ideal = C(0 ms) + hops x L per token (relay: 2N; push: 2, +N-1 apart; ring: 0, N apart); ratio = tok/s over {DESIGNS[args.designs[0]].label}'s")
     print()
     cols = headings(args.designs)
     print(markdown(cols))
@@ -403,7 +426,7 @@ def main(argv=None) -> int:
                     except KeyboardInterrupt:
                         if any(cell.samples.values()):  # what the interrupted cell has so far
                             cell.marks.append("interrupted")
-                            print(markdown(row(cell, args.designs, compute_ms, reference_text)), flush=True)
+                            print(markdown(row(cell, args.designs, compute_ms, reference_text, args.apart)), flush=True)
                         raise
                     if latency == 0:
                         for name in args.designs:
@@ -413,7 +436,7 @@ def main(argv=None) -> int:
                     first = cell.samples.get(args.designs[0])
                     if reference_text is None and first:
                         reference_text = first[0].stdout
-                    cols = row(cell, args.designs, compute_ms, reference_text)
+                    cols = row(cell, args.designs, compute_ms, reference_text, args.apart)
                     if cell.errors or "DIFF" in cols[-2]:
                         status = 1
                     print(markdown(cols), flush=True)

@@ -12,7 +12,7 @@ Every byte passes through unchanged. Both streams are cut into frames with the s
 each reply matched to the oldest request still awaiting one), so delays apply per command:
 
     compute   GRAPH_COMPUTE, GRAPH_RECOMPUTE
-    transfer  those and GET_TENSOR, SET_TENSOR, SET_TENSOR_HASH, COPY_TENSOR
+    transfer  those and GET_TENSOR, SET_TENSOR, SET_TENSOR_HASH, COPY_TENSOR, PEER_WRITE
     all       every command
 
 The model is a link with a one-way latency: a delayed frame reaches the far side `latency` after it
@@ -24,8 +24,8 @@ connections delay independently, and nothing is ever reordered: a frame is due a
 own time and the previous frame's, which is also what keeps an undelayed frame behind a delayed one.
 `--jitter-ms J` draws each frame's latency uniformly from [X-J, X+J] (`--seed` makes it repeatable).
 
-Delays start with the first GRAPH_COMPUTE of a connection (that one included), so the weight upload
-before it is not slowed; `--delay-from-start` delays from the first byte.
+Delays start with the first GRAPH_COMPUTE (or, on a worker-to-worker link, PEER_WRITE) of a connection
+(that one included), so the weight upload before it is not slowed; `--delay-from-start` delays from the first byte.
 
 `--serial` reproduces the published llama.cpp latency proxy, for comparable figures: the request
 reader sleeps the latency before forwarding each delayed command (no pipelining: ten frames cost ten
@@ -71,7 +71,8 @@ HEADER = framing.FrameReader.HEADER  # command:u8 size:u64
 CONNECT_TIMEOUT = 10.0
 
 COMPUTE = frozenset({Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE})
-TRANSFER = COMPUTE | {Command.GET_TENSOR, Command.SET_TENSOR, Command.SET_TENSOR_HASH, Command.COPY_TENSOR}
+TRANSFER = COMPUTE | {Command.GET_TENSOR, Command.SET_TENSOR, Command.SET_TENSOR_HASH, Command.COPY_TENSOR,
+                      Command.PEER_WRITE}
 MODES: dict[str, frozenset] = {"compute": COMPUTE, "transfer": TRANSFER, "all": frozenset(Command)}
 
 _log = logging.getLogger("latency_proxy")
@@ -243,7 +244,7 @@ class _Connection:
 
     def _request_latency(self, command: Command) -> float | None:
         """The latency of a request frame, None when it is not delayed."""
-        if command == Command.GRAPH_COMPUTE:
+        if command in (Command.GRAPH_COMPUTE, Command.PEER_WRITE):  # a peer link carries no weight upload
             self.armed = True
         if not self.armed or command not in self.proxy.commands or self.proxy.latency_s <= 0:
             return None
