@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import socket
 
 from rpcserver import framing, protocol as p
@@ -74,6 +75,16 @@ class RpcClient:
             raise WorkerError(f"worker {self.endpoint}: {exc}") from None
         return payload
 
+    def pump(self) -> None:
+        """Buffers what has arrived on the (readable) socket for receive(); a closed connection raises."""
+        try:
+            chunk = self.sock.recv(1 << 20)
+        except OSError as exc:
+            raise WorkerError(f"worker {self.endpoint} failed: {exc}") from None
+        if not chunk:
+            raise WorkerError(f"worker {self.endpoint} closed the connection")
+        self.reader.feed(chunk)
+
     # -- typed helpers -----------------------------------------------------------------------------
 
     def device_memory(self, device: int = 0) -> tuple[int, int]:
@@ -132,3 +143,15 @@ class InProcessClient(RpcClient):
 
     def send(self, command: Command, message=None) -> None:
         self.call(command, message)
+
+
+def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float = 60.0) -> None:
+    """Waits until `client` has a whole reply buffered, meanwhile watching the other connections: a worker
+    that goes away is named at once, not after the replies that depend on it time out."""
+    while not client.reader.complete():
+        ready, _, _ = select.select([c.sock for c in watched], [], [], timeout)
+        if not ready:
+            raise WorkerError(f"worker {client.endpoint}: no reply for {timeout:.0f} s")
+        for c in watched:
+            if c.sock in ready:
+                c.pump()

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from orchestrator.client import WorkerError
+from orchestrator.client import WorkerError, await_reply
 from orchestrator.ggml_graph import wire_tensor
 from orchestrator.llama_graph import Shape
 from orchestrator.planner import round_up
@@ -104,8 +104,10 @@ class Ring:
 
     def _receive(self, owed: list[list[Command]]) -> int:
         token = None
+        clients = [s.client for s in self.pipe.stages]
         for stage, replies in zip(self.pipe.stages, owed):
             for command in replies:
+                await_reply(stage.client, clients)
                 payload = stage.client.receive(command)
                 if command == Command.GET_TENSOR:
                     token = int(np.frombuffer(payload, np.int32)[0])

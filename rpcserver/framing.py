@@ -168,6 +168,10 @@ class ResponseReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
+    def complete(self) -> bool:
+        """Whether a whole response is buffered."""
+        return len(self._buf) >= 8 and len(self._buf) >= 8 + struct.unpack_from("<Q", self._buf)[0]
+
     def next_payload(self, command: Command) -> bytes | None:
         """The next complete response payload, or None if more bytes are needed."""
         if len(self._buf) < 8:
