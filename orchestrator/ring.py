@@ -23,7 +23,6 @@ from orchestrator.client import WorkerError, await_reply
 from orchestrator.ggml_graph import wire_tensor
 from orchestrator.llama_graph import Shape
 from orchestrator.planner import round_up
-from orchestrator.push import WAIT_TIMEOUT_MS
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
 
@@ -84,9 +83,8 @@ class Ring:
             if i == 0 and first_token is not None:
                 stage.launch({**feed, "tokens": np.array([first_token], np.int32)}, sticky)
             else:
-                stage.client.send(Command.WAIT_PUSH, p.WaitPushRequest(step, WAIT_TIMEOUT_MS))
+                stage.launch(feed, sticky, wait_step=step)
                 replies.append(Command.WAIT_PUSH)
-                stage.launch(feed, sticky)
             if i + 1 < len(stages):
                 dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
             else:  # the token goes round to the first stage, as its input of the next step

@@ -116,15 +116,20 @@ class Stage:
         plan.bind(self.compute)
         self.graph, self.key, self.fresh = sg, key, True
 
-    def launch(self, feed: dict[str, np.ndarray], sticky: dict[str, np.ndarray] | None = None) -> None:
+    def launch(self, feed: dict[str, np.ndarray], sticky: dict[str, np.ndarray] | None = None,
+               wait_step: int | None = None) -> None:
         """Sets the inputs `feed` names (a pushed input is absent) and, for a new graph, those in `sticky`
-        (they keep their value from step to step); computes without waiting."""
+        (they keep their value from step to step); computes without waiting. With `wait_step`, the
+        computation waits on the worker for the push of that step (WAIT_PUSH, whose reply the caller
+        reads); the inputs go before it, so they land while the previous stage still computes."""
         values = {**feed, **(sticky or {})} if self.fresh else feed
         for name, tensor in self.graph.inputs.items():
             if name in values:
                 data = np.ascontiguousarray(values[name])
                 assert data.nbytes == tensor.nbytes, (name, data.nbytes, tensor.nbytes)
                 self.client.set_tensor(wire_tensor(tensor), data)
+        if wait_step is not None:
+            self.client.send(Command.WAIT_PUSH, p.WaitPushRequest(wait_step, WAIT_TIMEOUT_MS))
         if self.fresh:
             self.client.graph_compute(*self.graph.graph.serialize())
             self.fresh = False
@@ -288,9 +293,8 @@ class Pipeline:
         activation = self.model.token_embeddings(tokens)
         for i, stage in enumerate(self.stages):
             if self._pushed(i - 1):  # its input arrives from the previous worker: wait for it there
-                stage.client.send(Command.WAIT_PUSH, p.WaitPushRequest(self.step, WAIT_TIMEOUT_MS))
+                stage.launch(feed, wait_step=self.step)
                 self._waits.add(i)
-                stage.launch(feed)
             else:
                 stage.launch({**feed, "embd": activation})
             if self._pushed(i):

@@ -96,9 +96,8 @@ class PeerConnection:
 class PeerSide:
     """One client connection's links (SET_PEER) and its waits for pushes (WAIT_PUSH)."""
 
-    def __init__(self, session, executor, enabled: bool):
+    def __init__(self, session, enabled: bool):
         self.session = session
-        self.executor = executor
         self.enabled = enabled
         self.links: dict[int, tuple[str, int, bytes]] = {}
         self.connections: dict[int, PeerConnection] = {}
@@ -125,9 +124,9 @@ class PeerSide:
         return 1
 
     async def push_tensor(self, req: p.PushTensorRequest) -> int:
-        loop = asyncio.get_running_loop()
-        try:  # read on the compute thread: after the graph that made it, never racing a FREE_BUFFER
-            data = await loop.run_in_executor(self.executor, self.session.tensor_bytes, req.src)
+        try:  # this connection's commands run in order: the graph that made src is done, and only
+            # this connection could free its buffer; so it is read here, without a thread hop
+            data = self.session.tensor_bytes(req.src)
         except RequestError as exc:
             raise ProtocolError(str(exc), Command.PUSH_TENSOR) from None
         link = self.links.get(req.link)

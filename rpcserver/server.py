@@ -47,7 +47,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.connections.add(self)
         log.info("client %s connected", self.peer)
-        self.peer_side = PeerSide(self.session, self.executor, self.config.peer_push)
+        self.peer_side = PeerSide(self.session, self.config.peer_push)
         self.task = asyncio.get_running_loop().create_task(self._serve())
 
     def get_buffer(self, sizehint: int) -> memoryview:
