@@ -16,7 +16,7 @@ AVX-512; see kernels/target.py):
 - split KV, for one decoded token over n_kv >= 512: each of ggml's threads takes a slice of the cache
   and the partial results are merged, so the result depends on ggml's thread count (the node's target.threads).
 A quantized K or V always takes the per-row path: Q is quantized to K's vec_dot_type (q8_0/q8_1) and
-K.Q is that type's integer block dot product (quants.ROW_DOT); V rows are dequantized and accumulated
+K.Q is that type's integer block dot product (quants.row_dot1); V rows are dequantized and accumulated
 in F32.
 
 Only the float K.Q dot products and the tiled softmax depend on the lane width (target.lanes): the V
@@ -37,8 +37,7 @@ import numpy as np
 from numba import prange
 
 from .jit import JIT, row_loop
-from .ggml import (TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_TRAITS, GGMLOp,
-                   GGMLType)
+from .ggml import TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp, GGMLType
 
 from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible
 from .fmath import fma32
@@ -46,7 +45,7 @@ from .formats import dequantize_rows
 from .kquant_dot import iq4_nl_vec_dot
 from .kv_quants import dequantize_iq4_nl_reference
 from .node import InvalidNode, Node, Tensor
-from .quants import QK, ROW_DOT, quantize_q8_ref, quantize_q8_rows, unpack_blocks
+from .quants import QK, quantize_q8_ref, quantize_q8_rows, row_dot1, unpack_blocks
 from .registry import OpKernel, prepared, register
 from .storage import parallel_worthwhile, storage, widen_f16
 from .vec import NEG_INF, alibi_slope, vec_soft_max
@@ -90,24 +89,12 @@ def _fa_one_chunk(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale
 
 QUANT_K_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL)
 Q8_1_DOTTED = (GGMLType.Q4_1, GGMLType.Q5_1)  # the _1 formats, dotted with q8_1 (carrying d*sum)
-(_dot_q4_0, _), (_dot_q4_1, _), (_dot_q5_0, _), (_dot_q5_1, _), (_dot_q8_0, _) = (
-    ROW_DOT[t] for t in QUANT_K_TYPES[:5])
-
-
 @numba.njit(inline="always", **JIT)
 def _k_dot(kind, kmem, off, nblk, yq, yd, ys, col):
     """ggml's vec_dot of the K row at byte `off` of kmem with quantized query row `col`."""
     if kind == TYPE_IQ4_NL:
         return iq4_nl_vec_dot(kmem, off, nblk, yq, yd, col)
-    if kind == TYPE_Q4_0:
-        return _dot_q4_0(kmem, off, nblk, yq, yd, ys, col)[0]
-    if kind == TYPE_Q4_1:
-        return _dot_q4_1(kmem, off, nblk, yq, yd, ys, col)[0]
-    if kind == TYPE_Q5_0:
-        return _dot_q5_0(kmem, off, nblk, yq, yd, ys, col)[0]
-    if kind == TYPE_Q5_1:
-        return _dot_q5_1(kmem, off, nblk, yq, yd, ys, col)[0]
-    return _dot_q8_0(kmem, off, nblk, yq, yd, ys, col)[0]
+    return row_dot1(kind, kmem, off, nblk, yq, yd, ys, col)
 
 
 @numba.njit(**JIT)

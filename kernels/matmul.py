@@ -23,15 +23,14 @@ import numba
 import numpy as np
 
 from .jit import JIT
-from .ggml import (TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_TRAITS, GGMLOp,
-                   GGMLType)
+from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_TRAITS, GGMLOp, GGMLType
 
 from . import formats, kquant_dot, kquants, quants
 from .float_dot512 import SCRATCH, dot16, load_weight, np_dot16, np_tail_sum, tail_sum
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import fma32, np_fma
-from .quants import FLOAT_LANES, FLOAT_TYPES, QK, QUANT_TYPES, ROW_DOT
+from .quants import FLOAT_LANES, FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot4
 from .registry import OpKernel, nothing, prepared, register
 from .tasks import ROWS_PER_TASK, task_tile
 
@@ -157,36 +156,6 @@ def _activations(type_: GGMLType, x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # numba kernels
 
-(_q40_1, _q40_4), (_q41_1, _q41_4), (_q50_1, _q50_4), (_q51_1, _q51_4), (_q80_1, _q80_4) = (
-    ROW_DOT[t] for t in QUANT_TYPES)
-
-
-@numba.njit(inline="always", **JIT)
-def _dot1(kind, w, off, nb, yq, yd, ys, col):
-    if kind == TYPE_Q4_0:
-        return _q40_1(w, off, nb, yq, yd, ys, col)[0]
-    if kind == TYPE_Q4_1:
-        return _q41_1(w, off, nb, yq, yd, ys, col)[0]
-    if kind == TYPE_Q5_0:
-        return _q50_1(w, off, nb, yq, yd, ys, col)[0]
-    if kind == TYPE_Q5_1:
-        return _q51_1(w, off, nb, yq, yd, ys, col)[0]
-    return _q80_1(w, off, nb, yq, yd, ys, col)[0]
-
-
-@numba.njit(inline="always", **JIT)
-def _dot4(kind, w, off, nb, yq, yd, ys, col):
-    if kind == TYPE_Q4_0:
-        return _q40_4(w, off, nb, yq, yd, ys, col)
-    if kind == TYPE_Q4_1:
-        return _q41_4(w, off, nb, yq, yd, ys, col)
-    if kind == TYPE_Q5_0:
-        return _q50_4(w, off, nb, yq, yd, ys, col)
-    if kind == TYPE_Q5_1:
-        return _q51_4(w, off, nb, yq, yd, ys, col)
-    return _q80_4(w, off, nb, yq, yd, ys, col)
-
-
 @numba.njit(inline="always", **JIT)
 def _quantize_activation_row(x, r, yq, yd, ys, with_sum):
     """Flat activation row r of x (ne13, ne12, ne11, K) into its slice of the flat q8 scratch."""
@@ -213,13 +182,13 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq
         i11 = 0
         while i11 + 4 <= ne11:  # four activation rows per weight row read
             for ir in range(lo, hi):
-                v = _dot4(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
+                v = row_dot4(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
                 for c in range(4):
                     out[i13, i12, i11 + c, ir] = v[c]
             i11 += 4
         for i in range(i11, ne11):
             for ir in range(lo, hi):
-                out[i13, i12, i, ir] = _dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)
+                out[i13, i12, i, ir] = row_dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)
 
 
 (_f32_tiny, _f32_vec), (_f16_tiny, _f16_vec), (_bf16_tiny, _bf16_vec) = (FLOAT_LANES[t] for t in FLOAT_TYPES)

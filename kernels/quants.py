@@ -19,7 +19,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit import JIT
-from .ggml import GGMLType
+from .ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, GGMLType
 
 from .fmath import np_bf16_bits_to_f32, round_f16
 from .llvm import (FLOAT_ELEM, PREFETCH_AHEAD, byte_ptr, elem_ptr, f32_t, half_t, hsum8, i8_dot_lanes, i8_t, i32_t,
@@ -189,6 +189,37 @@ def _make_row_dot(typ: GGMLType, ncols: int):
 
 # one and four activation rows per weight row read (four is the register-blocked matrix case)
 ROW_DOT = {t: (_make_row_dot(t, 1), _make_row_dot(t, 4)) for t in QUANT_TYPES}
+(_q40_1, _q40_4), (_q41_1, _q41_4), (_q50_1, _q50_4), (_q51_1, _q51_4), (_q80_1, _q80_4) = (
+    ROW_DOT[t] for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0))
+
+
+@numba.njit(inline="always", **JIT)
+def row_dot1(kind, w, off, nb, yq, yd, ys, col):
+    """ggml_vec_dot_<kind>_q8_0/_q8_1 of the weight row at byte `off` of w (nb blocks of the legacy
+    type id `kind`) with quantized activation row `col`."""
+    if kind == TYPE_Q4_0:
+        return _q40_1(w, off, nb, yq, yd, ys, col)[0]
+    if kind == TYPE_Q4_1:
+        return _q41_1(w, off, nb, yq, yd, ys, col)[0]
+    if kind == TYPE_Q5_0:
+        return _q50_1(w, off, nb, yq, yd, ys, col)[0]
+    if kind == TYPE_Q5_1:
+        return _q51_1(w, off, nb, yq, yd, ys, col)[0]
+    return _q80_1(w, off, nb, yq, yd, ys, col)[0]
+
+
+@numba.njit(inline="always", **JIT)
+def row_dot4(kind, w, off, nb, yq, yd, ys, col):
+    """row_dot1 for activation rows col..col+3 at once: a tuple of four."""
+    if kind == TYPE_Q4_0:
+        return _q40_4(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q4_1:
+        return _q41_4(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q5_0:
+        return _q50_4(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q5_1:
+        return _q51_4(w, off, nb, yq, yd, ys, col)
+    return _q80_4(w, off, nb, yq, yd, ys, col)
 
 
 # ----------------------------------------------------------------------------------------------
