@@ -251,7 +251,7 @@ def ring_generate(pipe, ring, token: int, limit: int, vocab, emit) -> int:
                 break
     finally:
         tokens.close()
-        if n < limit and pipe.n_past >= pipe.n_ctx:
+        if pipe.n_past >= pipe.n_ctx:
             log(f"\ncontext full ({pipe.n_ctx} tokens): stopping")
         pipe.timings.eval_tokens += n
         pipe.timings.eval_seconds += time.perf_counter() - start
