@@ -36,7 +36,15 @@ class RowLoop:
 
     def __call__(self, *args):
         *args, parallel = args
-        return (self.parallel if parallel else self.serial)(*args)
+        run, other = (self.parallel, self.serial) if parallel else (self.serial, self.parallel)
+        known = len(run.signatures)
+        result = run(*args)
+        if len(run.signatures) != known:
+            # a new signature: give the other variant it too (compiled, or loaded from numba's cache),
+            # so that whatever a warm-up calls leaves both ready; the row functions each one inlines
+            # are typed differently under prange and range, so one variant does not cover the other
+            other.compile(run.signatures[-1])
+        return result
 
 
 def row_loop(py_func) -> RowLoop:
