@@ -44,11 +44,20 @@ class Link:
     dst: str
     push: bool
     reason: str = ""  # why it relays
-    token: bytes = b""
+    token: bytes | None = None
 
     def describe(self) -> str:
         how = "push" if self.push else f"relay ({self.reason})"
         return f"link {self.index + 1}: {self.src} -> {self.dst}: {how}"
+
+
+def open_link(sender, receiver, number: int, peer_addresses: dict[str, str]) -> bytes | None:
+    """Gives stage `sender` link `number` to stage `receiver`: a token of the receiver's session and the
+    address the sender reaches it at. The token, or None if the sender makes no peer connections."""
+    token = p.PeerTokenResponse.decode(receiver.client.call(Command.PEER_TOKEN)).token
+    host, _, port = peer_addresses.get(receiver.endpoint, receiver.endpoint).rpartition(":")
+    req = p.SetPeerRequest(number, token, int(port), host.encode())
+    return token if p.U8Response.decode(sender.client.call(Command.SET_PEER, req)).result == 1 else None
 
 
 def connect_links(stages, features: dict[str, int], peer_addresses: dict[str, str], push: bool) -> list[Link]:
@@ -62,10 +71,8 @@ def connect_links(stages, features: dict[str, int], peer_addresses: dict[str, st
         elif not all(features.get(s.endpoint, 0) & p.FEATURE_PEER_PUSH for s in (a, b)):
             link.reason = "not both of them our workers"
         else:
-            link.token = p.PeerTokenResponse.decode(b.client.call(Command.PEER_TOKEN)).token
-            host, _, port = peer_addresses.get(b.endpoint, b.endpoint).rpartition(":")
-            req = p.SetPeerRequest(i, link.token, int(port), host.encode())
-            link.push = p.U8Response.decode(a.client.call(Command.SET_PEER, req)).result == 1
+            link.token = open_link(a, b, i, peer_addresses)
+            link.push = link.token is not None
             link.reason = "" if link.push else f"{a.endpoint} makes no peer connections (--no-peer)"
         links.append(link)
     return links

@@ -22,7 +22,7 @@ import numpy as np
 from orchestrator.client import WorkerError, await_reply
 from orchestrator.ggml_graph import wire_tensor
 from orchestrator.llama_graph import Shape
-from orchestrator.planner import round_up
+from orchestrator.push import open_link
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
 
@@ -38,7 +38,6 @@ class Ring:
             self.bias = np.zeros(hp.n_vocab, np.float32)
             self.bias[banned] = -np.inf
         self.link = len(pipe.stages) - 1  # the ring's link number on the last stage: after the boundaries
-        self.ready = False
 
     def why_not(self) -> str | None:
         """None if the ring can run over this pipeline, else why not."""
@@ -54,13 +53,9 @@ class Ring:
     def setup(self) -> bool:
         """Gives the first stage the embeddings and the last one a link to it; False if refused."""
         first, last = self.pipe.stages[0], self.pipe.stages[-1]
-        token = p.PeerTokenResponse.decode(first.client.call(Command.PEER_TOKEN)).token
-        host, _, port = self.pipe.peer_addresses.get(first.endpoint, first.endpoint).rpartition(":")
-        req = p.SetPeerRequest(self.link, token, int(port), host.encode())
-        if p.U8Response.decode(last.client.call(Command.SET_PEER, req)).result != 1:
+        if open_link(last, first, self.link, self.pipe.peer_addresses) is None:
             return False
         first.add_token_embd()
-        self.ready = True
         return True
 
     def _ring_options(self, i: int) -> dict:
@@ -70,7 +65,7 @@ class Ring:
     def _send(self, step: int, pos: int, first_token: int | None) -> list[list[Command]]:
         """Sends every stage its commands of one step at position `pos`; returns the replies owed."""
         pipe, stages = self.pipe, self.pipe.stages
-        n_kv = min(pipe.n_ctx, max(256, round_up(pos + 1, 256)))
+        n_kv = pipe.attended_cells(pos + 1)
         shape = Shape(1, n_kv, 1)
         pipe.n_past = pos
         feed = pipe._inputs(1, n_kv)
@@ -88,8 +83,7 @@ class Ring:
             if i + 1 < len(stages):
                 dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
             else:  # the token goes round to the first stage, as its input of the next step
-                n_kv_next = min(pipe.n_ctx, max(256, round_up(pos + 2, 256)))
-                stages[0].prepare(Shape(1, n_kv_next, 1), **self._ring_options(0))
+                stages[0].prepare(Shape(1, pipe.attended_cells(pos + 2), 1), **self._ring_options(0))
                 dst, link, to_step = stages[0].graph.inputs["tokens"], self.link, step + 1
             stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
                 link, to_step, wire_tensor(stage.graph.output), wire_tensor(dst)))

@@ -258,6 +258,10 @@ class Pipeline:
 
     # -- decoding ----------------------------------------------------------------------------------
 
+    def attended_cells(self, used: int) -> int:
+        """The KV cells a step attends once `used` cells are filled: padded to KV_PAD, as llama.cpp."""
+        return min(self.n_ctx, max(KV_PAD, round_up(used, KV_PAD)))
+
     def _inputs(self, n_tokens: int, n_kv: int) -> dict[str, np.ndarray]:
         """The per-step inputs every stage shares: one sequence whose cell i holds position i."""
         p0, hp = self.n_past, self.model.hparams
@@ -283,7 +287,7 @@ class Pipeline:
         if self.n_past + n > self.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {n} tokens exceed n_ctx = {self.n_ctx}")
         used = self.n_past + n
-        n_kv = min(self.n_ctx, max(KV_PAD, round_up(used, KV_PAD)))
+        n_kv = self.attended_cells(used)
         shape = Shape(n, n_kv, 1)
         feed = self._inputs(n, n_kv)
         for stage in self.stages:
