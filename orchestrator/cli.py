@@ -222,8 +222,14 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
                 break
             if ring is not None:  # the workers generate the rest among themselves
                 limit = n_predict - n_generated if n_predict >= 0 else pipe.n_ctx
-                n_generated += ring_generate(pipe, ring, token, limit, vocab, emit)
-                break
+                n, token, ended = ring_generate(pipe, ring, token, limit, vocab, emit, sampler)
+                n_generated += n
+                if ended or ring.broken is None:
+                    break
+                log(f"\n  ring: off ({ring.broken}); going on stepwise")
+                ring = None
+                if n_predict >= 0 and n_generated >= n_predict:
+                    break
             logits = pipe.evaluate_token(token)
         out.write(b"\n\n")
         out.flush()
@@ -238,16 +244,19 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     return 0
 
 
-def ring_generate(pipe, ring, token: int, limit: int, vocab, emit) -> int:
-    """Greedy tokens from the ring after `token`, printed as they come; returns how many."""
-    start, n = time.perf_counter(), 0
+def ring_generate(pipe, ring, token: int, limit: int, vocab, emit, sampler) -> tuple[int, int, bool]:
+    """Greedy tokens from the ring after `token`, printed as they come: (how many, the last token or
+    `token` if none, whether generation ended at an end-of-generation token)."""
+    start, n, ended = time.perf_counter(), 0, False
     tokens = ring.generate(token, limit)
     try:
         for token in tokens:
             n += 1
+            sampler.accept(token)
             emit(token)
             if vocab.is_eog(token):
                 sys.stdout.buffer.write(b" [end of text]\n")
+                ended = True
                 break
     finally:
         tokens.close()
@@ -255,7 +264,7 @@ def ring_generate(pipe, ring, token: int, limit: int, vocab, emit) -> int:
             log(f"\ncontext full ({pipe.n_ctx} tokens): stopping")
         pipe.timings.eval_tokens += n
         pipe.timings.eval_seconds += time.perf_counter() - start
-    return n
+    return n, token, ended
 
 
 def log_placement(pipe) -> None:

@@ -78,10 +78,11 @@ def connect_links(stages, features: dict[str, int], peer_addresses: dict[str, st
     return links
 
 
-def deliver(link: Link, endpoint: str, step: int, dst, data: bytes) -> None:
-    """The relay of a push that failed: the orchestrator writes the activation with the link's token
-    over a connection of its own, which also releases the next stage's WAIT_PUSH."""
+def peer_write(endpoint: str, token: bytes, step: int, dst, data: bytes) -> None:
+    """A PEER_WRITE from the orchestrator, over a connection of its own, into the session `token` names:
+    the relay of a push that failed (it also releases the WAIT_PUSH for `step`), or, with no data, only
+    the release of every wait up to `step` (the ring gives up its steps in flight)."""
     with RpcClient(endpoint, timeout=60) as side:
-        req = p.PeerWriteRequest(link.token, step, dst, 0, memoryview(data))
+        req = p.PeerWriteRequest(token, step, dst, 0, memoryview(data))
         if p.U8Response.decode(side.call(Command.PEER_WRITE, req)).result != 1:
             raise WorkerError(f"worker {endpoint} refused the relayed activation")

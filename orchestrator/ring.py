@@ -7,6 +7,10 @@ commands a few steps ahead (positions, cache slots and masks do not depend on th
 tokens as the last stage's GET_TENSOR replies bring them back, so a token costs the stages' compute and
 the worker-to-worker hops, not an orchestrator round trip.
 
+A push that fails in the ring (a link gone bad) ends it: the orchestrator releases every wait of the
+steps in flight with an empty PEER_WRITE, drops their results (their KV cells are written again), and
+the caller goes on stepwise from the last token it received, relaying over a boundary that failed.
+
 Used when sampling is greedy and every boundary pushes. The tokens are the greedy sampler's except
 where two logits tie exactly for the maximum: ggml's ARGMAX takes the last of them, llama.cpp's greedy
 sampler the first in its sorted candidates (float logits of a real model practically never tie).
@@ -22,7 +26,7 @@ import numpy as np
 from orchestrator.client import WorkerError, await_reply
 from orchestrator.ggml_graph import wire_tensor
 from orchestrator.llama_graph import Shape
-from orchestrator.push import open_link
+from orchestrator.push import open_link, peer_write
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
 
@@ -38,6 +42,9 @@ class Ring:
             self.bias = np.zeros(hp.n_vocab, np.float32)
             self.bias[banned] = -np.inf
         self.link = len(pipe.stages) - 1  # the ring's link number on the last stage: after the boundaries
+        self.token: bytes | None = None  # the first stage's token for that link
+        self.broken: str | None = None  # why the ring ended before its tokens ran out
+        self.last_sent = 0  # the highest step whose commands went out
 
     def why_not(self) -> str | None:
         """None if the ring can run over this pipeline, else why not."""
@@ -48,12 +55,16 @@ class Ring:
             return "a boundary relays"
         if not all(pipe.features.get(s.endpoint, 0) & p.FEATURE_PEER_PUSH for s in (pipe.stages[0], pipe.stages[-1])):
             return "not our workers"
+        embd, plan = pipe.model.weights["token_embd.weight"], pipe.plans[0]
+        if "token_embd.weight" not in pipe.stages[0].weights and plan.total + embd.nbytes > plan.free:
+            return f"{plan.endpoint} has no room for a copy of token_embd ({embd.nbytes / (1 << 20):.1f} MiB)"
         return None
 
     def setup(self) -> bool:
         """Gives the first stage the embeddings and the last one a link to it; False if refused."""
         first, last = self.pipe.stages[0], self.pipe.stages[-1]
-        if open_link(last, first, self.link, self.pipe.peer_addresses) is None:
+        self.token = open_link(last, first, self.link, self.pipe.peer_addresses)
+        if self.token is None:
             return False
         first.add_token_embd()
         return True
@@ -94,23 +105,45 @@ class Ring:
         owed[-1].append(Command.GET_TENSOR)
         return owed
 
-    def _receive(self, owed: list[list[Command]]) -> int:
+    def _receive(self, owed: list[list[Command]]) -> int | None:
+        """Reads one step's replies; its token, or None once the ring is broken (a push failed)."""
         token = None
         clients = [s.client for s in self.pipe.stages]
-        for stage, replies in zip(self.pipe.stages, owed):
+        for i, (stage, replies) in enumerate(zip(self.pipe.stages, owed)):
             for command in replies:
                 await_reply(stage.client, clients)
                 payload = stage.client.receive(command)
                 if command == Command.GET_TENSOR:
                     token = int(np.frombuffer(payload, np.int32)[0])
-                elif p.U8Response.decode(payload).result != 1:
-                    raise WorkerError(f"worker {stage.endpoint}: {command.name} failed in the ring "
-                                      "(a worker or a link between them went away; --no-ring avoids the ring)")
-        return token
+                elif p.U8Response.decode(payload).result == 1:
+                    continue
+                elif command == Command.PUSH_TENSOR:
+                    if self.broken is None:
+                        self._break(i)
+                else:
+                    raise WorkerError(f"worker {stage.endpoint}: the ring's input never came (WAIT_PUSH timed out)")
+        return None if self.broken else token
+
+    def _break(self, failed: int) -> None:
+        """A push from stage `failed` did not land: says why, turns that boundary to relay, and releases
+        every stage's waits up to the last step sent, so that the steps in flight run out (on stale
+        inputs; their results are dropped)."""
+        pipe, stages = self.pipe, self.pipe.stages
+        if failed < len(pipe.links):
+            self.broken = f"the push over link {failed + 1} failed"
+            pipe.relay_from_now(pipe.links[failed])
+        else:
+            self.broken = f"the push from {stages[-1].endpoint} back to {stages[0].endpoint} failed"
+        for i, stage in enumerate(stages):
+            token = self.token if i == 0 else pipe.links[i - 1].token
+            dst = stage.graph.inputs["tokens" if i == 0 else "embd"]
+            peer_write(stage.endpoint, token, self.last_sent, wire_tensor(dst), b"")
 
     def generate(self, first_token: int, limit: int) -> Iterator[int]:
         """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded).
-        Stop early by closing the generator: the steps in flight finish and their tokens are dropped."""
+        Stop early by closing the generator: the steps in flight finish and their tokens are dropped.
+        If the ring breaks, the generator ends early with `broken` set; pipe.n_past then counts only the
+        tokens yielded, so the caller decodes the last of them (or first_token) stepwise next."""
         pipe = self.pipe
         start, step0 = pipe.n_past, pipe.step + 1
         limit = min(limit, pipe.n_ctx - start)
@@ -121,7 +154,10 @@ class Ring:
                 while sent < limit and len(in_flight) < self.window:
                     in_flight.append(self._send(step0 + sent, start + sent, first_token if sent == 0 else None))
                     sent += 1
+                    self.last_sent = step0 + sent - 1
                 token = self._receive(in_flight.popleft())
+                if token is None:
+                    return
                 done += 1
                 yield token
         finally:

@@ -25,7 +25,7 @@ from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
 from orchestrator.model import ModelFile
 from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
 from orchestrator.planner import plan_memory, round_up
-from orchestrator.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, deliver, split_endpoint
+from orchestrator.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, peer_write, split_endpoint
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
 from kernels.hashing import fnv1a64
@@ -312,6 +312,12 @@ class Pipeline:
         self.n_past = used
         return activation
 
+    def relay_from_now(self, link: Link) -> None:
+        """A push over `link` failed: the orchestrator relays that boundary from now on."""
+        link.push, link.reason = False, "the push failed"
+        if self.on_relay is not None:
+            self.on_relay(link)
+
     def _pushed(self, i: int) -> bool:
         return 0 <= i < len(self.links) and self.links[i].push
 
@@ -325,10 +331,9 @@ class Pipeline:
                     raise WorkerError(f"worker {stage.endpoint}: the activation of step {self.step} never came")
             if j in self._pushes and p.U8Response.decode(stage.client.receive(Command.PUSH_TENSOR)).result != 1:
                 link, nxt = self.links[j], self.stages[j + 1]
-                deliver(link, nxt.endpoint, self.step, wire_tensor(nxt.graph.inputs["embd"]), stage.read_output().tobytes())
-                link.push, link.reason = False, "the push failed"
-                if self.on_relay is not None:
-                    self.on_relay(link)
+                peer_write(nxt.endpoint, link.token, self.step, wire_tensor(nxt.graph.inputs["embd"]),
+                           stage.read_output().tobytes())
+                self.relay_from_now(link)
             self._settled = j
 
     def evaluate_prompt(self, tokens: list[int]) -> np.ndarray:

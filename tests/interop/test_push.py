@@ -7,6 +7,7 @@ connections).
 """
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -88,6 +89,37 @@ def test_the_ring_generates_llama_completions_text(models, chain, cpu_text, arch
     stepwise = run_orchestrator([*rpc, *args, "--no-ring"], ours)
     assert "ring:" not in stepwise.stderr
     assert stepwise.stdout == expected, text_diff(expected, stepwise.stdout, "llama-completion", "stepwise push")
+
+
+def test_a_ring_whose_push_fails_goes_on_stepwise(models, chain, cpu_text):
+    """The first worker's peer address is a port nobody listens on, so the boundary pushes but the last
+    stage cannot push the token back: the ring's first step fails, the orchestrator releases the steps in
+    flight and generates the rest stepwise, with llama-completion's text."""
+    args = ["-m", models["llama"], "-p", PROMPTS["fact"], "-n", N_PREDICT, "--temp", 0, "--ignore-eos"]
+    expected = cpu_text(args)
+    dead = f"127.0.0.1:{reference.free_port()}"
+    done = run_orchestrator(["--rpc", f"{chain[0].address}@{dead},{chain[4].address}", *args], chain)
+    assert "ring: on" in done.stderr and "ring: off (the push from" in done.stderr, done.stderr[-3000:]
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "broken ring")
+    assert all(w.alive() for w in chain)
+
+
+def test_the_ring_stays_off_where_the_first_stage_has_no_room_for_token_embd(models, chain, cpu_text, tmp_path):
+    """The ring's first stage looks tokens up in a copy of token_embd (17 MiB here). A first worker whose
+    memory limit holds its stage but not that copy: the run says why the ring is off and pushes stepwise."""
+    args = ["-m", models["llama"], "-p", PROMPTS["fact"], "-n", N_PREDICT, "--temp", 0, "--ignore-eos",
+            "-c", 512, "-ts", "1,1"]
+    expected = cpu_text(args[:-2])
+    sized = run_orchestrator(["--rpc", f"{chain[0].address},{chain[4].address}", *args[:-2], "-n", 1, *args[-2:]], chain)
+    need = re.search(r"weights +([\d.]+) MiB, KV +([\d.]+) MiB, compute +([\d.]+) MiB", sized.stderr)
+    assert need, sized.stderr[-3000:]
+    small = start_workers(("ours",), tmp_path, mem_mib=(math.ceil(sum(map(float, need.groups()))) + 2,))
+    try:
+        done = run_orchestrator(["--rpc", f"{small[0].address},{chain[4].address}", *args], [*small, chain[4]])
+        assert "has no room for a copy of token_embd" in done.stderr and links(done.stderr) == ["push"], done.stderr[-3000:]
+        assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "stepwise push")
+    finally:
+        stop_workers(small)
 
 
 def test_the_ring_stops_at_end_of_text(models, chain):
