@@ -37,13 +37,13 @@ class RowLoop:
     def __call__(self, *args):
         *args, parallel = args
         run, other = (self.parallel, self.serial) if parallel else (self.serial, self.parallel)
-        known = len(run.signatures)
+        known = len(run.overloads)  # not run.signatures, which builds a list: this is every kernel call
         result = run(*args)
-        if len(run.signatures) != known:
+        if len(run.overloads) != known:
             # a new signature: give the other variant it too (compiled, or loaded from numba's cache),
             # so that whatever a warm-up calls leaves both ready; the row functions each one inlines
             # are typed differently under prange and range, so one variant does not cover the other
-            other.compile(run.signatures[-1])
+            other.compile(next(reversed(run.overloads)))
         return result
 
 
