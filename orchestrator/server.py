@@ -1,0 +1,295 @@
+"""`orchestrator serve`: llama-server's HTTP API (OpenAI-compatible) over the split model, on aiohttp.
+
+The server listens at once and loads the model (connect, place, upload) on a thread; until then every
+endpoint answers 503 "Loading model", as llama-server does. Requests become engine Jobs
+(orchestrator/engine.py); tokens come back through an asyncio queue and go out as one JSON response
+or as server-sent events. A client that hangs up cancels its job (aiohttp cancels the handler), which
+frees its slot at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+from orchestrator import openai_api as api
+from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError, apply_chat_template
+from orchestrator.client import WorkerError
+from orchestrator.engine import Busy, Engine, Job
+from orchestrator.tokenizer import TokenizerError
+
+PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}  # llama-server's endpoints open without a key
+RETRY_AFTER_S = 1
+
+
+class Service:
+    """The model, its vocabulary and (once loaded) the engine, as the handlers see them."""
+
+    def __init__(self, model, vocab, *, api_key: str | None, metrics: bool):
+        self.model, self.vocab = model, vocab
+        self.name = model.path.name
+        self.api_key, self.metrics_enabled = api_key, metrics
+        self.engine: Engine | None = None
+        self.template = model.get("tokenizer.chat_template", str, None) or CHATML_TEMPLATE
+
+    def ready(self) -> Engine:
+        if self.engine is None:
+            raise api.ApiError(503, "Loading model", "unavailable_error")
+        if self.engine.failed is not None:
+            raise api.ApiError(503, f"a worker failed: {self.engine.failed}", "unavailable_error")
+        return self.engine
+
+    def piece(self, token) -> str:
+        return "" if token is None else self.vocab.token_to_piece(token, special=True).decode("utf-8", "replace")
+
+
+def error_response(exc: api.ApiError) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    service: Service = request.app["service"]
+    try:
+        if service.api_key and request.path not in PUBLIC:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip() or \
+                request.headers.get("X-Api-Key", "")
+            if given != service.api_key:
+                raise api.ApiError(401, "Invalid API Key", "authentication_error")
+        return await handler(request)
+    except api.ApiError as exc:
+        return error_response(exc)
+    except web.HTTPNotFound:
+        return error_response(api.ApiError(404, f"File Not Found: {request.path}", "not_found_error"))
+    except web.HTTPMethodNotAllowed:
+        return error_response(api.ApiError(405, f"{request.method} is not allowed on {request.path}"))
+
+
+async def json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise api.ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise api.ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+# -- endpoints ------------------------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    request.app["service"].ready()
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    hp = s.model.hparams
+    meta = {"n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd, "size": s.model.path.stat().st_size}
+    return web.json_response({"object": "list", "data": [{"id": s.name, "object": "model", "created": int(time.time()),
+                                                          "owned_by": "llamacpp", "meta": meta}]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    if not s.metrics_enabled:
+        raise api.ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`",
+                           "not_supported_error")
+    engine = s.ready()
+    m = engine.metrics
+    rows = [("prompt_tokens_total", "counter", "Number of prompt tokens processed.", m.prompt_tokens),
+            ("prompt_seconds_total", "counter", "Prompt process time", m.prompt_seconds),
+            ("tokens_predicted_total", "counter", "Number of generation tokens processed.", m.tokens_predicted),
+            ("tokens_predicted_seconds_total", "counter", "Predict process time", m.tokens_predicted_seconds),
+            ("n_decode_total", "counter", "Total number of llama_decode() calls", m.n_decode),
+            ("requests_processing", "gauge", "Number of requests processing.", engine.processing),
+            ("requests_deferred", "gauge", "Number of requests deferred.", engine.deferred)]
+    text = "".join(f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+                   for name, kind, doc, value in rows)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    body = await json_body(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise api.ApiError(400, "'content' must be a string")
+    tokens = s.vocab.tokenize(content, add_special=bool(body.get("add_special", False)),
+                              parse_special=bool(body.get("parse_special", True)))
+    if body.get("with_pieces"):
+        pieces = [{"id": t, "piece": s.vocab.token_to_piece(t, special=True).decode("utf-8", "replace")} for t in tokens]
+        return web.json_response({"tokens": pieces})
+    return web.json_response({"tokens": tokens})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    tokens = (await json_body(request)).get("tokens", [])
+    checked_tokens(s, tokens)
+    text = b"".join(s.vocab.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+    return web.json_response({"content": text})
+
+
+def checked_tokens(s: Service, tokens) -> list[int]:
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise api.ApiError(400, "tokens must be a list of integers")
+    bad = [t for t in tokens if not 0 <= t < s.vocab.n_tokens]
+    if bad:
+        raise api.ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{s.vocab.n_tokens - 1})")
+    return tokens
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    s: Service = request.app["service"]
+    s.ready()
+    body = await json_body(request)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise api.ApiError(400, "'messages' must be a non-empty list")
+    try:
+        text = apply_chat_template(s.template, messages, bos_token=s.piece(s.vocab.bos), eos_token=s.piece(s.vocab.eos),
+                                   vocab_adds_bos=s.vocab.add_bos, vocab_adds_eos=s.vocab.add_eos)
+    except ChatTemplateError as exc:
+        raise api.ApiError(400, str(exc)) from None
+    tokens = s.vocab.tokenize(text, add_special=True, parse_special=True)
+    return await complete(request, api.completion(body, tokens, chat=True))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    s: Service = request.app["service"]
+    s.ready()
+    body = await json_body(request)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        try:
+            tokens = s.vocab.tokenize(prompt, add_special=True, parse_special=True)
+        except TokenizerError as exc:
+            raise api.ApiError(400, str(exc)) from None
+    elif isinstance(prompt, list) and prompt:
+        tokens = checked_tokens(s, prompt)
+    else:
+        raise api.ApiError(400, "'prompt' must be a string or a non-empty list of token ids")
+    return await complete(request, api.completion(body, tokens, chat=False))
+
+
+async def complete(request: web.Request, c: api.Completion) -> web.StreamResponse:
+    """Runs the job, answering as one JSON response or as a stream of chunks."""
+    s: Service = request.app["service"]
+    engine = s.ready()
+    if not c.tokens:
+        raise api.ApiError(400, "the prompt is empty")
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+    def emit(kind: str, value) -> None:  # on the engine's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    job = Job(c.tokens, c.params, c.n_predict, emit, ignore_eos=c.ignore_eos, n_probs=c.n_probs)
+    try:
+        engine.submit(job)
+    except Busy as exc:
+        raise api.ApiError(503, f"the server is busy: {exc}; try again", "unavailable_error") from None
+    except ValueError:
+        raise api.ApiError(400, "the request exceeds the available context size, try increasing it",
+                           "exceed_context_size_error", n_prompt_tokens=len(c.tokens), n_ctx=engine.n_ctx_slot) from None
+    except WorkerError as exc:
+        raise api.ApiError(503, f"a worker failed: {exc}", "unavailable_error") from None
+    text = api.TextStream(s.vocab, c.stop)
+    stream = None
+    done = False
+    try:
+        if c.stream:
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await stream.prepare(request)
+            if c.chat:
+                await send(stream, api.chunk(c, s.name, None, role=True))
+        collected, logprobs, stopped = [], [], False
+        while True:
+            kind, value = await events.get()
+            if kind == "error":
+                done = True
+                if stream is None:
+                    raise api.ApiError(500, f"generation failed: {value}", "server_error")
+                await send(stream, api.ApiError(500, f"generation failed: {value}", "server_error").body())
+                return stream
+            if kind == "done":
+                done = True
+                break
+            if text.stopped:
+                continue  # tokens already in flight when the job was cancelled
+            token, probs = value
+            delta = text.push(token)
+            entry = api.logprob_entry(s.vocab, c, token, probs) if probs is not None else None
+            if text.stopped:
+                stopped = True
+                engine.cancel(job)
+            if stream is not None and (delta or entry is not None):
+                await send(stream, api.chunk(c, s.name, delta, logprobs=entry))
+            collected.append(delta)
+            if entry is not None:
+                logprobs.append(entry)
+        finish = value
+        collected.append(text.finish())
+        reason = "stop" if stopped or finish.reason == "stop" else "length"
+        if stream is None:
+            return web.json_response(api.response(c, s.name, "".join(collected), reason, finish, logprobs))
+        if collected[-1]:
+            await send(stream, api.chunk(c, s.name, collected[-1]))
+        last = api.chunk(c, s.name, None, reason)
+        last["timings"] = finish.timings()
+        await send(stream, last)
+        if c.include_usage:
+            await send(stream, api.usage_chunk(c, s.name, finish))
+        await stream.write(b"data: [DONE]\n\n")
+        return stream
+    finally:
+        if not done:  # the client went away (the handler is cancelled) or writing to it failed
+            engine.cancel(job)
+
+
+async def send(stream: web.StreamResponse, payload: dict) -> None:
+    await stream.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+def make_app(service: Service) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 << 20)
+    app["service"] = service
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/health", health)
+    app.router.add_get("/models", models)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/chat/completions", chat_completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app
+
+
+async def serve(service: Service, load, host: str, port: int, log) -> None:
+    """Listens on host:port, then runs `load()` (which returns the started engine) on a thread, answering
+    503 meanwhile; serves until cancelled. An error while loading ends the server, as llama-server's."""
+    runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log(f"listening on http://{host}:{port} (loading the model)")
+        service.engine = await asyncio.get_running_loop().run_in_executor(None, load)
+        log(f"model loaded: http://{host}:{port}/v1/chat/completions is ready")
+        await asyncio.Event().wait()
+    finally:
+        if service.engine is not None:
+            service.engine.stop()
+        await runner.cleanup()

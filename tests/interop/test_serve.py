@@ -1,0 +1,280 @@
+"""`orchestrator serve` answers the official openai client and plain HTTP as llama-server does.
+
+Two of llama.cpp's ggml-rpc-server workers: one behind llama-server --rpc (the oracle), one behind our
+server (-np 4, an API key, /metrics); a third worker, ours, behind a server with one slot and no queue
+for the overload and hang-up cases.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from .conftest import RPC_TIMEOUT, reference, text_diff
+from .programs import PROMPTS, LlamaServer, OrchestratorServer, start_workers, started, stop_workers
+
+pytestmark = pytest.mark.interop
+
+KEY = "sk-test-key"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def workers(bin_dir, tmp_path_factory):
+    found = start_workers(("reference", "reference", "ours"), tmp_path_factory.mktemp("serve-workers"))
+    yield found
+    stop_workers(found)
+
+
+@pytest.fixture(scope="module")
+def oracle(bin_dir, model_path, workers, tmp_path_factory):
+    server = started(LlamaServer(bin_dir, model_path, tmp_path_factory.mktemp("serve") / "llama-server.log",
+                                 ["--rpc", workers[0].address, "-ngl", 99], n_ctx=2048, n_parallel=4))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ours(model_path, workers, tmp_path_factory):
+    server = started(OrchestratorServer(model_path, tmp_path_factory.mktemp("serve") / "ours.log", [workers[1].address],
+                                        ["--api-key", KEY, "--metrics"], n_ctx=2048, n_parallel=4))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def one_slot(model_path, workers, tmp_path_factory):
+    server = started(OrchestratorServer(model_path, tmp_path_factory.mktemp("serve") / "one-slot.log",
+                                        [workers[2].address], ["--queue", 0, "--metrics"], n_ctx=4096, n_parallel=1))
+    yield server
+    server.stop()
+
+
+def call(server, path: str, body=None, key: str | None = KEY, raw: bytes | None = None):
+    """(status, headers, decoded JSON or text) of one plain HTTP request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(server.url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
+            status, head, payload = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as exc:
+        status, head, payload = exc.code, exc.headers, exc.read()
+    try:
+        return status, head, json.loads(payload)
+    except json.JSONDecodeError:
+        return status, head, payload.decode()
+
+
+def client(server) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=RPC_TIMEOUT, max_retries=0)
+
+
+def completion_text(server, prompt, **options) -> str:
+    status, _, reply = call(server, "/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": N, **options})
+    assert status == 200, (reply, server.describe())
+    return reply["choices"][0]["text"]
+
+
+# -- the same text as llama-server ------------------------------------------------------------------------
+
+
+def test_greedy_chat_and_completion_match_llama_server(ours, oracle):
+    for prompt in (PROMPTS["fact"], PROMPTS["list"]):
+        expected = completion_text(oracle, prompt)
+        assert expected.strip()
+        got = completion_text(ours, prompt)
+        assert got == expected, text_diff(expected, got, "llama-server", "orchestrator serve")
+    body = {"messages": CHAT, "temperature": 0, "max_tokens": N}
+    expected = call(oracle, "/v1/chat/completions", body)[2]["choices"][0]["message"]["content"]
+    got = client(ours).chat.completions.create(model="any", messages=CHAT, temperature=0, max_tokens=N)
+    assert got.choices[0].message.content == expected, text_diff(expected, got.choices[0].message.content)
+
+
+def test_stop_strings_cut_the_text_as_llama_servers(ours, oracle):
+    full = completion_text(oracle, PROMPTS["list"])
+    stop = full.split()[3]  # a word from the middle of the greedy text
+    expected = completion_text(oracle, PROMPTS["list"], stop=[stop, "never appears"])
+    assert expected == full[:full.index(stop)]
+    status, _, reply = call(ours, "/v1/completions", {"prompt": PROMPTS["list"], "temperature": 0, "max_tokens": N,
+                                                      "stop": [stop, "never appears"]})
+    assert status == 200 and reply["choices"][0]["text"] == expected, reply
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    streamed = client(ours).completions.create(model="any", prompt=PROMPTS["list"], temperature=0, max_tokens=N,
+                                              stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_tokenize_and_detokenize_agree_with_llama_server(ours, oracle):
+    for content in (PROMPTS["list"], "naïve café — 東京 <|im_start|>"):
+        for add_special in (False, True):
+            body = {"content": content, "add_special": add_special}
+            expected = call(oracle, "/tokenize", body)[2]["tokens"]
+            status, _, got = call(ours, "/tokenize", body)
+            assert status == 200 and got["tokens"] == expected
+        expected = call(oracle, "/detokenize", {"tokens": expected})[2]["content"]
+        assert call(ours, "/detokenize", {"tokens": got["tokens"]})[2]["content"] == expected
+
+
+# -- the openai client --------------------------------------------------------------------------------------
+
+
+def test_streamed_and_whole_answers_agree_with_usage(ours, model_path):
+    api = client(ours)
+    whole = api.chat.completions.create(model="any", messages=CHAT, temperature=0, max_tokens=N)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == N and whole.usage.prompt_tokens > 5
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + N
+    chunks = list(api.chat.completions.create(model="any", messages=CHAT, temperature=0, max_tokens=N, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N
+
+    plain = api.completions.create(model="any", prompt=PROMPTS["fact"], temperature=0, max_tokens=8)
+    pieces = api.completions.create(model="any", prompt=PROMPTS["fact"], temperature=0, max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == plain.choices[0].text
+    assert [m.id for m in api.models.list().data] == [model_path.name]
+
+
+def test_seeded_sampling_draws_what_llama_server_draws(ours, oracle):
+    """Each request samples with its own chain and seed: the same seed gives llama-server's text."""
+    def sample(server, seed):
+        return call(server, "/v1/completions", {"prompt": PROMPTS["list"], "temperature": 1.0, "max_tokens": 16,
+                                                "seed": seed})[2]["choices"][0]["text"]
+
+    texts = {seed: sample(oracle, seed) for seed in (7, 8)}
+    assert texts[7] != texts[8]
+    for seed, expected in texts.items():
+        assert sample(ours, seed) == expected, (seed, text_diff(expected, sample(ours, seed)))
+
+
+def test_eight_concurrent_greedy_requests_do_not_talk_across(ours):
+    """Each of 8 requests served at once over 4 slots gives its text alone; where two token streams part,
+    the first different token is a near-tie (its top-2 log-probabilities within 1e-3)."""
+    prompts = [f"{PROMPTS['list']} {i}" if i % 2 else f"Story {i}: once upon a time" for i in range(8)]
+
+    def tokens(prompt):
+        status, _, reply = call(ours, "/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 12,
+                                                          "logprobs": 2})
+        assert status == 200, reply
+        return reply["choices"][0]["logprobs"]["content"]
+
+    alone = [tokens(p) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(tokens, prompts))
+    for prompt, a, b in zip(prompts, alone, together):
+        ids_a, ids_b = [e["id"] for e in a], [e["id"] for e in b]
+        if ids_a != ids_b:
+            i = next(k for k, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+            top = a[i]["top_logprobs"]
+            assert top[0]["logprob"] - top[1]["logprob"] <= 1e-3, (prompt, i, a[i], b[i])
+        assert len(ids_a) == len(ids_b) == 12
+
+
+# -- errors, auth, metrics ------------------------------------------------------------------------------------
+
+
+def test_bad_requests_get_openai_style_400s(ours):
+    cases = [("/v1/chat/completions", None, b"{not json"),
+             ("/v1/chat/completions", {"messages": []}, None),
+             ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, None),
+             ("/v1/completions", {"prompt": "hi", "n": 2}, None),
+             ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}, None),
+             ("/v1/completions", {"prompt": "hi", "stop": 5}, None)]
+    for path, body, raw in cases:
+        status, _, reply = call(ours, path, body, raw=raw)
+        assert status == 400 and reply["error"]["code"] == 400 and reply["error"]["message"], (path, body, reply)
+    status, _, reply = call(ours, "/v1/completions", {"prompt": "word " * 700})  # 512-token slots
+    assert status == 400 and reply["error"]["type"] == "exceed_context_size_error", reply
+    assert reply["error"]["n_ctx"] == 512 and reply["error"]["n_prompt_tokens"] > 512
+    assert call(ours, "/v1/nothing-here", {})[0] == 404
+    with pytest.raises(openai.BadRequestError):
+        client(ours).chat.completions.create(model="any", messages=[], max_tokens=4)
+
+
+def test_api_key_is_required_except_for_health(ours):
+    for key in (None, "wrong"):
+        status, _, reply = call(ours, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, key=key)
+        assert status == 401 and reply["error"]["type"] == "authentication_error"
+    assert call(ours, "/health", key=None)[0] == 200
+    assert call(ours, "/v1/models", key=None)[0] == 200  # public, as in llama-server
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=ours.url + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model="any", prompt="hi", max_tokens=1)
+
+
+def metric(server, name: str) -> float:
+    status, _, text = call(server, "/metrics")
+    assert status == 200, text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    return values[f"llamacpp:{name}"]
+
+
+def test_metrics_count_tokens(ours):
+    before = metric(ours, "tokens_predicted_total")
+    completion_text(ours, PROMPTS["fact"])
+    assert metric(ours, "tokens_predicted_total") == before + N
+    assert metric(ours, "prompt_tokens_total") > 0 and metric(ours, "requests_processing") == 0
+
+
+# -- admission, hang-ups, loading -----------------------------------------------------------------------------
+
+
+def test_a_full_server_says_503_and_a_hang_up_frees_the_slot(one_slot):
+    """One slot, no queue: while a long streaming request runs, another is refused at once with 503 and
+    Retry-After; when the streaming client hangs up, its slot is free at the next step and generation
+    stops far short of what the request asked for."""
+    conn = http.client.HTTPConnection(reference.LOCALHOST, one_slot.port, timeout=RPC_TIMEOUT)
+    body = {"prompt": PROMPTS["fact"], "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # generation is under way
+    status, headers, reply = call(one_slot, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert status == 503 and headers["Retry-After"] and reply["error"]["type"] == "unavailable_error", reply
+    assert metric(one_slot, "requests_processing") == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + RPC_TIMEOUT
+    while metric(one_slot, "requests_processing") != 0:
+        assert time.monotonic() < deadline, one_slot.describe()
+        time.sleep(0.1)
+    assert metric(one_slot, "tokens_predicted_total") < 1000
+    assert completion_text(one_slot, PROMPTS["fact"])  # the slot serves the next request
+
+
+def test_health_is_503_while_the_model_loads(model_path, tmp_path):
+    """A 'worker' that accepts the connection and never answers keeps the server loading."""
+    listener = socket.create_server((reference.LOCALHOST, 0))
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    server = OrchestratorServer(model_path, tmp_path / "loading.log", [f"{reference.LOCALHOST}:{listener.getsockname()[1]}"])
+    try:
+        deadline = time.monotonic() + RPC_TIMEOUT
+        while True:
+            try:
+                status, _, reply = call(server, "/health", key=None)
+                break
+            except (urllib.error.URLError, OSError):
+                assert time.monotonic() < deadline and server.proc.poll() is None, server.describe()
+                time.sleep(0.1)
+        assert status == 503 and reply["error"]["message"] == "Loading model", reply
+        status, _, reply = call(server, "/v1/chat/completions", {"messages": CHAT})
+        assert status == 503 and reply["error"]["type"] == "unavailable_error"
+    finally:
+        server.stop()
+        listener.close()
+        for conn, _ in accepted:
+            conn.close()
