@@ -6,7 +6,8 @@ the next token of each generating slot and chunks of the prompts still being rea
 tokens, so a long prompt is read over several steps while the others keep generating. Every slot samples
 its token from its own row of logits with its own sampler chain and seed.
 
-The KV cache is shared (orchestrator/kv.py): each slot owns a region of its cells, n_ctx / n_parallel. A slot
+The KV cache is shared (orchestrator/kv.py): cells are tagged with the slot's sequence number, and a
+slot uses at most n_ctx / n_parallel of them. A slot
 keeps its cells when its job ends, and the next job given to it keeps the part of them that the new
 prompt shares (cache_prompt). A job that is cancelled (its client went away, a stop string was found)
 leaves its slot at the next step.
@@ -23,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.client import WorkerError
-from orchestrator.kv import KvCells
+from orchestrator.kv import KvCells, KvFull
 from orchestrator.sampling import Sampler, SamplingParams
 
 
@@ -68,19 +69,18 @@ class Job:
 @dataclass
 class Slot:
     index: int
-    tokens: list[int] = field(default_factory=list)  # the sequence whose first n_cached tokens are in the cache
-    n_cached: int = 0
+    tokens: list[int] = field(default_factory=list)  # its sequence: prompt, then each sampled token
+    n_cached: int = 0  # how many of them are in the KV cache (the rest are fed in the next steps)
     job: Job | None = None
     sampler: Sampler | None = None
-    next_token: int | None = None  # sampled, to be fed in the next step
     n_generated: int = 0
     cache_n: int = 0
     t_start: float = 0.0
-    t_first: float = 0.0
+    t_first: float | None = None  # when its first token was sampled
 
     @property
-    def reading_prompt(self) -> bool:
-        return self.job is not None and self.next_token is None
+    def generating(self) -> bool:
+        return self.t_first is not None
 
 
 @dataclass
@@ -102,7 +102,7 @@ class Engine:
     def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int):
         self.pipe, self.eog = pipe, sorted(eog_ids)
         self.n_vocab = pipe.model.hparams.n_vocab
-        self.cells = KvCells(pipe.n_ctx, n_parallel)
+        self.cells = KvCells(pipe.n_ctx)
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.n_ctx_slot = pipe.n_ctx // n_parallel
         self.max_queue = max_queue
@@ -184,7 +184,7 @@ class Engine:
             keep = min(_common_prefix(slot.tokens[:slot.n_cached], job.prompt), len(job.prompt) - 1)
             self.cells.release(slot.index, keep)
             slot.tokens, slot.n_cached, slot.cache_n = list(job.prompt), keep, keep
-            slot.job, slot.next_token, slot.n_generated = job, None, 0
+            slot.job, slot.n_generated, slot.t_first = job, 0, None
             slot.sampler = Sampler(job.params, self.n_vocab)
             for t in job.prompt:
                 slot.sampler.accept(t)
@@ -196,27 +196,26 @@ class Engine:
                 self._finish(slot, "cancelled")
         tokens, seqs, pos, cells, outs = [], [], [], [], []
         budget = self.pipe.n_ubatch
-
-        def add(slot: Slot, new: list[int], want_logits: bool) -> None:
-            at = np.arange(slot.n_cached, slot.n_cached + len(new), dtype=np.int32)
-            cells.append(self.cells.take(slot.index, at))
-            tokens.extend(new)
-            seqs.append(np.full(len(new), slot.index, np.int32))
+        # the generating slots first (one token each), then the prompts as far as the batch has room
+        for slot in sorted((s for s in self.slots if s.job is not None), key=lambda s: not s.generating):
+            if budget <= 0:
+                break
+            chunk = slot.tokens[slot.n_cached:slot.n_cached + budget]
+            at = np.arange(slot.n_cached, slot.n_cached + len(chunk), dtype=np.int32)
+            try:
+                cells.append(self.cells.take(slot.index, at))
+            except KvFull:  # its cells cannot grow in order: compute the sequence again from its start
+                self.cells.release(slot.index)
+                slot.n_cached, chunk = 0, slot.tokens[:budget]
+                at = np.arange(len(chunk), dtype=np.int32)
+                cells.append(self.cells.take(slot.index, at))
+            tokens.extend(chunk)
+            seqs.append(np.full(len(chunk), slot.index, np.int32))
             pos.append(at)
-            slot.n_cached += len(new)
-            if want_logits:
+            slot.n_cached += len(chunk)
+            budget -= len(chunk)
+            if slot.n_cached == len(slot.tokens):
                 outs.append((slot, len(tokens) - 1))
-
-        for slot in self.slots:  # the generating slots first: one token each
-            if slot.job is not None and slot.next_token is not None:
-                slot.tokens.append(slot.next_token)
-                add(slot, [slot.next_token], True)
-                budget -= 1
-        for slot in self.slots:  # then the prompts, as far as the batch has room
-            if slot.reading_prompt and budget > 0:
-                chunk = slot.tokens[slot.n_cached:slot.n_cached + budget]
-                add(slot, chunk, slot.n_cached + len(chunk) == len(slot.tokens))
-                budget -= len(chunk)
         if not tokens:
             return
         n_cells = self.pipe.attended_cells(self.cells.extent())
@@ -225,12 +224,11 @@ class Engine:
         start = time.perf_counter()
         logits = self.pipe.run(batch)
         self.metrics.n_decode += 1
-        elapsed = time.perf_counter() - start
-        n_prompt = len(tokens) - sum(1 for s, _ in outs if s.next_token is not None)
-        share = elapsed / len(tokens)
-        self.metrics.prompt_tokens += n_prompt
-        self.metrics.prompt_seconds += share * n_prompt
-        self.metrics.tokens_predicted_seconds += share * (len(tokens) - n_prompt)
+        share = (time.perf_counter() - start) / len(tokens)
+        n_gen = sum(1 for s, _ in outs if s.generating)
+        self.metrics.prompt_tokens += len(tokens) - n_gen
+        self.metrics.prompt_seconds += share * (len(tokens) - n_gen)
+        self.metrics.tokens_predicted_seconds += share * n_gen
         for (slot, _), row in zip(outs, logits):
             self._sample(slot, row)
 
@@ -241,25 +239,25 @@ class Engine:
             logits[self.eog] = -np.inf
         token = slot.sampler.sample(logits)
         slot.sampler.accept(token)
-        if slot.next_token is None:
+        if slot.t_first is None:
             slot.t_first = time.perf_counter()
-        slot.next_token = token
         if token in self.eog and not job.ignore_eos:
             self._finish(slot, "stop")
             return
+        slot.tokens.append(token)
         slot.n_generated += 1
         self.metrics.tokens_predicted += 1
         job.emit("token", (token, log_probs(logits, token, job.n_probs) if job.n_probs else None))
-        if (job.n_predict >= 0 and slot.n_generated >= job.n_predict) or slot.n_cached >= self.n_ctx_slot:
+        if (job.n_predict >= 0 and slot.n_generated >= job.n_predict) or len(slot.tokens) > self.n_ctx_slot:
             self._finish(slot, "length")
 
     def _finish(self, slot: Slot, reason: str) -> None:
         job, now = slot.job, time.perf_counter()
-        first = slot.t_first if slot.next_token is not None else now
+        first = slot.t_first if slot.t_first is not None else now
         job.emit("done", Finish(reason, len(job.prompt) - slot.cache_n, slot.cache_n, 1e3 * (first - slot.t_start),
                                 slot.n_generated, 1e3 * (now - first)))
-        slot.job, slot.sampler, slot.next_token = None, None, None
-        del slot.tokens[slot.n_cached:]  # the last sampled token was never computed
+        slot.job, slot.sampler = None, None
+        del slot.tokens[slot.n_cached:]  # what was never fed (the last sampled token, an unread prompt tail)
 
     def _fail(self, message: str) -> None:
         with self._wake:

@@ -1,11 +1,13 @@
 """The KV cache's bookkeeping on the orchestrator side, and the batch one decode step carries.
 
-Every cell holds one (sequence, position) or nothing, and a token attends the cells of its own sequence
-at positions up to its own. Each sequence owns a region of n_cells / n_seq cells and position p lives
-in cell region + p, like llama.cpp's per-sequence KV streams (not its unified cache): a sequence's cells
-are then visited in the same order whatever the others do, so its results do not depend on them
-(attention skips the masked cells; summing its own in another order would round differently). The
-cache itself (the K and V tensors) lives on the workers; only this map is here.
+As llama.cpp's unified cache: every cell holds one (sequence, position) or nothing, a token attends the
+cells of its own sequence at positions up to its own, and the attended cells are the used ones padded
+to 256, so short sequences stay cheap however many there are. One rule more than there: a sequence's
+new cells always lie above its existing ones, so its cells are visited in position order whatever the
+others do, and its results do not depend on them (attention skips masked cells, but summing its own
+cells in another order would round differently). Where no free cell lies above, `take` refuses and the
+caller computes the sequence again from its start. The K and V tensors live on the workers; only this
+map is here.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ class Batch:
                    np.array([len(tokens) - 1], dtype=np.int32))
 
 
+class KvFull(ValueError):
+    """No free cells above the sequence's last one."""
+
+
 class KvCells:
     """Which sequence and position each of the cache's cells holds."""
 
-    def __init__(self, size: int, n_seq: int = 1):
+    def __init__(self, size: int):
         self.seq = np.full(size, FREE, dtype=np.int32)
         self.pos = np.zeros(size, dtype=np.int32)
-        self.region = size // n_seq  # the cells (and so the positions) of one sequence
 
     def extent(self) -> int:
         """One past the highest cell in use (0 when empty)."""
@@ -51,13 +56,14 @@ class KvCells:
         return int(used[-1]) + 1 if used.size else 0
 
     def take(self, seq: int, positions: np.ndarray) -> np.ndarray:
-        """The cells of `positions` of sequence `seq`, now marked as theirs."""
-        positions = np.asarray(positions)
-        if positions.size and not 0 <= positions.min() <= positions.max() < self.region:
-            raise ValueError(f"position {positions.max()} is past a sequence's {self.region} cells")
-        cells = seq * self.region + positions.astype(np.int64)
-        self.seq[cells], self.pos[cells] = seq, positions
-        return cells
+        """The lowest free cells above the sequence's own for `positions` (ascending), now marked as its."""
+        mine = np.flatnonzero(self.seq == seq)
+        above = int(mine[-1]) + 1 if mine.size else 0
+        free = above + np.flatnonzero(self.seq[above:] == FREE)[: len(positions)]
+        if free.size < len(positions):
+            raise KvFull(f"no {len(positions)} free KV cells above cell {above} for sequence {seq}")
+        self.seq[free], self.pos[free] = seq, positions
+        return free.astype(np.int64)
 
     def release(self, seq: int, from_pos: int = 0) -> None:
         """Frees the cells of `seq` at positions >= from_pos."""

@@ -14,6 +14,7 @@ and nothing here prints; the `orchestrator` command (orchestrator/cli.py) report
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +34,7 @@ from kernels.hashing import fnv1a64
 from kernels.ggml import GGMLType
 
 KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
+GRAPH_CACHE = 16  # graphs a stage keeps built
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
 
 
@@ -67,6 +69,9 @@ class Stage:
         self.graph: StageGraph | None = None
         self.key = None  # what the worker's last graph was built for: (shape, ring options)
         self.fresh = False  # the graph changed since the worker last computed one
+        # graphs built before, by key, with their serialized form once sent: steps whose shapes alternate
+        # (sequences joining and leaving a batch) send them again without building them again
+        self.graphs: OrderedDict[tuple, list] = OrderedDict()
 
     def _layout(self, tensors, buffer: RemoteBuffer) -> int:
         offset = 0
@@ -108,13 +113,20 @@ class Stage:
         key = (shape, tuple(sorted(ring.items())))
         if key == self.key:
             return
-        sg = self.builder.build(self.blocks, shape, **ring)
-        plan = plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment)
-        if plan.size > self.compute.size:
-            self.client.free_buffer(self.compute.handle)
-            self.compute = self._allocate(plan.size, "compute buffer")
-        plan.bind(self.compute)
-        self.graph, self.key, self.fresh = sg, key, True
+        entry = self.graphs.pop(key, None)
+        if entry is None:
+            sg = self.builder.build(self.blocks, shape, **ring)
+            plan = plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment)
+            if plan.size > self.compute.size:  # the graphs bound to the old buffer go with it
+                self.client.free_buffer(self.compute.handle)
+                self.compute = self._allocate(plan.size, "compute buffer")
+                self.graphs.clear()
+            plan.bind(self.compute)
+            entry = [sg, None]
+        self.graphs[key] = entry
+        while len(self.graphs) > GRAPH_CACHE:
+            self.graphs.popitem(last=False)
+        self.graph, self.key, self.fresh = entry[0], key, True
 
     def launch(self, feed: dict[str, np.ndarray], sticky: dict[str, np.ndarray] | None = None,
                wait_step: int | None = None) -> None:
@@ -131,7 +143,10 @@ class Stage:
         if wait_step is not None:
             self.client.send(Command.WAIT_PUSH, p.WaitPushRequest(wait_step, WAIT_TIMEOUT_MS))
         if self.fresh:
-            self.client.graph_compute(*self.graph.graph.serialize())
+            entry = self.graphs[self.key]
+            if entry[1] is None:
+                entry[1] = self.graph.graph.serialize()
+            self.client.graph_compute(*entry[1])
             self.fresh = False
         else:
             self.client.graph_recompute()

@@ -7,8 +7,10 @@ Handlers are plain synchronous functions; the server decides which run off the e
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from .memory import ALIGNMENT, BufferTable, MemoryBudget, RequestError
 from .peers import LOOP_COMMANDS, TokenTable
 from .protocol import Command, ProtocolError
 
+PLAN_CACHE = 8  # recent graphs whose plans a connection keeps
 log = logging.getLogger("rpcserver")
 
 GRAPH_PAYLOAD_LIMIT = 256 << 20  # ~900k tensor records: far beyond any real model's graph
@@ -45,6 +48,10 @@ class Session:
         self.config = config
         self.buffers = BufferTable(config.budget)
         self.plan: Plan | None = None  # the last graph, for GRAPH_RECOMPUTE
+        # plans of recent graphs by a digest of their bytes: a client that alternates between graphs
+        # (a prompt's and a decode step's) sends each again with GRAPH_COMPUTE, and an identical graph
+        # over the same buffers needs no decoding and checking again. Any change of buffers empties it.
+        self.plans: OrderedDict[bytes, Plan] = OrderedDict()
         self.pushed = 0  # the highest step a PEER_WRITE has landed in this session
         self.on_push = None  # called (from the compute thread) after each landed PEER_WRITE
 
@@ -55,6 +62,7 @@ class Session:
     def close(self) -> None:
         self.config.tokens.revoke(self)
         self.plan = None
+        self.plans.clear()
         self.buffers.close()
 
     def max_payload(self, command: Command) -> int:
@@ -114,6 +122,7 @@ class Session:
     def handle_alloc_buffer(self, req: p.AllocBufferRequest) -> bytes:
         self._device(Command.ALLOC_BUFFER, req.device)
         buf = self.buffers.alloc(req.size)
+        self.plans.clear()  # a graph naming this buffer's handle before it existed meant no memory then
         if buf is None:
             log.warning("ALLOC_BUFFER: %d bytes do not fit; replying with a null buffer", req.size)
             return p.AllocBufferResponse(0, 0).encode()
@@ -125,6 +134,7 @@ class Session:
     def handle_free_buffer(self, req: p.BufferRequest) -> None:
         self.buffers.free(req.remote_ptr)
         self.plan = None  # its tensors may live in the freed buffer
+        self.plans.clear()
 
     def handle_buffer_clear(self, req: p.BufferClearRequest) -> None:
         self.buffers.get(req.remote_ptr).clear(req.value)
@@ -179,7 +189,13 @@ class Session:
     def handle_graph_compute(self, req: p.GraphComputeRequest) -> None:
         self._device(Command.GRAPH_COMPUTE, req.device)
         self.plan = None
-        plan = build_plan(req, self.buffers, self.config.target)
+        digest = hashlib.blake2b(req.nodes.tobytes(), digest_size=16)
+        digest.update(req.tensors.tobytes())
+        key = digest.digest()
+        plan = self.plans.pop(key, None) or build_plan(req, self.buffers, self.config.target)
+        self.plans[key] = plan
+        if len(self.plans) > PLAN_CACHE:
+            self.plans.popitem(last=False)
         run_plan(plan)
         self.plan = plan
 

@@ -1,0 +1,157 @@
+"""Serving benchmark: our `orchestrator serve` against `llama-server --rpc`, on the same reference workers.
+
+    python tools/bench_serve.py [--clients 1,2,4,8] [-n 64] [-np 4] [--workers 2] [-m MODEL]
+
+Starts llama.cpp ggml-rpc-server workers, then, for each server in turn (llama-server, ours; same
+workers, model, -c and -np), streams requests with the official openai client: for each number of
+concurrent clients, every client sends one completion (the same prompt with its number appended,
+greedy, --ignore-eos, n tokens) and the tool records time to first token, each request's generation
+rate (tokens after the first over the time after the first) and the aggregate rate (all tokens over
+the wall time of the round). Then the interference case: a short request (8 tokens) sent while a long
+one generates, its time to first token beside the same request's on an idle server. Prints one table
+per server and the ratios ours / llama-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools import reference  # noqa: E402
+
+PROMPT = "Here are three simple tips for staying healthy:\n1."
+
+
+def start_server(kind: str, model: str, rpc: str, args, log: Path) -> subprocess.Popen:
+    port = reference.free_port()
+    common = ["-m", model, "--host", reference.LOCALHOST, "--port", str(port), "-c", str(args.ctx), "-np", str(args.parallel)]
+    if kind == "llama-server":
+        cmd = [str(reference.binary("llama-server")), *common, "--rpc", rpc, "-ngl", "99", "--no-webui", "-fit", "off",
+               "-t", "1"]
+        env = reference.llama_env()
+    else:
+        cmd = [sys.executable, "-m", "orchestrator", "serve", *common, "--rpc", rpc]
+        env = {**os.environ, "PYTHONPATH": str(reference.REPO_ROOT)}
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+    proc.url = f"http://{reference.LOCALHOST}:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(proc.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{kind} not healthy: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.25)
+
+
+def stream(url: str, prompt: str, n: int) -> dict:
+    """One streamed greedy completion: times of the request, first and last token, and the token count."""
+    import openai  # noqa: PLC0415 - a test dependency, needed only here
+
+    api = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0)
+    start = time.perf_counter()
+    first, tokens = None, 0
+    for chunk in api.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].text:
+            tokens += 1  # one chunk per token here (plain English text, no stop strings)
+            first = first or time.perf_counter()
+    end = time.perf_counter()
+    return {"start": start, "ttft": (first or end) - start, "end": end,
+            "rate": (tokens - 1) / (end - first) if first and end > first and tokens > 1 else 0.0, "tokens": tokens}
+
+
+def round_of(url: str, clients: int, n: int) -> dict:
+    results: list[dict] = [None] * clients
+
+    def one(i):
+        results[i] = stream(url, f"{PROMPT} {i}", n)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return {"ttft_ms": 1e3 * statistics.median(r["ttft"] for r in results),
+            "rate": statistics.median(r["rate"] for r in results),
+            "aggregate": sum(r["tokens"] for r in results) / wall}
+
+
+def interference(url: str) -> tuple[float, float]:
+    """TTFT (ms) of a short request on an idle server, and while a long request generates."""
+    idle = statistics.median(stream(url, f"{PROMPT} short", 8)["ttft"] for _ in range(3))
+    long = threading.Thread(target=stream, args=(url, f"{PROMPT} long", 400))
+    long.start()
+    time.sleep(3.0)  # the long one is generating by now
+    busy = stream(url, f"{PROMPT} short", 8)["ttft"]
+    long.join()
+    return 1e3 * idle, 1e3 * busy
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("-np", "--parallel", type=int, default=4)
+    ap.add_argument("-c", "--ctx", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each reference worker")
+    args = ap.parse_args(argv)
+    model = str(args.model or reference.model_path())
+    clients = [int(c) for c in args.clients.split(",")]
+    table: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        workers = [reference.start_worker("reference", Path(logs), threads=args.threads) for _ in range(args.workers)]
+        rpc = ",".join(w.address for w in workers)
+        try:
+            for kind in ("llama-server", "ours"):
+                server = start_server(kind, model, rpc, args, Path(logs) / f"{kind}.log")
+                try:
+                    stream(server.url, PROMPT, 4)  # warm up
+                    rows = {c: round_of(server.url, c, args.n_predict) for c in clients}
+                    table[kind] = {"rows": rows, "interference": interference(server.url)}
+                finally:
+                    server.terminate()
+                    server.wait(30)
+                for c, row in table[kind]["rows"].items():
+                    print(f"{kind:12} clients {c}: {json.dumps({k: round(v, 2) for k, v in row.items()})}", flush=True)
+        finally:
+            for w in workers:
+                w.stop()
+    print(f"\nSmolLM2 {Path(model).name}, {args.workers} reference workers x {args.threads} thread(s), -np {args.parallel}, "
+          f"-c {args.ctx}, {args.n_predict} greedy tokens per request, streamed with the openai client\n")
+    print("| clients | llama-server TTFT ms | ours TTFT ms | llama-server tok/s per request | ours tok/s per request "
+          "| llama-server aggregate tok/s | ours aggregate tok/s | ours / llama-server aggregate | ours / ours at 1 client |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ref, ours = table["llama-server"]["rows"], table["ours"]["rows"]
+    for c in clients:
+        print(f"| {c} | {ref[c]['ttft_ms']:.0f} | {ours[c]['ttft_ms']:.0f} | {ref[c]['rate']:.1f} | {ours[c]['rate']:.1f} "
+              f"| {ref[c]['aggregate']:.1f} | {ours[c]['aggregate']:.1f} | {ours[c]['aggregate'] / ref[c]['aggregate']:.2f} "
+              f"| {ours[c]['aggregate'] / ours[clients[0]]['aggregate']:.2f} |")
+    print("\nTTFT of an 8-token request, idle -> while a 400-token request generates (ms):")
+    for kind in table:
+        idle, busy = table[kind]["interference"]
+        print(f"  {kind:12} {idle:7.0f} -> {busy:7.0f}  ({busy / idle:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
