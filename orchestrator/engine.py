@@ -15,6 +15,7 @@ leaves its slot at the next step.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -26,6 +27,8 @@ import numpy as np
 from orchestrator.client import WorkerError
 from orchestrator.kv import KvCells, KvFull
 from orchestrator.sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,8 +171,9 @@ class Engine:
                 self._admit()
             try:
                 self._step()
-            except (WorkerError, OSError, ValueError) as exc:
-                self._fail(str(exc))
+            except Exception as exc:  # noqa: BLE001 - a worker gone, or a bug: every waiting client is told
+                log.exception("the engine stopped")
+                self._fail(str(exc) or type(exc).__name__)
                 return
 
     def _admit(self) -> None:
@@ -241,6 +245,9 @@ class Engine:
         slot.sampler.accept(token)
         if slot.t_first is None:
             slot.t_first = time.perf_counter()
+        if job.n_predict == 0:  # the prompt only (it stays cached for the slot's next request)
+            self._finish(slot, "length")
+            return
         if token in self.eog and not job.ignore_eos:
             self._finish(slot, "stop")
             return
