@@ -278,3 +278,26 @@ def test_health_is_503_while_the_model_loads(model_path, tmp_path):
         listener.close()
         for conn, _ in accepted:
             conn.close()
+
+
+def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error(model_path, tmp_path):
+    """The stream in flight gets an error event naming the failure, later requests a 503, and the server
+    stays up to say so."""
+    mortal = start_workers(("ours",), tmp_path)
+    server = started(OrchestratorServer(model_path, tmp_path / "mortal.log", [mortal[0].address], n_ctx=2048))
+    try:
+        conn = http.client.HTTPConnection(reference.LOCALHOST, server.port, timeout=RPC_TIMEOUT)
+        body = {"prompt": PROMPTS["fact"], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")
+        mortal[0].stop()
+        events = [line for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+        assert events and b"generation failed" in events[-1] and mortal[0].address.encode() in events[-1], events[-3:]
+        status, _, reply = call(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert status == 503 and "a worker failed" in reply["error"]["message"], reply
+        assert call(server, "/health", key=None)[0] == 503 and server.proc.poll() is None
+    finally:
+        server.stop()
+        for w in mortal:
+            w.stop()
