@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import socket
+import time
 
 from rpcserver import framing, protocol as p
 from rpcserver.protocol import Command, ProtocolError
@@ -143,6 +144,17 @@ class InProcessClient(RpcClient):
 
     def send(self, command: Command, message=None) -> None:
         self.call(command, message)
+
+
+def name_the_dead(clients: list[RpcClient], grace: float = 1.0) -> None:
+    """Raises WorkerError naming a worker whose connection has closed, watching them for up to `grace`
+    seconds: a failure reported by one worker is often the loss of another (its input never came)."""
+    deadline = time.monotonic() + grace
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([c.sock for c in clients], [], [], left)
+        for c in clients:
+            if c.sock in ready:
+                c.pump()
 
 
 def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float = 60.0) -> None:

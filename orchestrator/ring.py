@@ -23,7 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
-from orchestrator.client import WorkerError, await_reply
+from orchestrator.client import WorkerError, await_reply, name_the_dead
 from orchestrator.ggml_graph import wire_tensor
 from orchestrator.kv import Batch
 from orchestrator.llama_graph import Shape
@@ -121,7 +121,8 @@ class Ring:
                     if self.broken is None:
                         self._break(i)
                 else:
-                    raise WorkerError(f"worker {stage.endpoint}: the ring's input never came (WAIT_PUSH timed out)")
+                    name_the_dead(clients)
+                    raise WorkerError(f"worker {stage.endpoint}: the ring's input never came (WAIT_PUSH failed)")
         return None if self.broken else token
 
     def _break(self, failed: int) -> None:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from orchestrator.client import RpcClient, WorkerError
+from orchestrator.client import RpcClient, WorkerError, name_the_dead
 from orchestrator.kv import Batch
 from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
 from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
@@ -340,6 +340,7 @@ class Pipeline:
             stage = self.stages[j]
             if j in self._waits:
                 if p.U8Response.decode(stage.client.receive(Command.WAIT_PUSH)).result != 1:
+                    name_the_dead([s.client for s in self.stages])
                     raise WorkerError(f"worker {stage.endpoint}: the activation of step {self.step} never came")
             if j in self._pushes and p.U8Response.decode(stage.client.receive(Command.PUSH_TENSOR)).result != 1:
                 link, nxt = self.links[j], self.stages[j + 1]

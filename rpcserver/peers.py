@@ -154,14 +154,19 @@ class PeerSide:
             if self.session.pushed >= req.step:
                 break
             if self.closing:
+                log.warning("WAIT_PUSH for step %d: the client is gone", req.step)
                 return 0
             remaining = deadline - loop.time()
-            if remaining <= 0:
-                return 0
             try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
                 await asyncio.wait_for(self.landed.wait(), remaining)
             except asyncio.TimeoutError:
-                return int(self.session.pushed >= req.step)
+                if self.session.pushed >= req.step:
+                    return 1
+                log.warning("WAIT_PUSH for step %d: nothing landed in %d ms (the last step landed: %d)",
+                            req.step, req.timeout_ms, self.session.pushed)
+                return 0
         return 1
 
     def _drop_connection(self, link: int) -> None:
