@@ -7,20 +7,17 @@ numpy twin of all this (`dot_ref`) are in kernels/kquants.py.
 from __future__ import annotations
 
 import numba
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .jit import JIT
 from .ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
-
-from .fmath import fma32
-from .kquants import (BIT_TYPES, GROUP, HAS_MIN, KVALUES_IQ4NL, QK_K, TINYBLAS, VEC,
-                      _chunk_layout, decode_row_scales, quantize_activations, route)
-from .llvm import (HAS_AVX2, PREFETCH_AHEAD, byte_ptr, elem_ptr, hsum8, i8_dot_lanes, i8_t, i16_t, i32_t, llvm_fn,
-                   prefetch, shuffle, splat, vec)
+from .jit import JIT
+from .kquants import (BIT_TYPES, HAS_MIN, KVALUES_IQ4NL, QK_K, TILED, TINYBLAS, VEC, _chunk_layout,
+                      quantize_activations, route)
+from .llvm import (HAS_AVX2, PREFETCH_AHEAD, byte_ptr, elem_ptr, half_t, hsum8, i8_dot_lanes, i8_t, i16_t, i32_t,
+                   llvm_fn, prefetch, shuffle, splat, vec)
 from .tasks import ROWS_PER_TASK, task_tile
 
 T = GGMLType
@@ -97,6 +94,57 @@ def _chunk_quants(builder, at, type_, c, signed=True):
     return q
 
 
+def _lane_consts(t, values):
+    return ir.Constant(vec(t, len(values)), values)
+
+
+def _block_scales(builder, type_, at):
+    """(S, M, d, dmin) of the 256-block whose bytes at(off, type) loads, decoded in registers as
+    kquants._decode_scales decodes them into arrays: S and M the 16 group scales and minimums as
+    <16 x i32> (M None where the format has none), d and dmin float32. Q4_K/Q5_K unpack their 12
+    scale bytes with ggml's three 32-bit masks."""
+    v16i32 = vec(i32_t, 16)
+    half = lambda off: builder.fpext(at(off, half_t), f32_t)  # noqa: E731
+    no_min = ir.Constant(f32_t, 0.0)
+    if type_ in (T.Q4_K, T.Q5_K):
+        u0, u1, u2 = (at(4 + 4 * i, i32_t) for i in range(3))
+        k = lambda x: ir.Constant(i32_t, x)  # noqa: E731
+        top2 = lambda u: builder.shl(builder.and_(builder.lshr(u, k(6)), k(0x03030303)), k(4))  # noqa: E731
+        scales = (builder.and_(u0, k(0x3F3F3F3F)), builder.or_(builder.and_(u2, k(0x0F0F0F0F)), top2(u0)))
+        mins = (builder.and_(u1, k(0x3F3F3F3F)),
+                builder.or_(builder.and_(builder.lshr(u2, k(4)), k(0x0F0F0F0F)), top2(u1)))
+
+        def per_group(lo, hi):  # 8 bytes, one per 32 elements -> 16 lanes, one per 16
+            v = builder.insert_element(ir.Constant(vec(i32_t, 2), None), lo, k(0))
+            v = builder.bitcast(builder.insert_element(v, hi, k(1)), vec(i8_t, 8))
+            return builder.zext(shuffle(builder, v, v, [g // 2 for g in range(16)]), v16i32)
+
+        return per_group(*scales), per_group(*mins), half(0), half(2)
+    if type_ == T.Q6_K:
+        return builder.sext(at(192, vec(i8_t, 16)), v16i32), None, half(208), no_min
+    if type_ == T.Q2_K:
+        raw = at(0, vec(i8_t, 16))
+        return (builder.zext(builder.and_(raw, _lane_consts(i8_t, [15] * 16)), v16i32),
+                builder.zext(builder.lshr(raw, _lane_consts(i8_t, [4] * 16)), v16i32), half(80), half(82))
+    if type_ == T.Q3_K:
+        low, top = at(96, vec(i8_t, 8)), at(104, vec(i8_t, 4))
+        low = builder.lshr(shuffle(builder, low, low, list(range(8)) * 2), _lane_consts(i8_t, [0] * 8 + [4] * 8))
+        top = builder.lshr(shuffle(builder, top, top, [0, 1, 2, 3] * 4), _lane_consts(i8_t, [s for s in (0, 2, 4, 6)
+                                                                                               for _ in range(4)]))
+        six = builder.or_(builder.and_(low, _lane_consts(i8_t, [15] * 16)),
+                          builder.shl(builder.and_(top, _lane_consts(i8_t, [3] * 16)), _lane_consts(i8_t, [4] * 16)))
+        return builder.sub(builder.zext(six, v16i32), _lane_consts(i32_t, [32] * 16)), None, half(108), no_min
+    if type_ != T.IQ4_XS:
+        raise ValueError(f"no in-register scales for {type_.name}")
+    nib = at(4, vec(i8_t, 4))  # IQ4_XS: 4 low bits per 32 from nibbles, 2 high bits from one 16-bit word
+    nib = builder.lshr(shuffle(builder, nib, nib, [i // 2 for i in range(8)]), _lane_consts(i8_t, [0, 4] * 4))
+    nib = builder.zext(builder.and_(nib, _lane_consts(i8_t, [15] * 8)), vec(i32_t, 8))
+    high = splat(builder, builder.zext(at(2, i16_t), i32_t))
+    high = builder.and_(builder.lshr(high, _lane_consts(i32_t, list(range(0, 16, 2)))), _lane_consts(i32_t, [3] * 8))
+    ls = builder.sub(builder.or_(nib, builder.shl(high, _lane_consts(i32_t, [4] * 8))), _lane_consts(i32_t, [32] * 8))
+    return shuffle(builder, ls, ls, [g // 2 for g in range(16)]), None, half(0), no_min
+
+
 def _block_lanes(builder, type_, at, load_y, load_scales, signed=True):
     """The 8 int32 lanes of ggml's AVX2 block dot: lane l = sum over the 8 chunks c of
     S[2c + l//4] * (products 4l..4l+3 of chunk c). load_y(e) loads activations e..e+31 of the block,
@@ -154,41 +202,69 @@ def _fma_fn(builder, n):
     return llvm_fn(builder, f"llvm.fma.v{n}f32", vec(f32_t, n), [vec(f32_t, n)] * 3)
 
 
-def _make_block_sumi(type_: GGMLType):
-    """Intrinsic sumi(w, p, s, soff, y, yoff) -> int32: sum_g S[g] <q, y>_g over the 256-block at
-    byte p of w, scales from s[soff:], activations y[yoff:] (the TILED route's s1)."""
+TILE_COLS = 4  # activation rows the TILED route dots with one decoded weight block
+
+
+def _make_tiled_dot(type_: GGMLType, ncol: int):
+    """Intrinsic dot(w, off, nblk, yq, yd, ybs, col) -> ncol float32: the TILED route for the weight row
+    at byte off and activation rows col..col+ncol-1. Per block and row s1 = sum_g S_g <q, y>_g and
+    s2 = sum_g M_g bsum_g, r = d*s1, r = fma(-dmin, s2, r), acc = fma(r, d_y, acc); the block's
+    quants and scales are decoded once for all ncol activation rows."""
+    size = TYPE_TRAITS[type_].type_size
+    ret = types.UniTuple(types.float32, ncol)
 
     @intrinsic
-    def sumi(typingctx, w, p, s, soff, y, yoff):
-        sig = types.int32(w, types.int64, s, types.int64, y, types.int64)
+    def tiled(typingctx, w, off, nblk, yq, yd, ybs, col):
+        sig = ret(w, types.int64, types.int64, yq, yd, ybs, types.int64)
 
         def codegen(context, builder, signature, args):
             a = _Args(context, builder, signature, args)
-            p_, soff_, yoff_ = args[1], args[3], args[5]
-            lanes = _block_lanes(builder, type_, lambda off, ty: a.bytes_at(0, builder.add(p_, _i64(off)), ty),
-                                 lambda e: a.y32(4, builder.add(yoff_, _i64(e))),
-                                 lambda g: a.ivec(2, builder.add(soff_, _i64(g)), 2))
-            return _isum(builder, lanes)
+            off_, nb_, col_ = args[1], args[2], args[6]
+            fma1 = _fma_fn(builder, 1)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(f32_t, 0.0)) for _ in range(ncol)]
+            with cgutils.for_range(builder, nb_) as loop:
+                b = loop.index
+                p = builder.add(off_, builder.mul(b, _i64(size)))
+                prefetch(builder, byte_ptr(context, builder, a.types[0], a.values[0],
+                                           builder.add(p, _i64(PREFETCH_AHEAD)), i8_t))
+                at = lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty)  # noqa: E731
+                scales, mins, d, dmin = _block_scales(builder, type_, at)
+                ybk = [builder.add(builder.mul(builder.add(col_, _i64(j)), nb_), b) for j in range(ncol)]
+                lanes = [ir.Constant(vec(i32_t, 8), [0] * 8)] * ncol
+                for c in range(QK_K // 32):
+                    q = _chunk_quants(builder, at, type_, c)
+                    sc = shuffle(builder, scales, scales, [2 * c, 2 * c + 1])
+                    for j in range(ncol):
+                        y = a.y32(3, builder.add(builder.mul(ybk[j], _i64(QK_K)), _i64(32 * c)))
+                        lanes[j] = builder.add(lanes[j], _scaled_lanes(builder, q, y, sc))
+                for j in range(ncol):
+                    r = builder.fmul(d, builder.sitofp(_isum(builder, lanes[j]), f32_t))
+                    if HAS_MIN[type_]:
+                        s2 = _isum(builder, builder.mul(mins, a.ivec(5, builder.mul(ybk[j], _i64(16)), 16)))
+                        r = builder.call(fma1, [builder.fsub(ir.Constant(f32_t, -0.0), dmin),
+                                                builder.sitofp(s2, f32_t), r])
+                    builder.store(builder.call(fma1, [r, a.elem(4, ybk[j]), builder.load(accs[j])]), accs[j])
+            return context.make_tuple(builder, ret, [builder.load(acc) for acc in accs])
 
         return sig, codegen
 
-    return sumi
+    return tiled
 
 
 def _make_vec_dot(type_: GGMLType):
-    """Intrinsic dot(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col) -> float32: the weight row at
-    byte off (scales decoded into s, m, d, dmin) . activation row col (yq int8, yd float32 per
-    block, ybs int32 per 16, all flat), as ggml_vec_dot_<type>_q8_K: per block 8 float lanes
-    acc = fma(d_y*d, lanes, acc) and the minimum term each format folds in its own way."""
+    """Intrinsic dot(w, off, nblk, yq, yd, ybs, col) -> float32: the weight row at byte off . activation
+    row col (yq int8, yd float32 per block, ybs int32 per 16, all flat), as ggml_vec_dot_<type>_q8_K:
+    per block the scales decoded in registers, 8 float lanes acc = fma(d_y*d, lanes, acc) and the
+    minimum term each format folds in its own way."""
     size = TYPE_TRAITS[type_].type_size
 
     @intrinsic
-    def vec_dot(typingctx, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
-        sig = types.float32(w, types.int64, types.int64, s, m, d, dmin, yq, yd, ybs, types.int64)
+    def vec_dot(typingctx, w, off, nblk, yq, yd, ybs, col):
+        sig = types.float32(w, types.int64, types.int64, yq, yd, ybs, types.int64)
 
         def codegen(context, builder, signature, args):
             a = _Args(context, builder, signature, args)
-            off_, nb_, col_ = args[1], args[2], args[10]
+            off_, nb_, col_ = args[1], args[2], args[6]
             fma8, fma4, fma1 = _fma_fn(builder, 8), _fma_fn(builder, 4), _fma_fn(builder, 1)
             zero = lambda n: ir.Constant(vec(f32_t, n), [0.0] * n)  # noqa: E731
             acc = cgutils.alloca_once_value(builder, zero(8))
@@ -199,19 +275,20 @@ def _make_vec_dot(type_: GGMLType):
                 p = builder.add(off_, builder.mul(b, _i64(size)))
                 ahead = builder.add(p, _i64(PREFETCH_AHEAD))
                 prefetch(builder, byte_ptr(context, builder, a.types[0], a.values[0], ahead, i8_t))
+                at = lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty)  # noqa: E731
+                scales, mins, d, dmin = _block_scales(builder, type_, at)
                 yb = builder.add(builder.mul(col_, nb_), b)
-                g0, yg0, y0 = builder.mul(b, _i64(16)), builder.mul(yb, _i64(16)), builder.mul(yb, _i64(QK_K))
-                lanes = _block_lanes(builder, type_, lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty),
-                                     lambda e: a.y32(7, builder.add(y0, _i64(e))),
-                                     lambda g: a.ivec(3, builder.add(g0, _i64(g)), 2), signed=type_ != T.Q6_K)
-                dy = a.elem(8, yb)
-                bsums = a.ivec(9, yg0, 16)
+                yg0, y0 = builder.mul(yb, _i64(16)), builder.mul(yb, _i64(QK_K))
+                lanes = _block_lanes(builder, type_, at, lambda e: a.y32(3, builder.add(y0, _i64(e))),
+                                     lambda g: shuffle(builder, scales, scales, [g, g + 1]), signed=type_ != T.Q6_K)
+                dy = a.elem(4, yb)
+                bsums = a.ivec(5, yg0, 16)
                 if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
-                    excess = _pairs(builder, builder.mul(a.ivec(3, g0, 16), bsums))
+                    excess = _pairs(builder, builder.mul(scales, bsums))
                     lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(vec(i32_t, 8), [5] * 8)))
                 if HAS_MIN[type_]:
-                    d_min = builder.fmul(builder.fsub(ir.Constant(f32_t, -0.0), dy), a.elem(6, b))
-                    mins = builder.mul(a.ivec(4, g0, 16), bsums)
+                    d_min = builder.fmul(builder.fsub(ir.Constant(f32_t, -0.0), dy), dmin)
+                    mins = builder.mul(mins, bsums)
                     if type_ == T.Q2_K:
                         builder.store(builder.call(fma8, [splat(builder, d_min), builder.sitofp(
                             _pairs(builder, mins), vec(f32_t, 8)), builder.load(acc)]), acc)
@@ -221,7 +298,7 @@ def _make_vec_dot(type_: GGMLType):
                     else:  # Q5_K
                         builder.store(builder.call(fma1, [d_min, builder.sitofp(_isum(builder, mins), f32_t),
                                                           builder.load(summs)]), summs)
-                d_xy = splat(builder, builder.fmul(dy, a.elem(5, b)))
+                d_xy = splat(builder, builder.fmul(dy, d))
                 builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, vec(f32_t, 8)), builder.load(acc)]), acc)
             total = hsum8(builder, builder.load(acc))
             if type_ == T.Q4_K:
@@ -285,91 +362,87 @@ def _make_iq4_nl_dot(tinyblas: bool):
     return dot
 
 
-_q2k_sumi, _q3k_sumi, _q4k_sumi, _q5k_sumi, _q6k_sumi, _iq4xs_sumi = (
-    _make_block_sumi(t) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_tiled, _q3k_tiled, _q4k_tiled, _q5k_tiled, _q6k_tiled, _iq4xs_tiled = (
+    _make_tiled_dot(t, 1) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_tiles, _q3k_tiles, _q4k_tiles, _q5k_tiles, _q6k_tiles, _iq4xs_tiles = (
+    _make_tiled_dot(t, TILE_COLS) for t in BIT_TYPES + (T.IQ4_XS,))
 _q2k_vec, _q3k_vec, _q4k_vec, _q5k_vec, _q6k_vec, _iq4xs_vec = (_make_vec_dot(t) for t in BIT_TYPES + (T.IQ4_XS,))
 _iq4nl_vec, _iq4nl_tiny = _make_iq4_nl_dot(False), _make_iq4_nl_dot(True)
 iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K.Q for an IQ4_NL K cache
 
 
 @numba.njit(inline="always", **JIT)
-def _block_sumi(kind, w, p, s, soff, y, yoff):
+def _tiled_dot(kind, w, off, nblk, yq, yd, ybs, col):
     if kind == TYPE_Q2_K:
-        return _q2k_sumi(w, p, s, soff, y, yoff)
+        return _q2k_tiled(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q3_K:
-        return _q3k_sumi(w, p, s, soff, y, yoff)
+        return _q3k_tiled(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q4_K:
-        return _q4k_sumi(w, p, s, soff, y, yoff)
+        return _q4k_tiled(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q5_K:
-        return _q5k_sumi(w, p, s, soff, y, yoff)
+        return _q5k_tiled(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q6_K:
-        return _q6k_sumi(w, p, s, soff, y, yoff)
-    return _iq4xs_sumi(w, p, s, soff, y, yoff)
-
-
-@numba.njit(**JIT)
-def _tiled_dot(has_min, kind, w, off, nblk, block_bytes, s, m, d, dmin, yq, yd, ybs, col):
-    """The TILED route for one weight row (scales decoded) . activation row col."""
-    acc = np.float32(0)
-    for blk in range(nblk):
-        yb = col * nblk + blk
-        r = d[blk] * np.float32(_block_sumi(kind, w, off + blk * block_bytes, s, blk * 16, yq, yb * QK_K))
-        if has_min:
-            s2 = np.int32(0)
-            for g in range(16):
-                s2 += m[blk * 16 + g] * ybs[yb * 16 + g]
-            r = fma32(-dmin[blk], np.float32(s2), r)
-        acc = fma32(r, yd[yb], acc)
-    return acc
+        return _q6k_tiled(w, off, nblk, yq, yd, ybs, col)
+    return _iq4xs_tiled(w, off, nblk, yq, yd, ybs, col)
 
 
 @numba.njit(inline="always", **JIT)
-def _vec_dot(kind, w, off, nblk, s, m, d, dmin, yq, yd, ybs, col):
+def _tiled_dots(kind, w, off, nblk, yq, yd, ybs, col):
     if kind == TYPE_Q2_K:
-        return _q2k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+        return _q2k_tiles(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q3_K:
-        return _q3k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+        return _q3k_tiles(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q4_K:
-        return _q4k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+        return _q4k_tiles(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q5_K:
-        return _q5k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+        return _q5k_tiles(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q6_K:
-        return _q6k_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
-    return _iq4xs_vec(w, off, nblk, s, m, d, dmin, yq, yd, ybs, col)
+        return _q6k_tiles(w, off, nblk, yq, yd, ybs, col)
+    return _iq4xs_tiles(w, off, nblk, yq, yd, ybs, col)
+
+
+@numba.njit(inline="always", **JIT)
+def _vec_dot(kind, w, off, nblk, yq, yd, ybs, col):
+    if kind == TYPE_Q2_K:
+        return _q2k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q3_K:
+        return _q3k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q4_K:
+        return _q4k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q5_K:
+        return _q5k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q6_K:
+        return _q6k_vec(w, off, nblk, yq, yd, ybs, col)
+    return _iq4xs_vec(w, off, nblk, yq, yd, ybs, col)
 
 
 @numba.njit(parallel=True, **JIT)
-def _mul_mat_kquant(kind, how, has_min, block_bytes, qb, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, yq, yd,
-                    ybs, out):
-    """Like _mul_mat_quant: a task's weight rows have their scales decoded once (IQ4_NL reads its one
-    scale per block directly), their quants on the fly in every dot; `how` is the route."""
+def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off, yq, yd, ybs, out):
+    """Like _mul_mat_quant: a task's weight rows meet every activation row while they are hot, in
+    tiles of TILE_COLS activation rows on the TILED route; `how` is the route."""
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
-    ngroups = nblk * qb // GROUP
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
-        s = np.zeros((ROWS_PER_TASK, ngroups), np.int32)
-        m = np.zeros_like(s)
-        d = np.zeros((ROWS_PER_TASK, nblk), np.float32)
-        dmin = np.zeros_like(d)
-        if kind != TYPE_IQ4_NL:
+        tiled = ne11 - ne11 % TILE_COLS if how == TILED else 0
+        for i11 in range(0, tiled, TILE_COLS):
             for r in range(lo, hi):
-                decode_row_scales(kind, w, base + r * nb01, nblk, block_bytes, qb, s[r - lo], m[r - lo],
-                                  d[r - lo], dmin[r - lo])
-        for i11 in range(ne11):  # every activation row meets the task's weight rows while they are hot
+                v = _tiled_dots(kind, w, base + r * nb01, nblk, yq, yd, ybs, col0 + i11)
+                for j in range(TILE_COLS):
+                    out[i13, i12, i11 + j, r] = v[j]
+        for i11 in range(tiled, ne11):
             col = col0 + i11
-            for ir in range(lo, hi):
-                row, t = base + ir * nb01, ir - lo
+            for r in range(lo, hi):
+                row = base + r * nb01
                 if kind == TYPE_IQ4_NL:
                     if how == TINYBLAS:
-                        v = _iq4nl_tiny(w, row, nblk, yq, yd, col)
+                        v1 = _iq4nl_tiny(w, row, nblk, yq, yd, col)
                     else:
-                        v = _iq4nl_vec(w, row, nblk, yq, yd, col)
+                        v1 = _iq4nl_vec(w, row, nblk, yq, yd, col)
                 elif how == VEC:
-                    v = _vec_dot(kind, w, row, nblk, s[t], m[t], d[t], dmin[t], yq, yd, ybs, col)
+                    v1 = _vec_dot(kind, w, row, nblk, yq, yd, ybs, col)
                 else:
-                    v = _tiled_dot(has_min, kind, w, row, nblk, block_bytes, s[t], m[t], d[t], dmin[t], yq, yd, ybs,
-                                   col)
-                out[i13, i12, i11, ir] = v
+                    v1 = _tiled_dot(kind, w, row, nblk, yq, yd, ybs, col)[0]
+                out[i13, i12, i11, r] = v1
 
 
 def mul_mat(src0, xs, out) -> None:
@@ -377,6 +450,6 @@ def mul_mat(src0, xs, out) -> None:
     (the dst array, whose shape[2] is src1->ne[1], what picks ggml's route)."""
     tt = TYPE_TRAITS[src0.type]
     yq, yd, ybs = quantize_activations(src0.type, xs)
-    _mul_mat_kquant(int(src0.type), route(src0.type, out.shape[2]), HAS_MIN[src0.type], tt.type_size,
-                    tt.block_size, src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2],
-                    src0.ne[3], xs.shape[1] // tt.block_size, yq.reshape(-1), yd.reshape(-1), ybs.reshape(-1), out)
+    _mul_mat_kquant(int(src0.type), route(src0.type, out.shape[2]), src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1],
+                    src0.ne[2], src0.ne[3], xs.shape[1] // tt.block_size, src0.mem, src0.offset, yq.reshape(-1),
+                    yd.reshape(-1), ybs.reshape(-1), out)
