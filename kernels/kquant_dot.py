@@ -202,7 +202,31 @@ def _fma_fn(builder, n):
     return llvm_fn(builder, f"llvm.fma.v{n}f32", vec(f32_t, n), [vec(f32_t, n)] * 3)
 
 
-TILE_COLS = 4  # activation rows the TILED route dots with one decoded weight block
+def _column_vector(builder, values):
+    """Scalars -> one vector (a single value stays a scalar)."""
+    if len(values) == 1:
+        return values[0]
+    v = ir.Constant(vec(values[0].type, len(values)), None)
+    for j, x in enumerate(values):
+        v = builder.insert_element(v, x, ir.Constant(i32_t, j))
+    return v
+
+
+def _column_sums(builder, vectors):
+    """n <8 x i32> vectors -> <n x i32> of their lane sums (an i32 if n == 1): pairs of vectors are
+    folded into one (neighbouring lanes added) until one is left, then its lanes are folded in turn.
+    Integer sums are exact, so this order is as good as any."""
+    vs = list(vectors)
+    while len(vs) > 1:
+        vs = [builder.add(shuffle(builder, x, y, list(range(0, 16, 2))), shuffle(builder, x, y, list(range(1, 16, 2))))
+              for x, y in zip(vs[::2], vs[1::2])]
+    v = vs[0]
+    while v.type.count > len(vectors):
+        v = _pairs(builder, v)
+    return builder.extract_element(v, ir.Constant(i32_t, 0)) if len(vectors) == 1 else v
+
+
+TILE_COLS = 8  # activation rows the TILED route dots with one decoded weight block
 
 
 def _make_tiled_dot(type_: GGMLType, ncol: int):
@@ -220,8 +244,8 @@ def _make_tiled_dot(type_: GGMLType, ncol: int):
         def codegen(context, builder, signature, args):
             a = _Args(context, builder, signature, args)
             off_, nb_, col_ = args[1], args[2], args[6]
-            fma1 = _fma_fn(builder, 1)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(f32_t, 0.0)) for _ in range(ncol)]
+            fma = _fma_fn(builder, ncol)
+            acc = cgutils.alloca_once_value(builder, _column_vector(builder, [ir.Constant(f32_t, 0.0)] * ncol))
             with cgutils.for_range(builder, nb_) as loop:
                 b = loop.index
                 p = builder.add(off_, builder.mul(b, _i64(size)))
@@ -237,14 +261,21 @@ def _make_tiled_dot(type_: GGMLType, ncol: int):
                     for j in range(ncol):
                         y = a.y32(3, builder.add(builder.mul(ybk[j], _i64(QK_K)), _i64(32 * c)))
                         lanes[j] = builder.add(lanes[j], _scaled_lanes(builder, q, y, sc))
-                for j in range(ncol):
-                    r = builder.fmul(d, builder.sitofp(_isum(builder, lanes[j]), f32_t))
-                    if HAS_MIN[type_]:
-                        s2 = _isum(builder, builder.mul(mins, a.ivec(5, builder.mul(ybk[j], _i64(16)), 16)))
-                        r = builder.call(fma1, [builder.fsub(ir.Constant(f32_t, -0.0), dmin),
-                                                builder.sitofp(s2, f32_t), r])
-                    builder.store(builder.call(fma1, [r, a.elem(4, ybk[j]), builder.load(accs[j])]), accs[j])
-            return context.make_tuple(builder, ret, [builder.load(acc) for acc in accs])
+                to_f32 = lambda v: builder.sitofp(v, f32_t if ncol == 1 else vec(f32_t, ncol))  # noqa: E731
+                wide = lambda x: x if ncol == 1 else splat(builder, x, ncol)  # noqa: E731
+                r = builder.fmul(wide(d), to_f32(_column_sums(builder, lanes)))
+                if HAS_MIN[type_]:
+                    prods = [builder.mul(mins, a.ivec(5, builder.mul(yb, _i64(16)), 16)) for yb in ybk]
+                    halves = [builder.add(shuffle(builder, v, v, list(range(8))),
+                                          shuffle(builder, v, v, list(range(8, 16)))) for v in prods]
+                    r = builder.call(fma, [wide(builder.fsub(ir.Constant(f32_t, -0.0), dmin)),
+                                           to_f32(_column_sums(builder, halves)), r])
+                d_y = _column_vector(builder, [a.elem(4, yb) for yb in ybk])
+                builder.store(builder.call(fma, [r, d_y, builder.load(acc)]), acc)
+            total = builder.load(acc)
+            outs = [total] if ncol == 1 else [builder.extract_element(total, ir.Constant(i32_t, j))
+                                              for j in range(ncol)]
+            return context.make_tuple(builder, ret, outs)
 
         return sig, codegen
 
