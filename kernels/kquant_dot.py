@@ -59,10 +59,11 @@ def _iq4_quants(builder, raw):
     return q
 
 
-def _scaled_lanes(builder, q, y, scales):
+def _scaled_lanes(builder, q, y, scales, unsigned=False):
     """<32 x i8> q . y -> <8 x i32> whose lanes 0-3 carry scales[0] * (the first 16 products) and
     4-7 scales[1] * (the last 16). On AVX2 the scales ride in the 16-bit multiply-add that ggml uses
-    to widen pairs (all scales fit in 16 bits), saving a 32-bit vector multiply."""
+    to widen pairs (all scales fit in 16 bits), saving a 32-bit vector multiply; quants known to be
+    non-negative go into the unsigned side of the byte multiply-add as they are, without the sign trick."""
     if not HAS_AVX2:
         spread = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32_t, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
         return builder.mul(i8_dot_lanes(builder, q, y), spread)
@@ -70,13 +71,21 @@ def _scaled_lanes(builder, q, y, scales):
     psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", _V32, [_V32, _V32])
     maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32, _V32])
     madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(i32_t, 8), [v16, v16])
-    pairs = builder.call(maddubs, [builder.call(psign, [q, q]), builder.call(psign, [y, q])])
+    if unsigned:
+        pairs = builder.call(maddubs, [q, y])
+    else:
+        pairs = builder.call(maddubs, [builder.call(psign, [q, q]), builder.call(psign, [y, q])])
     narrow = builder.trunc(scales, vec(i16_t, 2))
     spread = builder.shuffle_vector(narrow, narrow, ir.Constant(vec(i32_t, 16), [0] * 8 + [1] * 8))
     return builder.call(madd, [pairs, spread])
 
 
 i64_t, f32_t = ir.IntType(64), ir.FloatType()
+
+
+def _unsigned(type_, signed=True):
+    """Whether _chunk_quants(..., signed) gives only non-negative quants for this type."""
+    return type_ in (T.Q2_K, T.Q4_K, T.Q5_K) or (type_ == T.Q6_K and not signed)
 
 
 def _chunk_quants(builder, at, type_, c, signed=True):
@@ -152,7 +161,7 @@ def _block_lanes(builder, type_, at, load_y, load_scales, signed=True):
     acc = ir.Constant(vec(i32_t, 8), [0] * 8)
     for c in range(QK_K // 32):
         q = _chunk_quants(builder, at, type_, c, signed)
-        acc = builder.add(acc, _scaled_lanes(builder, q, load_y(32 * c), load_scales(2 * c)))
+        acc = builder.add(acc, _scaled_lanes(builder, q, load_y(32 * c), load_scales(2 * c), _unsigned(type_, signed)))
     return acc
 
 
@@ -260,7 +269,7 @@ def _make_tiled_dot(type_: GGMLType, ncol: int):
                     sc = shuffle(builder, scales, scales, [2 * c, 2 * c + 1])
                     for j in range(ncol):
                         y = a.y32(3, builder.add(builder.mul(ybk[j], _i64(QK_K)), _i64(32 * c)))
-                        lanes[j] = builder.add(lanes[j], _scaled_lanes(builder, q, y, sc))
+                        lanes[j] = builder.add(lanes[j], _scaled_lanes(builder, q, y, sc, _unsigned(type_)))
                 to_f32 = lambda v: builder.sitofp(v, f32_t if ncol == 1 else vec(f32_t, ncol))  # noqa: E731
                 wide = lambda x: x if ncol == 1 else splat(builder, x, ncol)  # noqa: E731
                 r = builder.fmul(wide(d), to_f32(_column_sums(builder, lanes)))

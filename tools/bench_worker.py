@@ -1,9 +1,10 @@
 """Benchmark our worker against llama.cpp's ggml-rpc-server, side by side in one run.
 
-    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--all]
+    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--gemma3] [--all]
 
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
-TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize):
+TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize;
+`--gemma3` the real Gemma 3 270M Q4_K_M that tools/install_reference.sh fetched):
   * llama-bench --rpc against each worker (alternating, -r repetitions): pp and tg tokens/s;
   * load time: llama-completion -n 1 through each worker, its "load time" (weight upload, context
     set-up and the first graph), once per repetition;
@@ -146,14 +147,20 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", action="append", default=[], help="GGUF file (repeatable)")
     ap.add_argument("--synthetic", action="append", default=[], choices=["Q4_0", "Q8_0", "Q4_K_M"],
                     help="also bench a ~1B random llama in this type (repeatable)")
-    ap.add_argument("--all", action="store_true", help="SmolLM2 and every synthetic type (the issue's full set)")
+    ap.add_argument("--gemma3", action="store_true", help="also bench Gemma 3 270M Q4_K_M")
+    ap.add_argument("--all", action="store_true",
+                    help="SmolLM2, Gemma 3 and every synthetic type (the issue's full set)")
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args(argv)
     synthetic = ["Q4_0", "Q8_0", "Q4_K_M"] if args.all else args.synthetic
-    models = [Path(m) for m in args.model] or ([] if synthetic and not args.all else [reference.model_path()])
+    models = [Path(m) for m in args.model]
+    if not models and (args.all or not (synthetic or args.gemma3)):
+        models.append(reference.model_path())
+    if args.gemma3 or args.all:
+        models.append(reference.gemma3_model_path())
     models += [synthetic_model(t) for t in synthetic]
     with tempfile.TemporaryDirectory() as logs:
         for model in models:
