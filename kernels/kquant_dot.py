@@ -14,226 +14,13 @@ from numba.extending import intrinsic
 
 from .ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 from .jit import JIT
-from .kquants import (BIT_TYPES, HAS_MIN, KVALUES_IQ4NL, QK_K, TILED, TINYBLAS, VEC, _chunk_layout,
-                      quantize_activations, route)
-from .llvm import (HAS_AVX2, PREFETCH_AHEAD, byte_ptr, elem_ptr, half_t, hsum8, i8_dot_lanes, i8_t, i16_t, i32_t,
-                   llvm_fn, prefetch, shuffle, splat, vec)
+from .kquant_lanes import (Args, block_lanes, block_scales, chunk_quants, column_sums, column_vector, f32_t, fma_fn,
+                           i64c, iq4_quants, isum, pairs, scaled_lanes, spreader, unsigned_quants, weighted_bsums)
+from .kquants import BIT_TYPES, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_activations, route
+from .llvm import PREFETCH_AHEAD, byte_ptr, hsum8, i8_dot_lanes, i8_t, i32_t, prefetch, splat, vec
 from .tasks import ROWS_PER_TASK, task_tile
 
 T = GGMLType
-
-_V32 = vec(i8_t, 32)
-
-
-def _load_y(context, builder, yt, y, yoff):
-    return builder.load(builder.bitcast(elem_ptr(context, builder, yt, y, yoff), _V32.as_pointer()), align=1)
-
-
-def _shift_bytes(builder, v, amount, left=False):
-    """Shift every byte of a <32 x i8> by a constant. x86 has no byte shifts, so shift 16-bit lanes;
-    bits crossing into the neighbouring byte are masked off afterwards (see _chunk_layout)."""
-    if amount == 0:
-        return v
-    lanes = builder.bitcast(v, vec(i16_t, 16))
-    count = ir.Constant(vec(i16_t, 16), [amount] * 16)
-    return builder.bitcast(builder.shl(lanes, count) if left else builder.lshr(lanes, count), _V32)
-
-
-def _bytes(value):
-    return ir.Constant(_V32, [value] * 32)
-
-
-def _iq4_quants(builder, raw):
-    """16 IQ4 bytes -> 32 kvalues_iq4nl entries (low nibbles, then high nibbles)."""
-    v16 = vec(i8_t, 16)
-    lo = builder.and_(raw, ir.Constant(v16, [15] * 16))
-    hi = builder.lshr(raw, ir.Constant(v16, [4] * 16))
-    idx = builder.shuffle_vector(lo, hi, ir.Constant(vec(i32_t, 32), list(range(32))))
-    table = [int(v) for v in KVALUES_IQ4NL]
-    if HAS_AVX2:  # one byte shuffle per 128-bit half, the table repeated in both halves
-        pshufb = llvm_fn(builder, "llvm.x86.avx2.pshuf.b", _V32, [_V32, _V32])
-        return builder.call(pshufb, [ir.Constant(_V32, table * 2), idx])
-    q = _bytes(0)
-    for i, v in enumerate(table):
-        q = builder.select(builder.icmp_unsigned("==", idx, _bytes(i)), _bytes(v), q)
-    return q
-
-
-def _scaled_lanes(builder, q, y, scales, unsigned=False):
-    """<32 x i8> q . y -> <8 x i32> whose lanes 0-3 carry scales[0] * (the first 16 products) and
-    4-7 scales[1] * (the last 16). On AVX2 the scales ride in the 16-bit multiply-add that ggml uses
-    to widen pairs (all scales fit in 16 bits), saving a 32-bit vector multiply; quants known to be
-    non-negative go into the unsigned side of the byte multiply-add as they are, without the sign trick."""
-    if not HAS_AVX2:
-        spread = builder.shuffle_vector(scales, scales, ir.Constant(vec(i32_t, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
-        return builder.mul(i8_dot_lanes(builder, q, y), spread)
-    v16 = vec(i16_t, 16)
-    psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", _V32, [_V32, _V32])
-    maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32, _V32])
-    madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(i32_t, 8), [v16, v16])
-    if unsigned:
-        pairs = builder.call(maddubs, [q, y])
-    else:
-        pairs = builder.call(maddubs, [builder.call(psign, [q, q]), builder.call(psign, [y, q])])
-    narrow = builder.trunc(scales, vec(i16_t, 2))
-    spread = builder.shuffle_vector(narrow, narrow, ir.Constant(vec(i32_t, 16), [0] * 8 + [1] * 8))
-    return builder.call(madd, [pairs, spread])
-
-
-i64_t, f32_t = ir.IntType(64), ir.FloatType()
-
-
-def _unsigned(type_, signed=True):
-    """Whether _chunk_quants(..., signed) gives only non-negative quants for this type."""
-    return type_ in (T.Q2_K, T.Q4_K, T.Q5_K) or (type_ == T.Q6_K and not signed)
-
-
-def _chunk_quants(builder, at, type_, c, signed=True):
-    """<32 x i8> quants of chunk c (elements 32c..32c+31) of the 256-block whose bytes at(off, type)
-    loads. signed=False leaves Q6_K's codes unsigned (0..63), as ggml's VEC route dots them."""
-    if type_ == T.IQ4_XS:
-        return _iq4_quants(builder, at(8 + 16 * c, vec(i8_t, 16)))
-    a, sa, ma, b, sb, mb, hs, bias = _chunk_layout(type_, c)
-    q = builder.and_(_shift_bytes(builder, at(a, _V32), sa), _bytes(ma))
-    if mb:
-        high = builder.and_(_shift_bytes(builder, at(b, _V32), sb), _bytes(mb))
-        q = builder.or_(q, _shift_bytes(builder, high, hs, left=True))
-    if bias and (signed or type_ != T.Q6_K):
-        q = builder.sub(q, _bytes(bias))
-    return q
-
-
-def _lane_consts(t, values):
-    return ir.Constant(vec(t, len(values)), values)
-
-
-def _block_scales(builder, type_, at):
-    """(S, M, d, dmin) of the 256-block whose bytes at(off, type) loads, decoded in registers as
-    kquants._decode_scales decodes them into arrays: S and M the 16 group scales and minimums as
-    <16 x i32> (M None where the format has none), d and dmin float32. Q4_K/Q5_K unpack their 12
-    scale bytes with ggml's three 32-bit masks."""
-    v16i32 = vec(i32_t, 16)
-    half = lambda off: builder.fpext(at(off, half_t), f32_t)  # noqa: E731
-    no_min = ir.Constant(f32_t, 0.0)
-    if type_ in (T.Q4_K, T.Q5_K):
-        u0, u1, u2 = (at(4 + 4 * i, i32_t) for i in range(3))
-        k = lambda x: ir.Constant(i32_t, x)  # noqa: E731
-        top2 = lambda u: builder.shl(builder.and_(builder.lshr(u, k(6)), k(0x03030303)), k(4))  # noqa: E731
-        scales = (builder.and_(u0, k(0x3F3F3F3F)), builder.or_(builder.and_(u2, k(0x0F0F0F0F)), top2(u0)))
-        mins = (builder.and_(u1, k(0x3F3F3F3F)),
-                builder.or_(builder.and_(builder.lshr(u2, k(4)), k(0x0F0F0F0F)), top2(u1)))
-
-        def per_group(lo, hi):  # 8 bytes, one per 32 elements -> 16 lanes, one per 16
-            v = builder.insert_element(ir.Constant(vec(i32_t, 2), None), lo, k(0))
-            v = builder.bitcast(builder.insert_element(v, hi, k(1)), vec(i8_t, 8))
-            return builder.zext(shuffle(builder, v, v, [g // 2 for g in range(16)]), v16i32)
-
-        return per_group(*scales), per_group(*mins), half(0), half(2)
-    if type_ == T.Q6_K:
-        return builder.sext(at(192, vec(i8_t, 16)), v16i32), None, half(208), no_min
-    if type_ == T.Q2_K:
-        raw = at(0, vec(i8_t, 16))
-        return (builder.zext(builder.and_(raw, _lane_consts(i8_t, [15] * 16)), v16i32),
-                builder.zext(builder.lshr(raw, _lane_consts(i8_t, [4] * 16)), v16i32), half(80), half(82))
-    if type_ == T.Q3_K:
-        low, top = at(96, vec(i8_t, 8)), at(104, vec(i8_t, 4))
-        low = builder.lshr(shuffle(builder, low, low, list(range(8)) * 2), _lane_consts(i8_t, [0] * 8 + [4] * 8))
-        top = builder.lshr(shuffle(builder, top, top, [0, 1, 2, 3] * 4), _lane_consts(i8_t, [s for s in (0, 2, 4, 6)
-                                                                                               for _ in range(4)]))
-        six = builder.or_(builder.and_(low, _lane_consts(i8_t, [15] * 16)),
-                          builder.shl(builder.and_(top, _lane_consts(i8_t, [3] * 16)), _lane_consts(i8_t, [4] * 16)))
-        return builder.sub(builder.zext(six, v16i32), _lane_consts(i32_t, [32] * 16)), None, half(108), no_min
-    if type_ != T.IQ4_XS:
-        raise ValueError(f"no in-register scales for {type_.name}")
-    nib = at(4, vec(i8_t, 4))  # IQ4_XS: 4 low bits per 32 from nibbles, 2 high bits from one 16-bit word
-    nib = builder.lshr(shuffle(builder, nib, nib, [i // 2 for i in range(8)]), _lane_consts(i8_t, [0, 4] * 4))
-    nib = builder.zext(builder.and_(nib, _lane_consts(i8_t, [15] * 8)), vec(i32_t, 8))
-    high = splat(builder, builder.zext(at(2, i16_t), i32_t))
-    high = builder.and_(builder.lshr(high, _lane_consts(i32_t, list(range(0, 16, 2)))), _lane_consts(i32_t, [3] * 8))
-    ls = builder.sub(builder.or_(nib, builder.shl(high, _lane_consts(i32_t, [4] * 8))), _lane_consts(i32_t, [32] * 8))
-    return shuffle(builder, ls, ls, [g // 2 for g in range(16)]), None, half(0), no_min
-
-
-def _block_lanes(builder, type_, at, load_y, load_scales, signed=True):
-    """The 8 int32 lanes of ggml's AVX2 block dot: lane l = sum over the 8 chunks c of
-    S[2c + l//4] * (products 4l..4l+3 of chunk c). load_y(e) loads activations e..e+31 of the block,
-    load_scales(g) the <2 x i32> scales of groups g, g+1."""
-    acc = ir.Constant(vec(i32_t, 8), [0] * 8)
-    for c in range(QK_K // 32):
-        q = _chunk_quants(builder, at, type_, c, signed)
-        acc = builder.add(acc, _scaled_lanes(builder, q, load_y(32 * c), load_scales(2 * c), _unsigned(type_, signed)))
-    return acc
-
-
-def _isum(builder, v):
-    """Integer sum of a vector's lanes (exact, so any order)."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        v = builder.add(shuffle(builder, v, v, list(range(n))), shuffle(builder, v, v, list(range(n, 2 * n))))
-    return builder.extract_element(v, ir.Constant(i32_t, 0))
-
-
-def _pairs(builder, v):
-    """Neighbouring lanes summed: <2n x i32> -> <n x i32> (the pairing of _mm256_madd_epi16)."""
-    n = v.type.count
-    return builder.add(shuffle(builder, v, v, list(range(0, n, 2))), shuffle(builder, v, v, list(range(1, n, 2))))
-
-
-class _Args:
-    """Typed access to an intrinsic's array arguments (all C-contiguous and 1-d)."""
-
-    def __init__(self, context, builder, signature, args):
-        self.context, self.builder, self.types, self.values = context, builder, signature.args, args
-
-    def elem(self, i, index):
-        return self.builder.load(elem_ptr(self.context, self.builder, self.types[i], self.values[i], index))
-
-    def ivec(self, i, index, n):
-        ptr = elem_ptr(self.context, self.builder, self.types[i], self.values[i], index)
-        return self.builder.load(self.builder.bitcast(ptr, vec(i32_t, n).as_pointer()), align=4)
-
-    def bytes_at(self, i, offset, ty):
-        return self.builder.load(byte_ptr(self.context, self.builder, self.types[i], self.values[i], offset, ty),
-                                 align=1)
-
-    def y32(self, i, index):
-        return _load_y(self.context, self.builder, self.types[i], self.values[i], index)
-
-
-def _i64(v):
-    return ir.Constant(i64_t, v)
-
-
-def _fma_fn(builder, n):
-    if n == 1:
-        return llvm_fn(builder, "llvm.fma.f32", f32_t, [f32_t] * 3)
-    return llvm_fn(builder, f"llvm.fma.v{n}f32", vec(f32_t, n), [vec(f32_t, n)] * 3)
-
-
-def _column_vector(builder, values):
-    """Scalars -> one vector (a single value stays a scalar)."""
-    if len(values) == 1:
-        return values[0]
-    v = ir.Constant(vec(values[0].type, len(values)), None)
-    for j, x in enumerate(values):
-        v = builder.insert_element(v, x, ir.Constant(i32_t, j))
-    return v
-
-
-def _column_sums(builder, vectors):
-    """n <8 x i32> vectors -> <n x i32> of their lane sums (an i32 if n == 1): pairs of vectors are
-    folded into one (neighbouring lanes added) until one is left, then its lanes are folded in turn.
-    Integer sums are exact, so this order is as good as any."""
-    vs = list(vectors)
-    while len(vs) > 1:
-        vs = [builder.add(shuffle(builder, x, y, list(range(0, 16, 2))), shuffle(builder, x, y, list(range(1, 16, 2))))
-              for x, y in zip(vs[::2], vs[1::2])]
-    v = vs[0]
-    while v.type.count > len(vectors):
-        v = _pairs(builder, v)
-    return builder.extract_element(v, ir.Constant(i32_t, 0)) if len(vectors) == 1 else v
-
 
 TILE_COLS = 8  # activation rows the TILED route dots with one decoded weight block
 
@@ -251,35 +38,35 @@ def _make_tiled_dot(type_: GGMLType, ncol: int):
         sig = ret(w, types.int64, types.int64, yq, yd, ybs, types.int64)
 
         def codegen(context, builder, signature, args):
-            a = _Args(context, builder, signature, args)
+            a = Args(context, builder, signature, args)
             off_, nb_, col_ = args[1], args[2], args[6]
-            fma = _fma_fn(builder, ncol)
-            acc = cgutils.alloca_once_value(builder, _column_vector(builder, [ir.Constant(f32_t, 0.0)] * ncol))
+            fma = fma_fn(builder, ncol)
+            acc = cgutils.alloca_once_value(builder, column_vector(builder, [ir.Constant(f32_t, 0.0)] * ncol))
             with cgutils.for_range(builder, nb_) as loop:
                 b = loop.index
-                p = builder.add(off_, builder.mul(b, _i64(size)))
+                p = builder.add(off_, builder.mul(b, i64c(size)))
                 prefetch(builder, byte_ptr(context, builder, a.types[0], a.values[0],
-                                           builder.add(p, _i64(PREFETCH_AHEAD)), i8_t))
-                at = lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty)  # noqa: E731
-                scales, mins, d, dmin = _block_scales(builder, type_, at)
-                ybk = [builder.add(builder.mul(builder.add(col_, _i64(j)), nb_), b) for j in range(ncol)]
+                                           builder.add(p, i64c(PREFETCH_AHEAD)), i8_t))
+                at = lambda o, ty: a.bytes_at(0, builder.add(p, i64c(o)), ty)  # noqa: E731
+                scales, mins, d, dmin = block_scales(builder, type_, at)
+                ybk = [builder.add(builder.mul(builder.add(col_, i64c(j)), nb_), b) for j in range(ncol)]
                 lanes = [ir.Constant(vec(i32_t, 8), [0] * 8)] * ncol
+                spread = spreader(builder, scales)
                 for c in range(QK_K // 32):
-                    q = _chunk_quants(builder, at, type_, c)
-                    sc = shuffle(builder, scales, scales, [2 * c, 2 * c + 1])
+                    q = chunk_quants(builder, at, type_, c)
+                    sc = spread(c)
                     for j in range(ncol):
-                        y = a.y32(3, builder.add(builder.mul(ybk[j], _i64(QK_K)), _i64(32 * c)))
-                        lanes[j] = builder.add(lanes[j], _scaled_lanes(builder, q, y, sc, _unsigned(type_)))
+                        y = a.y32(3, builder.add(builder.mul(ybk[j], i64c(QK_K)), i64c(32 * c)))
+                        lanes[j] = builder.add(lanes[j], scaled_lanes(builder, q, y, sc, unsigned_quants(type_)))
                 to_f32 = lambda v: builder.sitofp(v, f32_t if ncol == 1 else vec(f32_t, ncol))  # noqa: E731
                 wide = lambda x: x if ncol == 1 else splat(builder, x, ncol)  # noqa: E731
-                r = builder.fmul(wide(d), to_f32(_column_sums(builder, lanes)))
+                r = builder.fmul(wide(d), to_f32(column_sums(builder, lanes)))
                 if HAS_MIN[type_]:
-                    prods = [builder.mul(mins, a.ivec(5, builder.mul(yb, _i64(16)), 16)) for yb in ybk]
-                    halves = [builder.add(shuffle(builder, v, v, list(range(8))),
-                                          shuffle(builder, v, v, list(range(8, 16)))) for v in prods]
+                    prods = [weighted_bsums(builder, type_, mins, a.ivec(5, builder.mul(yb, i64c(16)), 16))
+                             for yb in ybk]
                     r = builder.call(fma, [wide(builder.fsub(ir.Constant(f32_t, -0.0), dmin)),
-                                           to_f32(_column_sums(builder, halves)), r])
-                d_y = _column_vector(builder, [a.elem(4, yb) for yb in ybk])
+                                           to_f32(column_sums(builder, prods)), r])
+                d_y = column_vector(builder, [a.elem(4, yb) for yb in ybk])
                 builder.store(builder.call(fma, [r, d_y, builder.load(acc)]), acc)
             total = builder.load(acc)
             outs = [total] if ncol == 1 else [builder.extract_element(total, ir.Constant(i32_t, j))
@@ -303,40 +90,40 @@ def _make_vec_dot(type_: GGMLType):
         sig = types.float32(w, types.int64, types.int64, yq, yd, ybs, types.int64)
 
         def codegen(context, builder, signature, args):
-            a = _Args(context, builder, signature, args)
+            a = Args(context, builder, signature, args)
             off_, nb_, col_ = args[1], args[2], args[6]
-            fma8, fma4, fma1 = _fma_fn(builder, 8), _fma_fn(builder, 4), _fma_fn(builder, 1)
+            fma8, fma4, fma1 = fma_fn(builder, 8), fma_fn(builder, 4), fma_fn(builder, 1)
             zero = lambda n: ir.Constant(vec(f32_t, n), [0.0] * n)  # noqa: E731
             acc = cgutils.alloca_once_value(builder, zero(8))
             acc_m = cgutils.alloca_once_value(builder, zero(4))  # Q4_K: minimum terms in 4 lanes
             summs = cgutils.alloca_once_value(builder, ir.Constant(f32_t, 0.0))  # Q5_K: one scalar
             with cgutils.for_range(builder, nb_) as loop:
                 b = loop.index
-                p = builder.add(off_, builder.mul(b, _i64(size)))
-                ahead = builder.add(p, _i64(PREFETCH_AHEAD))
+                p = builder.add(off_, builder.mul(b, i64c(size)))
+                ahead = builder.add(p, i64c(PREFETCH_AHEAD))
                 prefetch(builder, byte_ptr(context, builder, a.types[0], a.values[0], ahead, i8_t))
-                at = lambda o, ty: a.bytes_at(0, builder.add(p, _i64(o)), ty)  # noqa: E731
-                scales, mins, d, dmin = _block_scales(builder, type_, at)
+                at = lambda o, ty: a.bytes_at(0, builder.add(p, i64c(o)), ty)  # noqa: E731
+                scales, mins, d, dmin = block_scales(builder, type_, at)
                 yb = builder.add(builder.mul(col_, nb_), b)
-                yg0, y0 = builder.mul(yb, _i64(16)), builder.mul(yb, _i64(QK_K))
-                lanes = _block_lanes(builder, type_, at, lambda e: a.y32(3, builder.add(y0, _i64(e))),
-                                     lambda g: shuffle(builder, scales, scales, [g, g + 1]), signed=type_ != T.Q6_K)
+                yg0, y0 = builder.mul(yb, i64c(16)), builder.mul(yb, i64c(QK_K))
+                lanes = block_lanes(builder, type_, at, lambda e: a.y32(3, builder.add(y0, i64c(e))), scales,
+                                     signed=type_ != T.Q6_K)
                 dy = a.elem(4, yb)
                 bsums = a.ivec(5, yg0, 16)
                 if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
-                    excess = _pairs(builder, builder.mul(scales, bsums))
+                    excess = pairs(builder, builder.mul(scales, bsums))
                     lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(vec(i32_t, 8), [5] * 8)))
                 if HAS_MIN[type_]:
                     d_min = builder.fmul(builder.fsub(ir.Constant(f32_t, -0.0), dy), dmin)
-                    mins = builder.mul(mins, bsums)
+                    mins = weighted_bsums(builder, type_, mins, bsums)
                     if type_ == T.Q2_K:
                         builder.store(builder.call(fma8, [splat(builder, d_min), builder.sitofp(
-                            _pairs(builder, mins), vec(f32_t, 8)), builder.load(acc)]), acc)
+                            mins, vec(f32_t, 8)), builder.load(acc)]), acc)
                     elif type_ == T.Q4_K:
                         builder.store(builder.call(fma4, [splat(builder, d_min, 4), builder.sitofp(
-                            _pairs(builder, _pairs(builder, mins)), vec(f32_t, 4)), builder.load(acc_m)]), acc_m)
+                            pairs(builder, mins), vec(f32_t, 4)), builder.load(acc_m)]), acc_m)
                     else:  # Q5_K
-                        builder.store(builder.call(fma1, [d_min, builder.sitofp(_isum(builder, mins), f32_t),
+                        builder.store(builder.call(fma1, [d_min, builder.sitofp(isum(builder, mins), f32_t),
                                                           builder.load(summs)]), summs)
                 d_xy = splat(builder, builder.fmul(dy, d))
                 builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, vec(f32_t, 8)), builder.load(acc)]), acc)
@@ -365,15 +152,15 @@ def _make_iq4_nl_dot(tinyblas: bool):
         sig = types.float32(w, types.int64, types.int64, yq, yd, types.int64)
 
         def codegen(context, builder, signature, args):
-            a = _Args(context, builder, signature, args)
+            a = Args(context, builder, signature, args)
             off_, nb_, col_ = args[1], args[2], args[5]
-            fma8 = _fma_fn(builder, 8)
+            fma8 = fma_fn(builder, 8)
 
             def block(b):
-                p = builder.add(off_, builder.mul(b, _i64(18)))
+                p = builder.add(off_, builder.mul(b, i64c(18)))
                 yb = builder.add(builder.mul(col_, nb_), b)
-                q = _iq4_quants(builder, a.bytes_at(0, builder.add(p, _i64(2)), vec(i8_t, 16)))
-                lanes = i8_dot_lanes(builder, q, a.y32(3, builder.mul(yb, _i64(32))))
+                q = iq4_quants(builder, a.bytes_at(0, builder.add(p, i64c(2)), vec(i8_t, 16)))
+                lanes = i8_dot_lanes(builder, q, a.y32(3, builder.mul(yb, i64c(32))))
                 return lanes, builder.fmul(a.elem(4, yb), builder.fpext(a.bytes_at(0, p, ir.HalfType()), f32_t))
 
             def step(acc, b):
@@ -387,14 +174,14 @@ def _make_iq4_nl_dot(tinyblas: bool):
                 with cgutils.for_range(builder, nb_) as loop:
                     step(acc, loop.index)
                 return hsum8(builder, builder.load(acc))
-            with cgutils.for_range(builder, builder.ashr(nb_, _i64(1))) as loop:
-                b = builder.mul(loop.index, _i64(2))
+            with cgutils.for_range(builder, builder.ashr(nb_, i64c(1))) as loop:
+                b = builder.mul(loop.index, i64c(2))
                 step(acc, b)
-                step(acc2, builder.add(b, _i64(1)))
+                step(acc2, builder.add(b, i64c(1)))
             total = hsum8(builder, builder.fadd(builder.load(acc), builder.load(acc2)))
-            lanes, d = block(builder.sub(nb_, _i64(1)))  # always a valid block; used only if nb is odd
-            tail = builder.call(_fma_fn(builder, 1), [d, builder.sitofp(_isum(builder, lanes), f32_t), total])
-            odd = builder.icmp_signed("!=", builder.and_(nb_, _i64(1)), _i64(0))
+            lanes, d = block(builder.sub(nb_, i64c(1)))  # always a valid block; used only if nb is odd
+            tail = builder.call(fma_fn(builder, 1), [d, builder.sitofp(isum(builder, lanes), f32_t), total])
+            odd = builder.icmp_signed("!=", builder.and_(nb_, i64c(1)), i64c(0))
             return builder.select(odd, tail, total)
 
         return sig, codegen
