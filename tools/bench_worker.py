@@ -96,8 +96,10 @@ def synthetic_model(weight_type: str) -> Path:
                     **SYNTHETIC_1B)
         base.with_suffix(".tmp").rename(base)
     if weight_type == "Q4_K_M":
-        run([str(reference.binary("llama-quantize")), "--allow-requantize", str(base), str(path), "Q4_K_M"],
+        partial = path.with_suffix(".tmp")  # an interrupted run must not leave a file that looks done
+        run([str(reference.binary("llama-quantize")), "--allow-requantize", str(base), str(partial), "Q4_K_M"],
             "llama-quantize")
+        partial.rename(path)
     return path
 
 
