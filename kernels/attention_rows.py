@@ -17,12 +17,15 @@ import numpy as np
 
 from .jit import JIT
 from .fmath import fma32, hsum16, round_f16
-from .ggml import TYPE_F16
+from .ggml import TYPE_F16, TYPE_F32
+from .quants import FLOAT_LANES
 from .float_dot512 import tail_sum
-from .storage import load_f32
+from .storage import contiguous_row, load_f32
 from .vec import NEG_INF
 
 F32 = np.float32
+
+_f16_lanes, _f32_lanes = FLOAT_LANES[TYPE_F16][1], FLOAT_LANES[TYPE_F32][1]
 
 BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time (bounds its scratch)
 
@@ -49,16 +52,15 @@ def dot_kq(krow, kkind, q, acc, lanes):
     dk = q.shape[0]
     step = 4 * lanes
     nb = dk - dk % step
-    if lanes == 16:  # literal steps, so that each loop vectorizes with a known trip count
-        _fma_steps(krow, kkind, q, acc, nb, 64)
-    else:
-        _fma_steps(krow, kkind, q, acc, nb, 32)
+    if lanes == 8:  # the 8-lane vector code MUL_MAT uses (quants.FLOAT_LANES: 4 accumulators, reduced)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _f16_lanes(krow, 0, q, 0, nb // step) if kkind == TYPE_F16 else \
+            _f32_lanes(krow, 0, q, 0, nb // step)
+        s = ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))
+        return tail_sum(kkind, krow, 0, 1, q, 0, nb, dk, s)
+    _fma_steps(krow, kkind, q, acc, nb, 64)  # a literal step, so that the loop vectorizes with a known trip count
     for t in range(lanes):
         acc[t] = (acc[t] + acc[2 * lanes + t]) + (acc[lanes + t] + acc[3 * lanes + t])
-    if lanes == 16:
-        s = hsum16(acc, 0)
-    else:
-        s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    s = hsum16(acc, 0)
     return tail_sum(kkind, krow, 0, 1, q, 0, nb, dk, s)
 
 
@@ -66,6 +68,23 @@ def dot_kq(krow, kkind, q, acc, lanes):
 def visible(mrow, ic, mkind, has_mask, slope):
     """Whether position ic takes part (ggml skips a -inf mask entry before computing its dot)."""
     return not has_mask or slope * load_f32(mrow[ic], mkind) != NEG_INF
+
+
+@numba.njit(inline="always", **JIT)
+def _mad(vkq, vrow, vkind, vs, f16_v):
+    """ggml_vec_mad_*: vkq += vrow * vs, one FMA per element in the vector steps (32 or 64 floats) and
+    the (contracted) leftovers alike; an F16 V's accumulator is rounded to F16 after each update. The
+    kind is tested once, outside the loops, so that each loop vectorizes."""
+    dv = vkq.shape[0]
+    if f16_v:  # an F16 V
+        for d in range(dv):
+            vkq[d] = round_f16(fma32(load_f32(vrow[d], TYPE_F16), vs, vkq[d]))
+    elif vkind == TYPE_F32:
+        for d in range(dv):
+            vkq[d] = fma32(load_f32(vrow[d], TYPE_F32), vs, vkq[d])
+    else:
+        for d in range(dv):
+            vkq[d] = fma32(load_f32(vrow[d], vkind), vs, vkq[d])
 
 
 @numba.njit(inline="always", **JIT)
@@ -95,14 +114,7 @@ def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, s
                     vkq[d] = round_f16(vkq[d])
         else:
             vs = math.exp(s - M)
-        # ggml_vec_mad_*: FMA in the vector steps (32 or 64 floats) and the (contracted) leftovers alike
-        vrow = v2[ic]
-        if f16_v:
-            for d in range(dv):
-                vkq[d] = round_f16(fma32(load_f32(vrow[d], vkind), vs, vkq[d]))
-        else:
-            for d in range(dv):
-                vkq[d] = fma32(load_f32(vrow[d], vkind), vs, vkq[d])
+        _mad(vkq, contiguous_row(v2, ic), vkind, vs, f16_v)
         S = fma32(S, ms, vs)
     return M, S
 
@@ -111,6 +123,18 @@ def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, s
 def row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v, vkq,
                   lanes):
     """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
+    The usual F16 cache on 8 lanes gets code of its own, compiled with the kinds known."""
+    if kkind == TYPE_F16 and vkind == TYPE_F16 and mkind == TYPE_F16 and f16_v and lanes == 8:
+        return _row_one_chunk(qrow, k2, TYPE_F16, v2, TYPE_F16, mrow, TYPE_F16, has_mask, slope, scale, softcap,
+                              ic0, ic1, True, vkq, 8)
+    return _row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v,
+                          vkq, lanes)
+
+
+@numba.njit(inline="always", **JIT)
+def _row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v, vkq,
+                   lanes):
+    """row_one_chunk's body.
 
     k2 and v2 are one kv head's K and V rows (n_kv, D) as stored: F16 bits or F32 (kkind, vkind). An
     F16 K makes ggml round the query to F16; f16_v says it keeps the V accumulator in F16. Only
@@ -129,7 +153,7 @@ def row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scal
         b1 = min(b0 + BLOCK_KV, ic1)
         for ic in range(b0, b1):
             if visible(mrow, ic, mkind, has_mask, slope):
-                scores[ic - b0] = dot_kq(k2[ic], kkind, q, acc, lanes)
+                scores[ic - b0] = dot_kq(contiguous_row(k2, ic), kkind, q, acc, lanes)
         M, S = accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, f16_v, vkq, M, S)
     return M, S
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.core import cgutils
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic
 
 from .fmath import (bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bits_to_f32, np_f16_bits_to_f32,
                     np_f32_to_bf16_bits, np_f32_to_f16_bits)
@@ -40,6 +43,28 @@ def storage(t: Tensor) -> np.ndarray:
 def raw_storage(t: Tensor) -> np.ndarray:
     """A plain type's elements as unsigned integers of the same width: copies without conversion."""
     return t.array().view(_RAW_UINTS[TYPE_TRAITS[t.type].type_size])
+
+
+@intrinsic
+def contiguous_row(typingctx, a, i):
+    """Row i of a 2-D view whose rows the node's check found contiguous (ne0 elements 1 apart), typed
+    as a C-contiguous 1-D array: numba cannot know that of a strided view, and loops over a row it
+    types as strided do not vectorize. The row shares a's memory; i is not bounds-checked."""
+    if not isinstance(a, types.Array) or a.ndim != 2:
+        return None
+    ret = types.Array(a.dtype, 1, "C")
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        shape, strides = cgutils.unpack_tuple(builder, src.shape), cgutils.unpack_tuple(builder, src.strides)
+        byte = builder.gep(builder.bitcast(src.data, cgutils.voidptr_t), [builder.mul(args[1], strides[0])])
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(a.dtype)))
+        row = context.make_array(ret)(context, builder)
+        context.populate_array(row, data=builder.bitcast(byte, src.data.type), shape=[shape[1]], strides=[itemsize],
+                               itemsize=itemsize, meminfo=src.meminfo, parent=src.parent)
+        return impl_ret_borrowed(context, builder, ret, row._getvalue())  # a new reference to a's memory
+
+    return ret(a, types.intp), codegen
 
 
 @numba.njit(inline="always", **JIT)
