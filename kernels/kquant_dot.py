@@ -6,7 +6,10 @@ numpy twin of all this (`dot_ref`) are in kernels/kquants.py.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -16,9 +19,10 @@ from .ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_
 from .jit import JIT
 from .kquant_lanes import (Args, block_lanes, block_scales, chunk_quants, column_sums, column_vector, f32_t, fma_fn,
                            i64c, iq4_quants, isum, pairs, scaled_lanes, spreader, unsigned_quants, weighted_bsums)
-from .kquants import BIT_TYPES, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_activations, route
+from . import quants
+from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_q8_k_row, route
 from .llvm import PREFETCH_AHEAD, byte_ptr, hsum8, i8_dot_lanes, i8_t, i32_t, prefetch, splat, vec
-from .tasks import ROWS_PER_TASK, task_tile
+from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
 T = GGMLType
 
@@ -243,11 +247,35 @@ def _vec_dot(kind, w, off, nblk, yq, yd, ybs, col):
     return _iq4xs_vec(w, off, nblk, yq, yd, ybs, col)
 
 
+@numba.njit(inline="always", **JIT)
+def _quantize_row(kind, x, r, yq, yd, ybs):
+    """Flat activation row r of x (ne13, ne12, ne11, K) into its slice of the flat scratch, in the
+    weights' vec_dot format: q8_0 for IQ4_NL, q8_K (with its 16-element sums) for the others."""
+    ne11, ne12, k = x.shape[2], x.shape[1], x.shape[3]
+    row = x[r // (ne11 * ne12), (r // ne11) % ne12, r % ne11]
+    if kind == TYPE_IQ4_NL:
+        nblk = k // quants.QK
+        quants.quantize_q8_row(row, yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk], yd[r * nblk:(r + 1) * nblk],
+                               False)
+    else:
+        nblk, ngroups = k // QK_K, k // GROUP
+        quantize_q8_k_row(row, yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk], ybs[r * ngroups:(r + 1) * ngroups])
+
+
 @numba.njit(parallel=True, **JIT)
-def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off, yq, yd, ybs, out):
-    """Like _mul_mat_quant: a task's weight rows meet every activation row while they are hot, in
-    tiles of TILE_COLS activation rows on the TILED route; `how` is the route."""
+def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off, x, yq, yd, ybs, out):
+    """Like _mul_mat_quant: the activations x (ne13, ne12, ne11, K) are quantized into the flat scratch
+    first (a decode step's single row without waking the other threads), then a task's weight rows meet
+    every activation row while they are hot, in tiles of TILE_COLS activation rows on the TILED route;
+    `how` is the route."""
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
+    n_rows = ne13 * ne12 * ne11
+    if n_rows >= QUANTIZE_PARALLEL_ROWS:
+        for r in numba.prange(n_rows):
+            _quantize_row(kind, x, r, yq, yd, ybs)
+    else:
+        for r in range(n_rows):
+            _quantize_row(kind, x, r, yq, yd, ybs)
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         tiled = ne11 - ne11 % TILE_COLS if how == TILED else 0
@@ -272,11 +300,20 @@ def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off,
                 out[i13, i12, i11, r] = v1
 
 
-def mul_mat(src0, xs, out) -> None:
-    """MUL_MAT with K-quant/IQ4 weights src0 (a Tensor) and f32 activation rows xs (rows, K) into out
-    (the dst array, whose shape[2] is src1->ne[1], what picks ggml's route)."""
+def bind(src0, x, out):
+    """MUL_MAT of K-quant/IQ4 weights src0 (a Tensor) with the f32 activations x (ne13, ne12, ne11, K,
+    any strides) into out (the dst array, whose shape[2] is src1->ne[1], what picks ggml's route), as a
+    zero-argument call; the quantized activations' scratch is allocated once, here."""
     tt = TYPE_TRAITS[src0.type]
-    yq, yd, ybs = quantize_activations(src0.type, xs)
-    _mul_mat_kquant(int(src0.type), route(src0.type, out.shape[2]), src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1],
-                    src0.ne[2], src0.ne[3], xs.shape[1] // tt.block_size, src0.mem, src0.offset, yq.reshape(-1),
-                    yd.reshape(-1), ybs.reshape(-1), out)
+    k, n_rows = x.shape[3], x.shape[0] * x.shape[1] * x.shape[2]
+    yq = np.empty(n_rows * k, np.int8)
+    yd = np.empty(n_rows * (k // tt.block_size), np.float32)
+    ybs = np.empty(n_rows * (k // GROUP), np.int32)
+    return partial(_mul_mat_kquant, int(src0.type), route(src0.type, out.shape[2]), src0.nb[1], src0.nb[2],
+                   src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], k // tt.block_size, src0.mem, src0.offset, x, yq,
+                   yd, ybs, out)
+
+
+def mul_mat(src0, xs, out) -> None:
+    """bind() run once, for activation rows xs (rows, K) given flat."""
+    bind(src0, xs.reshape(out.shape[0], out.shape[1], out.shape[2], xs.shape[1]), out)()

@@ -174,36 +174,41 @@ def quantize_q8_k_ref(x: np.ndarray):
     return q.reshape(rows, -1), d, bsums
 
 
+@numba.njit(inline="always", **JIT)
+def quantize_q8_k_row(x, qs, d, bsums):
+    """One row of quantize_q8_k_rows: x (k,) float32 -> qs (k,) int8, d (k/256,), bsums (k/16,)."""
+    for b in range(x.shape[0] // QK_K):
+        o = b * QK_K
+        amax = np.float32(0)
+        vmax = np.float32(0)
+        for j in range(QK_K):
+            ax = abs(x[o + j])
+            if ax > amax:
+                amax = ax
+                vmax = x[o + j]
+        if amax == 0:
+            d[b] = 0
+            for j in range(QK_K):
+                qs[o + j] = 0
+            for g in range(QK_K // GROUP):
+                bsums[b * (QK_K // GROUP) + g] = 0
+            continue
+        iscale = np.float32(-127) / vmax
+        for g in range(QK_K // GROUP):
+            total = 0
+            for j in range(o + g * GROUP, o + (g + 1) * GROUP):
+                v = min(np.int32(127), np.int32(np.rint(iscale * x[j])))
+                qs[j] = v
+                total += v
+            bsums[b * (QK_K // GROUP) + g] = total
+        d[b] = np.float32(1) / iscale
+
+
 @numba.njit(parallel=True, **JIT)
 def quantize_q8_k_rows(x, qs, d, bsums):
     """Numba twin of quantize_q8_k_ref, writing into qs, d and bsums."""
-    rows, k = x.shape
-    for r in numba.prange(rows):
-        for b in range(k // QK_K):
-            o = b * QK_K
-            amax = np.float32(0)
-            vmax = np.float32(0)
-            for j in range(QK_K):
-                ax = abs(x[r, o + j])
-                if ax > amax:
-                    amax = ax
-                    vmax = x[r, o + j]
-            if amax == 0:
-                d[r, b] = 0
-                for j in range(QK_K):
-                    qs[r, o + j] = 0
-                for g in range(QK_K // GROUP):
-                    bsums[r, b * (QK_K // GROUP) + g] = 0
-                continue
-            iscale = np.float32(-127) / vmax
-            for g in range(QK_K // GROUP):
-                total = 0
-                for j in range(o + g * GROUP, o + (g + 1) * GROUP):
-                    v = min(np.int32(127), np.int32(np.rint(iscale * x[r, j])))
-                    qs[r, j] = v
-                    total += v
-                bsums[r, b * (QK_K // GROUP) + g] = total
-            d[r, b] = np.float32(1) / iscale
+    for r in numba.prange(x.shape[0]):
+        quantize_q8_k_row(x[r], qs[r], d[r], bsums[r])
 
 
 def quantize_activations(type_: GGMLType, x: np.ndarray):

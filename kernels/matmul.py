@@ -32,14 +32,13 @@ from .node import InvalidNode, Node
 from .fmath import fma32, np_fma
 from .quants import FLOAT_LANES, FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot4
 from .registry import OpKernel, nothing, prepared, register
-from .tasks import ROWS_PER_TASK, task_tile
+from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
 T = GGMLType
 # ggml-cpu's type_traits_cpu[w].vec_dot_type: the format src1 is converted to before the dots
 VEC_DOT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1,
                 T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, **kquants.VEC_DOT_TYPE}
 WEIGHT_TYPES = tuple(VEC_DOT_TYPE)
-QUANTIZE_PARALLEL_ROWS = 4  # activation rows from which their quantization is split across threads
 HINT_SRC0_IS_HADAMARD = 1  # op_params[1]: ggml-cpu would run a Walsh-Hadamard transform instead
 
 
@@ -282,7 +281,7 @@ def prepare(node: Node):
         return run_float
     ne10 = src1.ne[0]
     if src0.type in KQUANT_TYPES:
-        return lambda: kquant_dot.mul_mat(src0, np.ascontiguousarray(x, np.float32).reshape(-1, ne10), out)
+        return kquant_dot.bind(src0, x, out)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     with_sum = VEC_DOT_TYPE[src0.type] == GGMLType.Q8_1
     qs = np.empty(n_rows * ne10, np.int8)  # scratch for the quantized activations, reused every run

@@ -7,6 +7,7 @@ import numba
 from .jit import JIT
 
 ROWS_PER_TASK = 16  # weight rows kept hot in cache while all activation columns stream past
+QUANTIZE_PARALLEL_ROWS = 4  # activation rows from which their quantization is split across threads
 
 
 @numba.njit(inline="always", **JIT)
