@@ -19,7 +19,7 @@ from .jit import JIT
 from .fmath import fma32, hsum16, round_f16
 from .ggml import TYPE_F16, TYPE_F32
 from .quants import FLOAT_LANES
-from .float_dot512 import tail_sum
+from .float_dot512 import tail_sum, vec_f16_lanes16, vec_f32_lanes16
 from .storage import contiguous_row, load_f32
 from .vec import NEG_INF
 
@@ -28,15 +28,6 @@ F32 = np.float32
 _f16_lanes, _f32_lanes = FLOAT_LANES[TYPE_F16][1], FLOAT_LANES[TYPE_F32][1]
 
 BLOCK_KV = 256  # kv positions whose scores one_chunk computes at a time (bounds its scratch)
-
-
-@numba.njit(inline="always", **JIT)
-def _fma_steps(krow, kkind, q, acc, nb, step):
-    """The SIMD part of ggml_vec_dot_f16/_f32: acc[t] sums elements t, t + step, ... below nb (FMA)."""
-    acc[:step] = 0
-    for i in range(0, nb, step):
-        for t in range(step):
-            acc[t] = fma32(load_f32(krow[i + t], kkind), q[i + t], acc[t])
 
 
 @numba.njit(inline="always", **JIT)
@@ -52,15 +43,16 @@ def dot_kq(krow, kkind, q, acc, lanes):
     dk = q.shape[0]
     step = 4 * lanes
     nb = dk - dk % step
-    if lanes == 8:  # the 8-lane vector code MUL_MAT uses (quants.FLOAT_LANES: 4 accumulators, reduced)
+    if lanes == 8:  # the vector code MUL_MAT uses (4 accumulators, reduced lane-wise)
         a0, a1, a2, a3, a4, a5, a6, a7 = _f16_lanes(krow, 0, q, 0, nb // step) if kkind == TYPE_F16 else \
             _f32_lanes(krow, 0, q, 0, nb // step)
         s = ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))
-        return tail_sum(kkind, krow, 0, 1, q, 0, nb, dk, s)
-    _fma_steps(krow, kkind, q, acc, nb, 64)  # a literal step, so that the loop vectorizes with a known trip count
-    for t in range(lanes):
-        acc[t] = (acc[t] + acc[2 * lanes + t]) + (acc[lanes + t] + acc[3 * lanes + t])
-    s = hsum16(acc, 0)
+    else:
+        if kkind == TYPE_F16:
+            vec_f16_lanes16(krow, 0, q, 0, nb // step, acc)
+        else:
+            vec_f32_lanes16(krow, 0, q, 0, nb // step, acc)
+        s = hsum16(acc, 0)
     return tail_sum(kkind, krow, 0, 1, q, 0, nb, dk, s)
 
 
@@ -123,10 +115,13 @@ def accumulate(scores, b0, b1, v2, vkind, mrow, mkind, has_mask, slope, scale, s
 def row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v, vkq,
                   lanes):
     """Online softmax of one query over kv positions [ic0, ic1): fills vkq (unnormalized), returns (M, S).
-    The usual F16 cache on 8 lanes gets code of its own, compiled with the kinds known."""
-    if kkind == TYPE_F16 and vkind == TYPE_F16 and mkind == TYPE_F16 and f16_v and lanes == 8:
+    The usual F16 cache gets code of its own, compiled with the kinds known."""
+    if kkind == TYPE_F16 and vkind == TYPE_F16 and mkind == TYPE_F16 and f16_v:
+        if lanes == 8:
+            return _row_one_chunk(qrow, k2, TYPE_F16, v2, TYPE_F16, mrow, TYPE_F16, has_mask, slope, scale, softcap,
+                                  ic0, ic1, True, vkq, 8)
         return _row_one_chunk(qrow, k2, TYPE_F16, v2, TYPE_F16, mrow, TYPE_F16, has_mask, slope, scale, softcap,
-                              ic0, ic1, True, vkq, 8)
+                              ic0, ic1, True, vkq, 16)
     return _row_one_chunk(qrow, k2, kkind, v2, vkind, mrow, mkind, has_mask, slope, scale, softcap, ic0, ic1, f16_v,
                           vkq, lanes)
 

@@ -93,6 +93,7 @@ def _make_lanes16(typ: GGMLType, ways: int, pairs: bool):
 
 T = GGMLType
 _vec_f32, _vec_f16 = _make_lanes16(T.F32, 4, False), _make_lanes16(T.F16, 4, False)
+vec_f32_lanes16, vec_f16_lanes16 = _vec_f32, _vec_f16  # ggml_vec_dot_f32/_f16's 4x16 lanes (attention's K.Q too)
 _vec_bf16, _vec_bf16_pairs = _make_lanes16(T.BF16, 2, False), _make_lanes16(T.BF16, 2, True)
 _tiny_f32, _tiny_f16 = _make_lanes16(T.F32, 1, False), _make_lanes16(T.F16, 1, False)
 _tiny_bf16, _tiny_bf16_pairs = _make_lanes16(T.BF16, 1, False), _make_lanes16(T.BF16, 1, True)
