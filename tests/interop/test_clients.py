@@ -99,20 +99,38 @@ def serve(bin_dir, model_path, worker, log_path, n_parallel: int, extra: list, r
         server.stop()
 
 
+def batched_completions(server: LlamaServer) -> list[str]:
+    """The four prompts in one /completion request: the slots start together, so every step's batch is
+    the same from run to run (separate requests race, and K-quant products round by batch size)."""
+    reply = post(server, "/completion", {"prompt": SERVER_PROMPTS, "n_predict": 32, "temperature": 0})
+    return [r["content"] for r in reply]
+
+
 @pytest.mark.parametrize("n_parallel", [1, 4])
 def test_server_concurrent_completions(bin_dir, model_path, worker, reference_worker, tmp_path, n_parallel):
-    def runs(server):
-        return [concurrent_completions(server) for _ in range(SERVER_RUNS)]
+    assert_completions_match(bin_dir, model_path, worker, reference_worker, tmp_path, n_parallel,
+                             concurrent_completions, SERVER_RUNS)
 
-    expected = serve(bin_dir, model_path, reference_worker, tmp_path / "reference.log", n_parallel, [], runs)
-    got = serve(bin_dir, model_path, worker, tmp_path / "worker.log", n_parallel, [], runs)
+
+def test_server_batched_completions_gemma3(bin_dir, gemma3_path, worker, reference_worker, tmp_path):
+    """Four slots of Gemma 3 270M Q4_K_M: K-quant matrices at a batch size that shrinks as slots finish,
+    sliding-window layers, a Q8_0 embedding as the output head."""
+    assert_completions_match(bin_dir, gemma3_path, worker, reference_worker, tmp_path, 4, batched_completions, 2)
+
+
+def assert_completions_match(bin_dir, model_path, worker, reference_worker, tmp_path, n_parallel, texts, runs):
+    def requests(server):
+        return [texts(server) for _ in range(runs)]
+
+    expected = serve(bin_dir, model_path, reference_worker, tmp_path / "reference.log", n_parallel, [], requests)
+    got = serve(bin_dir, model_path, worker, tmp_path / "worker.log", n_parallel, [], requests)
     for i, prompt in enumerate(SERVER_PROMPTS):
         assert expected[0][i].strip(), f"the reference worker gave no text for {prompt!r}"
-        for run in range(1, SERVER_RUNS):  # the harness itself: llama.cpp's worker is deterministic
+        for run in range(1, runs):  # the harness itself: llama.cpp's worker is deterministic
             assert expected[run][i] == expected[0][i], (f"reference worker, run {run}, prompt {prompt!r}: "
                                                         + text_diff(expected[0][i], expected[run][i], "run 0"))
     mismatches = [f"run {run}, prompt {prompt!r}: " + text_diff(expected[0][i], got[run][i], "reference", "ours")
-                  for run in range(SERVER_RUNS) for i, prompt in enumerate(SERVER_PROMPTS)
+                  for run in range(runs) for i, prompt in enumerate(SERVER_PROMPTS)
                   if got[run][i] != expected[0][i]]
     assert not mismatches, f"{len(mismatches)} texts differ with -np {n_parallel}:\n" + "\n".join(mismatches)
 
