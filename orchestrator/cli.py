@@ -71,6 +71,10 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
 @click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
               help="flash attention (auto = on)")
+@click.option("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f32, f16, q8_0, q4_0, q4_1, iq4_nl, "
+              "q5_0 or q5_1")
+@click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs flash "
+              "attention)")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template as a user message")
 @click.option("-sys", "--system-prompt", default=None, help="system message for --chat")
 @click.option("--display-prompt/--no-display-prompt", default=True, help="echo the prompt on stdout")
@@ -126,13 +130,13 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
              temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
-             chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
+             cache_type_k, cache_type_v, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
     from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
     from orchestrator.model import ModelFile  # noqa: PLC0415
     from orchestrator.ring import Ring  # noqa: PLC0415
-    from orchestrator.runner import Pipeline, context_size  # noqa: PLC0415
+    from orchestrator.runner import Pipeline, cache_type, context_size  # noqa: PLC0415
     from orchestrator.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplingParams  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
 
@@ -169,7 +173,11 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     except ValueError as exc:
         raise CliError(f"invalid sampling parameters: {exc}") from None
 
-    pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off")
+    try:
+        pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
+                        cache_type_k=cache_type(cache_type_k), cache_type_v=cache_type(cache_type_v))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         pipe.connect(endpoints)
         pipe.place(parse_tensor_split(tensor_split))

@@ -9,11 +9,16 @@ shapes exactly is what makes the generated tokens identical to its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from orchestrator.ggml_graph import GGML_PREC_F32, Graph, Tensor, new_tensor
 from orchestrator.model import HParams
-from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, GGMLType, row_size
+from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLType, row_size
+
+HINT_SRC0_IS_HADAMARD = 1  # MUL_MAT op_params[1], ggml_mul_mat_set_hint
 
 @dataclass(frozen=True)
 class Shape:
@@ -29,6 +34,34 @@ class StageGraph:
     graph: Graph
     inputs: dict[str, Tensor]  # name -> input tensor the runner fills before each compute
     output: Tensor  # the activation handed to the next stage, or the logits
+    constants: dict[str, np.ndarray] = field(default_factory=dict)  # inputs whose values never change
+
+
+def rotation_sizes(head_dim_k: int, head_dim_v: int, type_k: GGMLType, type_v: GGMLType) -> tuple[int, int]:
+    """llama.cpp's attention rotation for a quantized KV cache (llama_kv_cache: n_rot_k, n_rot_v; 0 = none):
+    Q and K, V, and the attention output are multiplied by an orthonormal Walsh-Hadamard matrix so that
+    quantizing the cache loses less. K's rotation is the largest power of 2 from 64 dividing the head
+    size, V's is 64; either only where the head size is a multiple of 64."""
+    def size(head_dim: int, type_: GGMLType, grow: bool) -> int:
+        if TYPE_TRAITS[type_].block_size == 1 or head_dim % 64:
+            return 0
+        n = 64
+        while grow and head_dim % (2 * n) == 0:
+            n *= 2
+        return n
+
+    return size(head_dim_k, type_k, True), size(head_dim_v, type_v, False)
+
+
+def hadamard(n: int) -> np.ndarray:
+    """ggml_gen_hadamard: the n x n Sylvester matrix scaled by 1/sqrt(n) (float32, as llama.cpp fills it)."""
+    i = np.arange(n)
+    bits, parity = i[:, None] & i[None, :], np.zeros((n, n), np.int64)  # entry (i, j): sign of popcount(i & j)
+    while bits.any():
+        parity ^= bits & 1
+        bits >>= 1
+    scale = np.float32(1.0 / float(np.sqrt(np.float32(n))))
+    return np.where(parity == 1, -scale, scale).astype(np.float32)
 
 
 class LayerBuilder:
@@ -37,6 +70,8 @@ class LayerBuilder:
     def __init__(self, hp: HParams, weights: dict[str, Tensor], kv: dict[int, tuple[Tensor, Tensor]],
                  flash_attn: bool):
         self.hp, self.w, self.kv, self.flash_attn = hp, weights, kv, flash_attn
+        kv_types = next(((k.type, v.type) for k, v in kv.values()), (GGMLType.F16, GGMLType.F16))
+        self.rotations = rotation_sizes(hp.head_dim_k, hp.head_dim_v, *kv_types)
 
     def build(self, blocks: range, shape: Shape, *, token_ids: bool = False, greedy: bool = False,
               logit_bias: bool = False) -> StageGraph:
@@ -45,6 +80,7 @@ class LayerBuilder:
         hp, g = self.hp, Graph()
         n_tokens = shape.n_tokens
         inputs: dict[str, Tensor] = {}
+        constants: dict[str, np.ndarray] = {}
         layers = [il for il in blocks if il < hp.n_layer]
         # a stage holding only the output head receives the rows already picked by out_ids
         n_rows = n_tokens if layers else shape.n_outputs
@@ -59,6 +95,10 @@ class LayerBuilder:
             inputs["v_idxs"] = new_tensor(GGMLType.I64, (n_v_idxs,), "attn_inp_v_idxs")
             mask_type = GGMLType.F16 if self.flash_attn else GGMLType.F32
             inputs["kq_mask"] = new_tensor(mask_type, (shape.n_kv, n_tokens, 1, 1), "attn_inp_kq_mask")
+            for name, n in zip(("k_rot", "v_rot"), self.rotations):
+                if n:
+                    inputs[name] = new_tensor(GGMLType.F32, (n, n), f"attn_inp_{name}")
+                    constants[name] = hadamard(n)
         if hp.n_layer - 1 in layers:
             inputs["out_ids"] = new_tensor(GGMLType.I32, (shape.n_outputs,), "out_ids")
 
@@ -81,7 +121,7 @@ class LayerBuilder:
         for t in inputs.values():
             t.flags |= FLAG_INPUT
         cur.flags |= FLAG_OUTPUT
-        return StageGraph(g, inputs, cur)
+        return StageGraph(g, inputs, cur, constants)
 
     def _output_weight(self) -> Tensor:
         output = self.w.get("output.weight")
@@ -133,30 +173,43 @@ class LayerBuilder:
         return g.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_mode, hp.n_ctx_orig, hp.rope_freq_base,
                           hp.rope_freq_scale, hp.rope_ext_factor, 1.0, 32.0, 1.0, name)
 
+    @staticmethod
+    def _rotate(g: Graph, x: Tensor, rot: Tensor) -> Tensor:
+        """llama_mul_mat_hadamard: x's rows of rot.ne[0] elements times the rotation, x's shape kept."""
+        n, count = rot.ne[0], x.ne[0] * x.ne[1] * x.ne[2] * x.ne[3]
+        rows = g.reshape(x, n, count // n) if x.is_contiguous() else g.cont(x, (n, count // n))
+        res = g.mul_mat(rot, rows)
+        res.op_params = struct.pack("<ii", 0, HINT_SRC0_IS_HADAMARD)
+        return g.reshape(res, *x.ne)
+
     def _attention(self, g: Graph, il: int, q: Tensor, k: Tensor, v: Tensor, inputs: dict[str, Tensor],
                    shape: Shape) -> Tensor:
         """llama.cpp's build_attn with a unified KV cache: store this batch's K/V, attend over n_kv cells."""
         hp, (k_cache, v_cache) = self.hp, self.kv[il]
         n_tokens, n_kv = shape.n_tokens, shape.n_kv
         kv_size = k_cache.ne[1]
-        f16 = GGMLType.F16
+        kt, vt = k_cache.type, v_cache.type  # -ctk / -ctv (a quantized V needs flash attention)
+        if "k_rot" in inputs:
+            q, k = self._rotate(g, q, inputs["k_rot"]), self._rotate(g, k, inputs["k_rot"])
+        if "v_rot" in inputs:
+            v = self._rotate(g, v, inputs["v_rot"])
 
         g.set_rows(k_cache, g.view(k, (hp.n_embd_k_gqa, n_tokens), (k.nb[2],), 0), inputs["k_idxs"])
         k_all = g.view(k_cache, (hp.head_dim_k, hp.n_head_kv, n_kv, 1),
-                       (row_size(f16, hp.head_dim_k), row_size(f16, hp.n_embd_k_gqa),
-                        row_size(f16, hp.n_embd_k_gqa * kv_size)), 0)
+                       (row_size(kt, hp.head_dim_k), row_size(kt, hp.n_embd_k_gqa),
+                        row_size(kt, hp.n_embd_k_gqa * kv_size)), 0)
         if self.flash_attn:
             g.set_rows(v_cache, g.view(v, (hp.n_embd_v_gqa, n_tokens), (v.nb[2],), 0), inputs["v_idxs"])
             v_all = g.view(v_cache, (hp.head_dim_v, hp.n_head_kv, n_kv, 1),
-                           (row_size(f16, hp.head_dim_v), row_size(f16, hp.n_embd_v_gqa),
-                            row_size(f16, hp.n_embd_v_gqa * kv_size)), 0)
+                           (row_size(vt, hp.head_dim_v), row_size(vt, hp.n_embd_v_gqa),
+                            row_size(vt, hp.n_embd_v_gqa * kv_size)), 0)
         else:  # the V cache is transposed: one set_rows row per element
             v_rows = g.reshape(v, hp.n_embd_v_gqa, n_tokens)
             g.set_rows(g.reshape(v_cache, 1, hp.n_embd_v_gqa * kv_size), g.reshape(v_rows, 1, hp.n_embd_v_gqa * n_tokens),
                        inputs["v_idxs"])
             v_all = g.view(v_cache, (n_kv, hp.n_head_kv, hp.head_dim_v, 1),
-                           (row_size(f16, kv_size * hp.head_dim_v), row_size(f16, kv_size),
-                            row_size(f16, kv_size * hp.n_embd_v_gqa)), 0)
+                           (row_size(vt, kv_size * hp.head_dim_v), row_size(vt, kv_size),
+                            row_size(vt, kv_size * hp.n_embd_v_gqa)), 0)
 
         q = g.view(q, q.ne, (q.nb[1], q.nb[2], q.nb[2] * q.ne[2]), 0)
         q = g.permute(q, 0, 2, 1, 3)
@@ -165,7 +218,8 @@ class LayerBuilder:
         mask = inputs["kq_mask"]
         if self.flash_attn:
             cur = g.flash_attn_ext(q, k_all, v_all, mask, self.hp.kq_scale)
-            return g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+            cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+            return self._rotate(g, cur, inputs["v_rot"]) if "v_rot" in inputs else cur
         kq = g.mul_mat(k_all, q, f"kq-{il}")
         kq.op_params = GGML_PREC_F32.to_bytes(4, "little")
         kq = g.soft_max_ext(kq, mask, self.hp.kq_scale, 0.0, f"kq_soft_max-{il}")

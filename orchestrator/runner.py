@@ -31,7 +31,7 @@ from orchestrator.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_prob
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
 from kernels.hashing import fnv1a64
-from kernels.ggml import GGMLType
+from kernels.ggml import TYPE_TRAITS, GGMLType
 
 KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
 GRAPH_CACHE = 16  # graphs a stage keeps built
@@ -43,10 +43,36 @@ def context_size(requested: int, n_ctx_train: int) -> int:
     return round_up(requested or n_ctx_train, KV_PAD)
 
 
+CACHE_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.IQ4_NL,
+               GGMLType.Q5_0, GGMLType.Q5_1)  # -ctk/-ctv: llama.cpp's list less BF16, which our workers lack
+
+
+def cache_type(name: str) -> GGMLType:
+    """A -ctk/-ctv value (llama.cpp's lower-case type names) as a cache type."""
+    found = next((t for t in CACHE_TYPES if t.name.lower() == name.lower()), None)
+    if found is None:
+        raise ValueError(f"unsupported cache type '{name}'; allowed: "
+                         + ", ".join(t.name.lower() for t in CACHE_TYPES))
+    return found
+
+
+def check_cache_types(hp, type_k: GGMLType, type_v: GGMLType, flash_attn: bool) -> tuple[GGMLType, GGMLType]:
+    """The KV cache types if llama.cpp would take them (ValueError otherwise, in its words)."""
+    for which, type_, width in (("K", type_k, hp.n_embd_k_gqa), ("V", type_v, hp.n_embd_v_gqa)):
+        if type_ not in CACHE_TYPES:
+            raise ValueError(f"unsupported {which} cache type {type_.name}")
+        if width % TYPE_TRAITS[type_].block_size:
+            raise ValueError(f"{which} cache type {type_.name} needs rows of whole blocks; this model's are {width}")
+    if TYPE_TRAITS[type_v].block_size > 1 and not flash_attn:
+        raise ValueError("V cache quantization requires flash_attn")
+    return type_k, type_v
+
+
 class Stage:
     """One worker, the blocks it owns, and its three buffers: weights, KV cache, compute."""
 
-    def __init__(self, client: RpcClient, blocks: range, model: ModelFile, kv_size: int, flash_attn: bool):
+    def __init__(self, client: RpcClient, blocks: range, model: ModelFile, kv_size: int, flash_attn: bool,
+                 cache_types: tuple[GGMLType, GGMLType] = (GGMLType.F16, GGMLType.F16)):
         self.client, self.blocks, self.model = client, blocks, model
         self.endpoint = client.endpoint
         self.alignment = client.alignment()
@@ -58,8 +84,8 @@ class Stage:
                 info = model.weights[name]
                 self.weights[name] = new_tensor(info.type, info.ne, name)
         self.kv: dict[int, tuple[Tensor, Tensor]] = {
-            il: (new_tensor(GGMLType.F16, (hp.n_embd_k_gqa, kv_size, 1), f"cache_k_l{il}"),
-                 new_tensor(GGMLType.F16, (hp.n_embd_v_gqa, kv_size, 1), f"cache_v_l{il}"))
+            il: (new_tensor(cache_types[0], (hp.n_embd_k_gqa, kv_size, 1), f"cache_k_l{il}"),
+                 new_tensor(cache_types[1], (hp.n_embd_v_gqa, kv_size, 1), f"cache_v_l{il}"))
             for il in blocks if il < hp.n_layer
         }
         self.builder = LayerBuilder(hp, self.weights, self.kv, flash_attn)
@@ -134,7 +160,7 @@ class Stage:
         (they keep their value from step to step); computes without waiting. With `wait_step`, the
         computation waits on the worker for the push of that step (WAIT_PUSH, whose reply the caller
         reads); the inputs go before it, so they land while the previous stage still computes."""
-        values = {**feed, **(sticky or {})} if self.fresh else feed
+        values = {**feed, **(sticky or {}), **self.graph.constants} if self.fresh else feed
         for name, tensor in self.graph.inputs.items():
             if name in values:
                 data = np.ascontiguousarray(values[name])
@@ -188,7 +214,9 @@ class Pipeline:
         pipe.close()
     """
 
-    def __init__(self, model: ModelFile, *, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool):
+    def __init__(self, model: ModelFile, *, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool,
+                 cache_type_k: GGMLType = GGMLType.F16, cache_type_v: GGMLType = GGMLType.F16):
+        self.cache_types = check_cache_types(model.hparams, cache_type_k, cache_type_v, flash_attn)
         self.model = model
         self.n_ctx = context_size(n_ctx, model.hparams.n_ctx_train)
         self.n_batch = n_batch
@@ -239,7 +267,7 @@ class Pipeline:
             raise PlacementError(f"--tensor-split has {len(shares)} values for {len(self.clients)} workers")
         ranges = split_blocks(hp.n_layer, shares)
         placed = [(c, r, free) for c, r, (free, _) in zip(self.clients, ranges, memory) if r]
-        self.stages = [Stage(c, r, self.model, self.n_ctx, self.flash_attn) for c, r, _ in placed]
+        self.stages = [Stage(c, r, self.model, self.n_ctx, self.flash_attn, self.cache_types) for c, r, _ in placed]
         worst = Shape(self.n_ubatch, self.n_ctx, 1)
         self.plans = [StagePlan(s.endpoint, s.blocks, free, s.weight_bytes, s.kv_bytes, s.compute_bytes(worst))
                       for s, (_, _, free) in zip(self.stages, placed)]

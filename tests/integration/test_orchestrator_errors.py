@@ -141,3 +141,10 @@ def test_worker_lost_mid_generation(model, tmp_path):
 def test_invalid_sampling_parameters(model, flags, needle):
     done = orchestrator("--rpc", "127.0.0.1:1", "-m", model, "-p", "hi", *flags)
     assert_clean_failure(done, "invalid sampling parameters", needle)
+
+
+@pytest.mark.parametrize("flags,needle", [(["-ctv", "q8_0", "-fa", "off"], "V cache quantization requires flash_attn"),
+                                          (["-ctk", "q3_k"], "unsupported cache type 'q3_k'")])
+def test_invalid_cache_types(model, flags, needle):
+    done = orchestrator("--rpc", "127.0.0.1:1", "-m", model, "-p", "hi", *flags)
+    assert_clean_failure(done, needle)

@@ -72,6 +72,16 @@ def test_synthetic_architecture(model_path, mixed_pair, cpu_text, tmp_path, arch
     assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")
 
 
+def test_quantized_kv_cache(model_path, mixed_pair, cpu_text):
+    """-ctk/-ctv q8_0: SET_ROWS quantizes each new K and V row into the cache, flash attention reads them, and
+    Q, K, V and the attention output go through llama.cpp's Hadamard rotation (head size 64)."""
+    args = ["-m", model_path, "-p", PROMPTS["list"], "-n", N_PREDICT, "--temp", 0, "--ignore-eos", "-ctk", "q8_0",
+            "-ctv", "q8_0"]
+    expected = cpu_text(args)
+    done = run_orchestrator(["--rpc", ",".join(w.address for w in mixed_pair), *args], mixed_pair)
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")
+
+
 # -- placement -------------------------------------------------------------------------------------------
 
 LLAMA_ASSIGN_RE = re.compile(r"layer\s+(\d+) assigned to device RPC(\d+)")
