@@ -7,7 +7,8 @@ import importlib
 
 from .node import InvalidNode, Node, Tensor  # noqa: F401
 
-OP_MODULES = ("matmul", "get_rows", "elementwise", "glu", "norm", "rope", "softmax", "attention", "copy", "shape_ops")
+OP_MODULES = ("matmul", "moe", "sort", "reduce", "get_rows", "elementwise", "glu", "norm", "rope", "softmax", "attention",
+              "copy", "shape_ops")
 
 
 def load_all() -> None:

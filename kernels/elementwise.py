@@ -1,4 +1,4 @@
-"""Element-wise ops: ADD/SUB/MUL/DIV with broadcasting, SCALE, SQR/SQRT and UNARY (GLU is in glu.py).
+"""Element-wise ops: ADD/SUB/MUL/DIV with broadcasting, SCALE, CLAMP, SQR/SQRT and UNARY (GLU is in glu.py).
 
 Arithmetic follows ggml-cpu as built here (x86-64, GCC with contraction on), for the node's target:
 - SILU (and SWIGLU) run ggml's vector `ggml_v_silu` on each full group of `target.lanes` elements of a
@@ -8,6 +8,7 @@ Arithmetic follows ggml-cpu as built here (x86-64, GCC with contraction on), for
 - GELU and GELU_QUICK (and GEGLU, GEGLU_QUICK) read a 65536-entry F16 table indexed by the input
   rounded to F16 (GGML_GELU_FP16); GELU passes inputs beyond +-10 through without the table.
 - SCALE with a bias is a fused multiply-add.
+- CLAMP is ggml's MAX(MIN(x, max), min) with the C macros' comparisons, so NaN becomes max.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def _clamp01(t):
 
 
 @numba.njit(inline="always", **JIT)
+def _clamp(x, lo, hi):
+    """MAX(MIN(x, hi), lo) with ggml's macros: MIN(a, b) = a < b ? a : b, MAX(a, b) = a > b ? a : b."""
+    t = x if x < hi else hi
+    return t if t > lo else lo
+
+
+@numba.njit(inline="always", **JIT)
 def _roundf(x):
     """C roundf: halfway cases away from zero."""
     t = np.trunc(x)
@@ -53,6 +61,7 @@ def _roundf(x):
 
 U = GGMLUnaryOp
 _SCALE = 1002  # private code for GGML_OP_SCALE (SQR/SQRT: activations.SQR/SQRT)
+_CLAMP = 1003  # private code for GGML_OP_CLAMP: op_params (min, max) travel as (s, bias)
 
 # sub-ops whose forward is a plain per-element f32 function (SILU/GELU* need row context or tables)
 _UNARY_SUPPORTED = (
@@ -65,6 +74,8 @@ _UNARY_SUPPORTED = (
 def _unary_scalar(op, x, gelu_tab, quick_tab, s, bias):
     if op == _SCALE:  # with a bias ggml fuses the multiply-add
         return x * s if bias == F32(0.0) else fma32(x, s, bias)
+    if op == _CLAMP:
+        return _clamp(x, s, bias)
     if op == U.ABS:
         return abs(x)
     if op == U.SGN:
@@ -131,7 +142,8 @@ def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, lanes):
 
 
 def _unary_code(node: Node) -> int:
-    return {GGMLOp.SQR: _SQR, GGMLOp.SQRT: _SQRT, GGMLOp.SCALE: _SCALE}.get(node.op) or node.param_i32(0)
+    return {GGMLOp.SQR: _SQR, GGMLOp.SQRT: _SQRT, GGMLOp.SCALE: _SCALE, GGMLOp.CLAMP: _CLAMP}.get(node.op) or \
+        node.param_i32(0)
 
 
 def _check_unary(node: Node) -> None:
@@ -153,7 +165,7 @@ def _prepare_unary(node: Node):
         return nothing
     gelu, quick = gelu_tables()
     code = _unary_code(node)
-    s, bias = (F32(node.param_f32(0)), F32(node.param_f32(1))) if code == _SCALE else (F32(1.0), F32(0.0))
+    s, bias = (F32(node.param_f32(0)), F32(node.param_f32(1))) if code in (_SCALE, _CLAMP) else (F32(1.0), F32(0.0))
     parallel = st.parallel_worthwhile(src.size, cost=1 if code == _SCALE else 8)
     return partial(_unary_rows, code, src, node.dst.array(), gelu, quick, s, bias, node.target.lanes, parallel)
 
@@ -295,3 +307,25 @@ def _reference_scale(node: Node) -> None:
 
 
 register(GGMLOp.SCALE)(OpKernel(_check_scale, _forward_unary, _reference_scale, _prepare_unary))
+
+
+# ---------------------------------------------------------------------------------------------
+# CLAMP: dst = MAX(MIN(src, max), min); the forward is the unary map's. ggml walks the rows of the flattened
+# source at j * nb01, which is the 4-D walk when the rows are evenly spaced; others are refused.
+
+
+def _check_clamp(node: Node) -> None:
+    _check_unary(node)
+    for t in (node.src[0], node.dst):
+        if (t.ne[2] != 1 and t.nb[2] != t.ne[1] * t.nb[1]) or (t.ne[3] != 1 and t.nb[3] != t.ne[2] * t.nb[2]):
+            raise InvalidNode("CLAMP: rows must be evenly spaced in dims 1..3")
+
+
+def _reference_clamp(node: Node) -> None:
+    x = node.src[0].array()
+    lo, hi = F32(node.param_f32(0)), F32(node.param_f32(1))
+    t = np.where(x < hi, x, hi)
+    node.dst.array()[...] = np.where(t > lo, t, lo)
+
+
+register(GGMLOp.CLAMP)(OpKernel(_check_clamp, _forward_unary, _reference_clamp, _prepare_unary))

@@ -1,17 +1,21 @@
-"""Write small random-weight GGUF models (llama, qwen2, qwen3, phi3, mistral3) that the pinned llama.cpp runs.
+"""Write small random-weight GGUF models (llama, qwen2, qwen3, qwen3moe, phi3, mistral3) that the pinned llama.cpp runs.
 
 The tests need models of architectures other than the SmolLM2 one that ships as a package; none can be
 downloaded, so we make them: the tokenizer is copied from the SmolLM2 GGUF and the weights are seeded
 random numbers, scaled so activations stay finite and greedy decoding does not collapse to one token.
 
     python -m tools.make_model --arch qwen3 --head-dim 96 -o /tmp/qwen3.gguf
+    python -m tools.make_model --arch qwen3moe --n-expert 8 --n-expert-used 2 --n-ff 256 --weight-type Q4_K -o /tmp/moe.gguf
 
 Tensor names come from gguf-py's tables; shapes and optional tensors follow llama.cpp's
-load_arch_tensors for each architecture (src/models/{llama,qwen2,qwen3,phi3,mistral3}.cpp).
+load_arch_tensors for each architecture (src/models/{llama,qwen2,qwen3,qwen3moe,phi3,mistral3}.cpp).
+K-quant weights are quantized by the pinned libggml-base's own ggml_quantize_chunk (gguf-py has no
+K-quant quantizer), so those types need the reference installed.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import sys
 from dataclasses import dataclass
@@ -38,12 +42,15 @@ class ArchSpec:
     fused_qkv: bool = False  # one attn_qkv matrix; llama.cpp splits its product into Q/K/V views (phi3)
     fused_gate_up: bool = False  # ffn_up is [gate; up] (2 * n_ff rows), no ffn_gate; SWIGLU splits it (phi3)
     rope_freqs: bool = False  # rope_freqs.weight: per-pair frequency divisors ROPE takes as src[2] (mistral3)
+    moe: bool = False        # a router ffn_gate_inp and 3-D ffn_{gate,up,down}_exps instead of the dense FFN
 
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=True, tied_output=True),
     "qwen2": ArchSpec(pre_tokenizer="qwen2", qkv_bias=True, qk_norm=False, free_head_dim=False, tied_output=False),
     "qwen3": ArchSpec(pre_tokenizer="qwen2", qkv_bias=False, qk_norm=True, free_head_dim=True, tied_output=True),
+    "qwen3moe": ArchSpec(pre_tokenizer="qwen2", qkv_bias=False, qk_norm=True, free_head_dim=True, tied_output=True,
+                         moe=True),
     "phi3": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=False, tied_output=False,
                      fused_qkv=True, fused_gate_up=True),
     "mistral3": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=True,
@@ -56,7 +63,10 @@ WEIGHT_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "Q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "Q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     "Q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "Q4_K": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "Q6_K": (GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K),
 }
+GGML_QUANTIZED = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K}  # types gguf-py cannot quantize
 
 # Copied from the vocabulary donor as they are (when present); the pre-tokenizer is set per arch instead.
 TOKENIZER_KEYS = (
@@ -79,7 +89,7 @@ class Tensor:
     """One tensor to write: `shape` in GGUF order (ne0 first, the row length), `kind` picks init and type."""
     name: str
     shape: tuple[int, ...]
-    kind: str  # "matrix" | "embedding" | "norm" | "bias" | "rope_freqs"
+    kind: str  # "matrix" | "router" | "embedding" | "norm" | "bias" | "rope_freqs"
 
 
 def tensor_name(tensor: MODEL_TENSOR, suffix: str, layer: int | None = None) -> str:
@@ -88,8 +98,9 @@ def tensor_name(tensor: MODEL_TENSOR, suffix: str, layer: int | None = None) -> 
 
 
 def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,
-                 n_ff: int, n_vocab: int) -> list[Tensor]:
-    """Every tensor of the model, with the shapes llama.cpp's load_arch_tensors checks."""
+                 n_ff: int, n_vocab: int, n_expert: int = 0) -> list[Tensor]:
+    """Every tensor of the model, with the shapes llama.cpp's load_arch_tensors checks (n_ff: the
+    expert FFN width of a MoE arch)."""
     spec = ARCHS[arch]
     n_q, n_kv = head_dim * n_head, head_dim * n_head_kv
     T = MODEL_TENSOR
@@ -116,6 +127,12 @@ def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
                      Tensor(tensor_name(T.ATTN_K_NORM, "weight", i), (head_dim,), "norm")]
         plan += [Tensor(tensor_name(T.ATTN_OUT, "weight", i), (n_q, n_embd), "matrix"),
                  Tensor(tensor_name(T.FFN_NORM, "weight", i), (n_embd,), "norm")]
+        if spec.moe:  # the router stays F32, as llama.cpp's converters and llama-quantize leave it
+            plan += [Tensor(tensor_name(T.FFN_GATE_INP, "weight", i), (n_embd, n_expert), "router"),
+                     Tensor(tensor_name(T.FFN_GATE_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
+                     Tensor(tensor_name(T.FFN_UP_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
+                     Tensor(tensor_name(T.FFN_DOWN_EXP, "weight", i), (n_ff, n_embd, n_expert), "matrix")]
+            continue
         if spec.fused_gate_up:
             plan.append(Tensor(tensor_name(T.FFN_UP, "weight", i), (n_embd, 2 * n_ff), "matrix"))
         else:
@@ -133,7 +150,7 @@ def random_values(tensor: Tensor, rng: np.random.Generator) -> np.ndarray:
     embedding-dominated residual would just predict the token it was fed). Norm weights sit near 1.
     """
     shape = tensor.shape[::-1]
-    if tensor.kind == "matrix":
+    if tensor.kind in ("matrix", "router"):
         return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(tensor.shape[0]))
     if tensor.kind == "embedding":
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
@@ -170,9 +187,11 @@ def copy_tokenizer(writer: gguf.GGUFWriter, vocab_from: Path) -> int:
 
 
 def check_arguments(arch: str, n_embd: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
-                    qtype: GGMLQuantizationType) -> None:
+                    qtype: GGMLQuantizationType, n_expert: int = 0, n_expert_used: int = 0) -> None:
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}; expected one of {sorted(ARCHS)}")
+    if ARCHS[arch].moe and not 0 < n_expert_used <= n_expert:
+        raise ValueError(f"{arch} needs 0 < n_expert_used <= n_expert (got {n_expert_used}, {n_expert})")
     if n_head % n_head_kv:
         raise ValueError(f"n_head={n_head} must be a multiple of n_head_kv={n_head_kv}")
     if not ARCHS[arch].free_head_dim and head_dim * n_head != n_embd:
@@ -185,16 +204,36 @@ def check_arguments(arch: str, n_embd: int, n_head: int, n_head_kv: int, head_di
             raise ValueError(f"{what}={row} is not a multiple of the {qtype.name} block size {block}")
 
 
+def ggml_quantize(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Rows of `values` quantized by the pinned libggml-base's ggml_quantize_chunk, as uint8 blocks."""
+    base = ctypes.CDLL(str(_reference().bin_dir() / "libggml-base.so"))  # K-quants only need llama.cpp
+    fn = base.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    rows = np.ascontiguousarray(values, np.float32).reshape(-1, values.shape[-1])
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    out = np.zeros((*values.shape[:-1], values.shape[-1] // block * size), np.uint8)
+    if fn(int(qtype), rows.ctypes.data, out.ctypes.data, 0, rows.shape[0], rows.shape[1], None) != out.size:
+        raise RuntimeError(f"ggml_quantize_chunk did not write {out.size} bytes of {qtype.name}")
+    return out
+
+
+def quantize(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    return ggml_quantize(values, qtype) if qtype in GGML_QUANTIZED else gguf.quants.quantize(values, qtype)
+
+
 def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head: int = 4, n_head_kv: int = 2,
                 head_dim: int | None = None, n_ff: int = 512, weight_type: str = "Q8_0", seed: int = 0,
-                vocab_from: Path) -> Path:
-    """Write a random-weight `arch` model to `path`; 2-D weights (token_embd too) in `weight_type`."""
+                n_expert: int = 8, n_expert_used: int = 2, vocab_from: Path) -> Path:
+    """Write a random-weight `arch` model to `path`; 2-D weights (token_embd too) and 3-D expert weights
+    in `weight_type`. A MoE arch has `n_expert` experts of FFN width `n_ff`, `n_expert_used` per token."""
     path = Path(path)
     head_dim = head_dim if head_dim is not None else n_embd // n_head
     if weight_type not in WEIGHT_TYPES:
         raise ValueError(f"weight_type {weight_type!r}; expected one of {sorted(WEIGHT_TYPES)}")
     qtype, file_type = WEIGHT_TYPES[weight_type]
-    check_arguments(arch, n_embd, n_head, n_head_kv, head_dim, n_ff, qtype)
+    moe = ARCHS[arch].moe
+    check_arguments(arch, n_embd, n_head, n_head_kv, head_dim, n_ff, qtype, n_expert, n_expert_used)
 
     writer = gguf.GGUFWriter(path, arch)
     # not the arch: llama.cpp keys vocabulary quirks on general.name ("phi3" makes it look up Phi-3's own
@@ -204,6 +243,10 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)
     writer.add_feed_forward_length(n_ff)
+    if moe:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
+        writer.add_expert_feed_forward_length(n_ff)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_head_kv)
     writer.add_key_length(head_dim)
@@ -219,13 +262,13 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
 
     rng = np.random.default_rng(seed)
     plan = plan_tensors(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-                        head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab)
+                        head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, n_expert=n_expert if moe else 0)
     for tensor in plan:
         values = random_values(tensor, rng)
-        if len(tensor.shape) == 1:  # norms and biases stay F32, as llama.cpp's converters write them
+        if len(tensor.shape) == 1 or tensor.kind == "router":  # F32, as llama.cpp's converters write them
             writer.add_tensor(tensor.name, values)
         else:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            writer.add_tensor(tensor.name, quantize(values, qtype), raw_dtype=qtype)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -234,12 +277,16 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
     return path
 
 
-def default_vocab_source() -> Path:
+def _reference():
     # run as a script (python tools/make_model.py) the repository is not on sys.path: put it there
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tools import reference  # noqa: PLC0415 - only the CLI needs the installed test model
+    from tools import reference  # noqa: PLC0415 - only the CLI and K-quants need the installed llama.cpp
 
-    return reference.model_path()
+    return reference
+
+
+def default_vocab_source() -> Path:
+    return _reference().model_path()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,7 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-head-kv", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=None, help="default n_embd / n_head")
-    parser.add_argument("--n-ff", type=int, default=512)
+    parser.add_argument("--n-ff", type=int, default=512, help="FFN width (of each expert, for qwen3moe)")
+    parser.add_argument("--n-expert", type=int, default=8, help="experts per layer (qwen3moe)")
+    parser.add_argument("--n-expert-used", type=int, default=2, help="experts each token is routed to (qwen3moe)")
     parser.add_argument("--weight-type", default="Q8_0", choices=sorted(WEIGHT_TYPES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-from", type=Path, default=None, help="GGUF to copy the tokenizer from "
@@ -259,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     written = write_model(args.output, args.arch, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                           n_head_kv=args.n_head_kv, head_dim=args.head_dim, n_ff=args.n_ff,
-                          weight_type=args.weight_type, seed=args.seed,
+                          weight_type=args.weight_type, seed=args.seed, n_expert=args.n_expert,
+                          n_expert_used=args.n_expert_used,
                           vocab_from=args.vocab_from or default_vocab_source())
     print(written)
 

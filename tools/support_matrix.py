@@ -63,6 +63,10 @@ def _mul_mat(op, sub, w, x, y):
     return Node(op, tensor(y, 4, 3), [tensor(w, ROW, 4), tensor(x, ROW, 3)])
 
 
+def _mul_mat_id(op, sub, w, x, i, y):
+    return Node(op, tensor(y, 4, 2, 3), [tensor(w, ROW, 4, 3), tensor(x, ROW, 1, 3), tensor(i, 2, 3)])
+
+
 def _get_rows(op, sub, w, i, y):
     return Node(op, tensor(y, ROW, 3), [tensor(w, ROW, 4), tensor(i, 3)])
 
@@ -82,7 +86,8 @@ def _binary(op, sub, a, b, y):
 
 
 def _unary(op, sub, x, y):
-    params = _f32(1.0, 0.0) if op == GGMLOp.SCALE else _f32(1e-6) if op in _NORMS else [sub]
+    params = (_f32(1.0, 0.0) if op == GGMLOp.SCALE else _f32(-1.0, 1.0) if op == GGMLOp.CLAMP
+              else _f32(1e-6) if op in _NORMS else [sub])
     return Node(op, tensor(y, ROW, 4), [tensor(x, ROW, 4)], params)
 
 
@@ -117,6 +122,14 @@ def _argmax(op, sub, x, y):
     return Node(op, tensor(y, 4), [tensor(x, ROW, 4)])
 
 
+def _sort(op, sub, x, y):  # ARGSORT (descending) and TOP_K
+    return Node(op, tensor(y, ROW if op == GGMLOp.ARGSORT else 8, 4), [tensor(x, ROW, 4)], [1])
+
+
+def _sum_rows(op, sub, x, y):
+    return Node(op, tensor(y, 1, 4), [tensor(x, ROW, 4)])
+
+
 _NORMS = (GGMLOp.NORM, GGMLOp.RMS_NORM, GGMLOp.L2_NORM)
 _ONE_IN_ONE_OUT = Probe((("src", PLAIN), ("dst", PLAIN)), _unary, "{src} → {dst}")
 _BINARY = Probe((("src0", ALL), ("src1", PLAIN), ("dst", ALL)), _binary, "{src0}, {src1} → {dst}")
@@ -125,6 +138,8 @@ _COPY = Probe((("src", ALL), ("dst", ALL)), _copy, "{src} → {dst}")
 PROBES: dict[int, Probe] = {
     GGMLOp.MUL_MAT: Probe((("weights", ALL), ("activations", PLAIN), ("dst", PLAIN)), _mul_mat,
                           "{weights} × {activations} → {dst}"),
+    GGMLOp.MUL_MAT_ID: Probe((("weights", ALL), ("activations", PLAIN), ("ids", PLAIN), ("dst", PLAIN)),
+                             _mul_mat_id, "{weights} × {activations}, experts by {ids} → {dst}"),
     GGMLOp.GET_ROWS: Probe((("src", ALL), ("index", PLAIN), ("dst", PLAIN)), _get_rows,
                            "{src} rows by {index} → {dst}"),
     GGMLOp.SET_ROWS: Probe((("values", PLAIN), ("index", PLAIN), ("dst", ALL)), _set_rows,
@@ -133,7 +148,10 @@ PROBES: dict[int, Probe] = {
     GGMLOp.ADD: _BINARY, GGMLOp.SUB: _BINARY, GGMLOp.MUL: _BINARY, GGMLOp.DIV: _BINARY,
     GGMLOp.UNARY: _ONE_IN_ONE_OUT, GGMLOp.SQR: _ONE_IN_ONE_OUT, GGMLOp.SQRT: _ONE_IN_ONE_OUT,
     GGMLOp.SCALE: _ONE_IN_ONE_OUT, GGMLOp.NORM: _ONE_IN_ONE_OUT, GGMLOp.RMS_NORM: _ONE_IN_ONE_OUT,
-    GGMLOp.L2_NORM: _ONE_IN_ONE_OUT,
+    GGMLOp.L2_NORM: _ONE_IN_ONE_OUT, GGMLOp.CLAMP: _ONE_IN_ONE_OUT,
+    GGMLOp.SUM_ROWS: Probe((("src", PLAIN), ("dst", PLAIN)), _sum_rows, "{src} → {dst}"),
+    GGMLOp.ARGSORT: Probe((("src", PLAIN), ("dst", PLAIN)), _sort, "{src} → {dst}"),
+    GGMLOp.TOP_K: Probe((("src", PLAIN), ("dst", PLAIN)), _sort, "{src} → {dst}"),
     GGMLOp.GLU: Probe((("src", PLAIN), ("dst", PLAIN)), _glu, "{src} → {dst}"),
     GGMLOp.SOFT_MAX: Probe((("src", PLAIN), ("mask", (NONE,) + PLAIN), ("dst", PLAIN)), _soft_max,
                            "{src}, mask {mask} → {dst}"),
