@@ -75,6 +75,7 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
               "q5_0 or q5_1")
 @click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs flash "
               "attention)")
+@click.option("--swa-full", is_flag=True, help="a full-size cache for the sliding-window layers (Gemma 3), as llama.cpp's")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template as a user message")
 @click.option("-sys", "--system-prompt", default=None, help="system message for --chat")
 @click.option("--display-prompt/--no-display-prompt", default=True, help="echo the prompt on stdout")
@@ -130,7 +131,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
              temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
-             cache_type_k, cache_type_v, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
+             cache_type_k, cache_type_v, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
     from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
@@ -175,7 +176,7 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
 
     try:
         pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
-                        cache_type_k=cache_type(cache_type_k), cache_type_v=cache_type(cache_type_v))
+                        cache_type_k=cache_type(cache_type_k), cache_type_v=cache_type(cache_type_v), swa_full=swa_full)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     try:

@@ -103,6 +103,8 @@ class Busy(Exception):
 
 class Engine:
     def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int):
+        if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
+            raise ValueError("the engine's sliding-window layers share the global cells: build the Pipeline with swa_full")
         self.pipe, self.eog = pipe, sorted(eog_ids)
         self.n_vocab = pipe.model.hparams.n_vocab
         self.cells = KvCells(pipe.n_ctx)
@@ -224,7 +226,7 @@ class Engine:
             return
         n_cells = self.pipe.attended_cells(self.cells.extent())
         batch = self.cells.batch(tokens, np.concatenate(seqs), np.concatenate(pos), np.concatenate(cells),
-                                 np.array([row for _, row in outs]), n_cells)
+                                 np.array([row for _, row in outs]), n_cells, self.pipe.n_swa)
         start = time.perf_counter()
         logits = self.pipe.run(batch)
         self.metrics.n_decode += 1

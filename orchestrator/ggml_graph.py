@@ -28,6 +28,7 @@ from kernels.ggml import (
     GGMLGluOp,
     GGMLOp,
     GGMLType,
+    GGMLUnaryOp,
     contiguous_strides,
     nbytes,
 )
@@ -219,10 +220,21 @@ class Graph:
         src = (a,) if mask is None else (a, mask)
         return self._node(a.type, a.ne, GGMLOp.SOFT_MAX, src, _params("2f", scale, max_bias), name)
 
-    def swiglu_split(self, gate: Tensor, up: Tensor, name: str = "") -> Tensor:
+    def glu_split(self, op: GGMLGluOp, gate: Tensor, up: Tensor, name: str = "") -> Tensor:
+        """ggml_glu_split: op(gate) * up (ggml_swiglu_split, ggml_geglu_split, ...)."""
         if gate.ne != up.ne:
-            raise ValueError(f"swiglu: gate {gate.ne} and up {up.ne} differ")
-        return self._node(gate.type, gate.ne, GGMLOp.GLU, (gate, up), _params("2i", GGMLGluOp.SWIGLU, 0), name)
+            raise ValueError(f"{op.name.lower()}: gate {gate.ne} and up {up.ne} differ")
+        return self._node(gate.type, gate.ne, GGMLOp.GLU, (gate, up), _params("2i", op, 0), name)
+
+    def swiglu_split(self, gate: Tensor, up: Tensor, name: str = "") -> Tensor:
+        return self.glu_split(GGMLGluOp.SWIGLU, gate, up, name)
+
+    def scale(self, a: Tensor, s: float, name: str = "") -> Tensor:
+        """ggml_scale: a * s, a new tensor."""
+        return self._node(a.type, a.ne, GGMLOp.SCALE, (a,), _params("2f", s, 0.0), name)
+
+    def unary(self, op: GGMLUnaryOp, a: Tensor, name: str = "") -> Tensor:
+        return self._node(a.type, a.ne, GGMLOp.UNARY, (a,), _params("i", op), name)
 
     # -- serialization -----------------------------------------------------------------------------
 

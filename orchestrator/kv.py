@@ -8,6 +8,11 @@ others do, and its results do not depend on them (attention skips masked cells, 
 cells in another order would round differently). Where no free cell lies above, `take` refuses and the
 caller computes the sequence again from its start. The K and V tensors live on the workers; only this
 map is here.
+
+Sliding-window layers (Gemma 3) have a cache of their own, as llama.cpp's iSWA cache: the CLI's one
+sequence places its cells exactly as llama.cpp does (SwaCells: a ring of cells reused once the window has
+passed them, so attention visits them in llama.cpp's order); the serving engine gives them a full-size
+cache holding the same cells as the global layers (llama.cpp's --swa-full) and only masks by the window.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Batch:
     cells: np.ndarray  # int64, the KV cell its K and V are written to
     visible: np.ndarray  # bool (n_tokens, n_cells): the cells each token attends (n_cells >= the used extent)
     out_ids: np.ndarray  # int32, the rows of the batch whose logits are wanted, in order
+    swa_cells: np.ndarray | None = None  # the sliding-window layers' cells, when the model has such layers
+    swa_visible: np.ndarray | None = None  # bool (n_tokens, n_swa_cells), as `visible` for those layers
 
     @classmethod
     def sequence(cls, tokens: list[int], n_past: int, n_cells: int) -> "Batch":
@@ -70,8 +77,79 @@ class KvCells:
         self.seq[(self.seq == seq) & (self.pos >= from_pos)] = FREE
 
     def batch(self, tokens: list[int], seqs: np.ndarray, pos: np.ndarray, cells: np.ndarray, out_ids: np.ndarray,
-              n_cells: int) -> Batch:
-        """The batch of tokens already given their cells (take), attending over the first n_cells."""
+              n_cells: int, n_swa: int = 0) -> Batch:
+        """The batch of tokens already given their cells (take), attending over the first n_cells; with
+        n_swa, the sliding-window layers use the same cells and see the last n_swa positions of them."""
         seq, cpos = self.seq[:n_cells], self.pos[:n_cells]
         visible = (seq[None, :] == seqs[:, None]) & (cpos[None, :] <= pos[:, None])
-        return Batch(list(tokens), pos.astype(np.int32), cells, visible, out_ids.astype(np.int32))
+        batch = Batch(list(tokens), pos.astype(np.int32), cells, visible, out_ids.astype(np.int32))
+        if n_swa:
+            batch.swa_cells, batch.swa_visible = cells, visible & (pos[:, None] - cpos[None, :] < n_swa)
+        return batch
+
+
+class SwaCells:
+    """llama.cpp's KV cache of the sliding-window layers (llama_kv_cache with n_swa, one stream), cell for
+    cell: find_slot takes, from the head on and round the ring, the empty cells and those whose position
+    the window of their sequence has passed; apply_ubatch writes them and purges the sequence's positions
+    below the ones overwritten; the attended cells are the used extent padded to 256."""
+
+    def __init__(self, size: int, n_swa: int):
+        self.size, self.n_swa, self.head = size, n_swa, 0
+        self.seq = np.full(size, FREE, dtype=np.int32)
+        self.pos = np.full(size, -1, dtype=np.int32)
+
+    def place(self, seq: int, positions: np.ndarray) -> np.ndarray:
+        """The cells of `positions` (ascending, after the sequence's own), now holding them. Positions the
+        sequence already has from there on are dropped first (a step computed again)."""
+        self.release(seq, int(positions[0]))
+        idxs = self._find_slot(len(positions))
+        overwritten: dict[int, int] = {}
+        for idx, p in zip(idxs, positions):
+            if self.seq[idx] != FREE:
+                s = int(self.seq[idx])
+                overwritten[s] = max(overwritten.get(s, -1), int(self.pos[idx]))
+            self.seq[idx], self.pos[idx] = seq, p
+        for s, pos_max in overwritten.items():  # keep each sequence's positions contiguous
+            mine = self.pos[self.seq == s]
+            if mine.min() <= pos_max:
+                self.release(s, int(mine.min()), pos_max + 1)
+        self.head = idxs[-1] + 1
+        return np.array(idxs, dtype=np.int64)
+
+    def _find_slot(self, n: int) -> list[int]:
+        used = int(np.count_nonzero(self.seq != FREE))
+        head = 0 if self.head > used + 2 * n else self.head  # room before the head: fill from the start
+        pos_max = {int(s): int(self.pos[self.seq == s].max()) for s in np.unique(self.seq[self.seq != FREE])}
+        idxs, tested = [], 0
+        while True:
+            if head >= self.size:
+                head = 0
+            idx, head, tested = head, head + 1, tested + 1
+            s = int(self.seq[idx])
+            if s == FREE or pos_max[s] + 1 - self.pos[idx] >= self.n_swa:
+                idxs.append(idx)
+                if len(idxs) == n:
+                    return idxs
+            if tested >= self.size:
+                raise KvFull(f"no {n} free cells in the sliding-window cache of {self.size}")
+
+    def release(self, seq: int, p0: int = 0, p1: int = np.iinfo(np.int32).max) -> None:
+        """llama_kv_cache::seq_rm: frees the sequence's cells at positions [p0, p1); the head moves back
+        to the first one freed if that is lower."""
+        freed = np.flatnonzero((self.seq == seq) & (self.pos >= p0) & (self.pos < p1))
+        self.seq[freed], self.pos[freed] = FREE, -1
+        if freed.size:
+            self.head = min(self.head, int(freed[0]))
+
+    def n_kv(self, pad: int) -> int:
+        """The cells a step attends: the used extent padded to `pad`, at least `pad`, at most the cache."""
+        used = np.flatnonzero(self.seq != FREE)
+        extent = int(used[-1]) + 1 if used.size else 0
+        return min(self.size, max(pad, -(-extent // pad) * pad))
+
+    def visible(self, seqs: np.ndarray, pos: np.ndarray, n_kv: int) -> np.ndarray:
+        """bool (n_tokens, n_kv): the cells of the token's own sequence at most n_swa - 1 positions back."""
+        seq, cpos = self.seq[:n_kv], self.pos[:n_kv]
+        return (seq[None, :] == seqs[:, None]) & (cpos[None, :] <= pos[:, None]) & \
+            (pos[:, None] - cpos[None, :] < self.n_swa)

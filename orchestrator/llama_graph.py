@@ -4,7 +4,9 @@ A worker owns a contiguous range of "blocks": 0..n_layer-1 are the repeating lay
 the output head (final norm and the vocabulary projection). The token embeddings are looked up on the
 orchestrator, as llama.cpp keeps its input layer on the CPU; in the ring (orchestrator/ring.py) the first
 stage looks them up itself (GET_ROWS of token ids) and the last one ends in the greedy token (ARGMAX). Matching llama.cpp's ops, types and
-shapes exactly is what makes the generated tokens identical to its own.
+shapes exactly is what makes the generated tokens identical to its own. Gemma 3's layer is in
+orchestrator/gemma3_graph.py; what it shares with the stage around it is here: the token rows' scale,
+the sliding-window layers' cache inputs and mask, their rope base, the final logit soft-capping.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from orchestrator.ggml_graph import GGML_PREC_F32, Graph, Tensor, new_tensor
 from orchestrator.model import HParams
-from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLType, row_size
+from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLType, GGMLUnaryOp, row_size
 
 HINT_SRC0_IS_HADAMARD = 1  # MUL_MAT op_params[1], ggml_mul_mat_set_hint
 
@@ -27,6 +29,7 @@ class Shape:
     n_tokens: int
     n_kv: int
     n_outputs: int
+    n_kv_swa: int = 0  # cells the sliding-window layers attend (their cache is another one: llama.cpp's iSWA)
 
 
 @dataclass
@@ -90,11 +93,16 @@ class LayerBuilder:
             inputs["embd"] = new_tensor(GGMLType.F32, (hp.n_embd, n_rows), "inp_embd")
         if layers:
             inputs["pos"] = new_tensor(GGMLType.I32, (n_tokens,), "inp_pos")
-            inputs["k_idxs"] = new_tensor(GGMLType.I64, (n_tokens,), "attn_inp_k_idxs")
-            n_v_idxs = n_tokens if self.flash_attn else n_tokens * hp.n_embd_v_gqa
-            inputs["v_idxs"] = new_tensor(GGMLType.I64, (n_v_idxs,), "attn_inp_v_idxs")
-            mask_type = GGMLType.F16 if self.flash_attn else GGMLType.F32
-            inputs["kq_mask"] = new_tensor(mask_type, (shape.n_kv, n_tokens, 1, 1), "attn_inp_kq_mask")
+            # each cache the stage's layers use (the global one, the sliding-window one): where the batch's
+            # K/V go, and the mask over its attended cells
+            for sfx, n_kv in (("", shape.n_kv), ("_swa", shape.n_kv_swa)):
+                if not any(self.hp.is_swa(il) == (sfx == "_swa") for il in layers):
+                    continue
+                inputs["k_idxs" + sfx] = new_tensor(GGMLType.I64, (n_tokens,), "attn_inp_k_idxs" + sfx)
+                n_v_idxs = n_tokens if self.flash_attn else n_tokens * hp.n_embd_v_gqa
+                inputs["v_idxs" + sfx] = new_tensor(GGMLType.I64, (n_v_idxs,), "attn_inp_v_idxs" + sfx)
+                mask_type = GGMLType.F16 if self.flash_attn else GGMLType.F32
+                inputs["kq_mask" + sfx] = new_tensor(mask_type, (n_kv, n_tokens, 1, 1), "attn_inp_kq_mask" + sfx)
             for name, n in zip(("k_rot", "v_rot"), self.rotations):
                 if n:
                     inputs[name] = new_tensor(GGMLType.F32, (n, n), f"attn_inp_{name}")
@@ -106,6 +114,10 @@ class LayerBuilder:
             cur = g.get_rows(self.w["token_embd.weight"], inputs["tokens"], "inp_embd")
         else:
             cur = inputs["embd"]
+        if 0 in layers and hp.embd_scale != 1.0:  # llama.cpp scales the token rows by a per-row input
+            inputs["scale_rows"] = new_tensor(GGMLType.F32, (1, n_tokens), "inp_scale_rows")
+            constants["scale_rows"] = np.full((n_tokens, 1), hp.embd_scale, np.float32)
+            cur = g.mul(cur, inputs["scale_rows"], "inp_scaled")
         for il in layers:
             cur = self._layer(g, il, cur, inputs, shape)
         if hp.n_layer in blocks:
@@ -113,6 +125,8 @@ class LayerBuilder:
             cur = g.mul_mat(self._output_weight(), cur, "result_output")
             if (bias := self.w.get("output.bias")) is not None:  # qwen2 may carry one
                 cur = g.add(cur, bias, "result_output_b")
+            if cap := hp.final_logit_softcap:
+                cur = g.scale(g.unary(GGMLUnaryOp.TANH, g.scale(cur, 1.0 / cap)), cap, "result_output")
             if logit_bias:
                 inputs["logit_bias"] = new_tensor(GGMLType.F32, (hp.n_vocab,), "logit_bias")
                 cur = g.add(cur, inputs["logit_bias"], "result_biased")
@@ -149,8 +163,8 @@ class LayerBuilder:
         if (k_norm := w("attn_k_norm.weight")) is not None:
             k = self._norm(g, k, k_norm, f"Kcur_normed-{il}")
         freq_factors = w("rope_freqs.weight")
-        q = self._rope(g, q, inputs["pos"], freq_factors, f"Qcur-{il}")
-        k = self._rope(g, k, inputs["pos"], freq_factors, f"Kcur-{il}")
+        q = self._rope(g, il, q, inputs["pos"], freq_factors, f"Qcur-{il}")
+        k = self._rope(g, il, k, inputs["pos"], freq_factors, f"Kcur-{il}")
 
         cur = self._attention(g, il, q, k, v, inputs, shape)
         cur = g.mul_mat(w("attn_output.weight"), cur, f"attn_out-{il}")
@@ -168,10 +182,12 @@ class LayerBuilder:
         cur = g.mul_mat(w("ffn_down.weight"), cur, f"ffn_out-{il}")
         return g.add(cur, ffn_inp, f"l_out-{il}")
 
-    def _rope(self, g: Graph, x: Tensor, pos: Tensor, freq_factors: Tensor | None, name: str) -> Tensor:
+    def _rope(self, g: Graph, il: int, x: Tensor, pos: Tensor, freq_factors: Tensor | None, name: str) -> Tensor:
         hp = self.hp
-        return g.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_mode, hp.n_ctx_orig, hp.rope_freq_base,
-                          hp.rope_freq_scale, hp.rope_ext_factor, 1.0, 32.0, 1.0, name)
+        base, scale = ((hp.rope_freq_base_swa, hp.rope_freq_scale_swa) if hp.is_swa(il)
+                       else (hp.rope_freq_base, hp.rope_freq_scale))
+        return g.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_mode, hp.n_ctx_orig, base, scale,
+                          hp.rope_ext_factor, 1.0, 32.0, 1.0, name)
 
     @staticmethod
     def _rotate(g: Graph, x: Tensor, rot: Tensor) -> Tensor:
@@ -183,10 +199,13 @@ class LayerBuilder:
         return g.reshape(res, *x.ne)
 
     def _attention(self, g: Graph, il: int, q: Tensor, k: Tensor, v: Tensor, inputs: dict[str, Tensor],
-                   shape: Shape) -> Tensor:
-        """llama.cpp's build_attn with a unified KV cache: store this batch's K/V, attend over n_kv cells."""
+                   shape: Shape, kq_scale: float | None = None) -> Tensor:
+        """llama.cpp's build_attn with a unified KV cache: store this batch's K/V, attend over n_kv cells
+        (a sliding-window layer: its own cache's cells, inputs and mask)."""
         hp, (k_cache, v_cache) = self.hp, self.kv[il]
-        n_tokens, n_kv = shape.n_tokens, shape.n_kv
+        kq_scale = hp.kq_scale if kq_scale is None else kq_scale
+        sfx = "_swa" if hp.is_swa(il) else ""
+        n_tokens, n_kv = shape.n_tokens, shape.n_kv_swa if sfx else shape.n_kv
         kv_size = k_cache.ne[1]
         kt, vt = k_cache.type, v_cache.type  # -ctk / -ctv (a quantized V needs flash attention)
         if "k_rot" in inputs:
@@ -194,19 +213,19 @@ class LayerBuilder:
         if "v_rot" in inputs:
             v = self._rotate(g, v, inputs["v_rot"])
 
-        g.set_rows(k_cache, g.view(k, (hp.n_embd_k_gqa, n_tokens), (k.nb[2],), 0), inputs["k_idxs"])
+        g.set_rows(k_cache, g.view(k, (hp.n_embd_k_gqa, n_tokens), (k.nb[2],), 0), inputs["k_idxs" + sfx])
         k_all = g.view(k_cache, (hp.head_dim_k, hp.n_head_kv, n_kv, 1),
                        (row_size(kt, hp.head_dim_k), row_size(kt, hp.n_embd_k_gqa),
                         row_size(kt, hp.n_embd_k_gqa * kv_size)), 0)
         if self.flash_attn:
-            g.set_rows(v_cache, g.view(v, (hp.n_embd_v_gqa, n_tokens), (v.nb[2],), 0), inputs["v_idxs"])
+            g.set_rows(v_cache, g.view(v, (hp.n_embd_v_gqa, n_tokens), (v.nb[2],), 0), inputs["v_idxs" + sfx])
             v_all = g.view(v_cache, (hp.head_dim_v, hp.n_head_kv, n_kv, 1),
                            (row_size(vt, hp.head_dim_v), row_size(vt, hp.n_embd_v_gqa),
                             row_size(vt, hp.n_embd_v_gqa * kv_size)), 0)
         else:  # the V cache is transposed: one set_rows row per element
             v_rows = g.reshape(v, hp.n_embd_v_gqa, n_tokens)
             g.set_rows(g.reshape(v_cache, 1, hp.n_embd_v_gqa * kv_size), g.reshape(v_rows, 1, hp.n_embd_v_gqa * n_tokens),
-                       inputs["v_idxs"])
+                       inputs["v_idxs" + sfx])
             v_all = g.view(v_cache, (n_kv, hp.n_head_kv, hp.head_dim_v, 1),
                            (row_size(vt, kv_size * hp.head_dim_v), row_size(vt, kv_size),
                             row_size(vt, kv_size * hp.n_embd_v_gqa)), 0)
@@ -215,14 +234,14 @@ class LayerBuilder:
         q = g.permute(q, 0, 2, 1, 3)
         k_all = g.permute(k_all, 0, 2, 1, 3)
         v_all = g.permute(v_all, 0, 2, 1, 3)
-        mask = inputs["kq_mask"]
+        mask = inputs["kq_mask" + sfx]
         if self.flash_attn:
-            cur = g.flash_attn_ext(q, k_all, v_all, mask, self.hp.kq_scale)
+            cur = g.flash_attn_ext(q, k_all, v_all, mask, kq_scale)
             cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
             return self._rotate(g, cur, inputs["v_rot"]) if "v_rot" in inputs else cur
         kq = g.mul_mat(k_all, q, f"kq-{il}")
         kq.op_params = GGML_PREC_F32.to_bytes(4, "little")
-        kq = g.soft_max_ext(kq, mask, self.hp.kq_scale, 0.0, f"kq_soft_max-{il}")
+        kq = g.soft_max_ext(kq, mask, kq_scale, 0.0, f"kq_soft_max-{il}")
         kqv = g.mul_mat(v_all, kq, f"kqv-{il}")
         cur = g.permute(kqv, 0, 2, 1, 3)
         return g.cont(cur, (cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]))

@@ -1,6 +1,6 @@
 """A GGUF model file, memory-mapped: hyper-parameters and weight tensors of the architectures we run.
 
-In scope: the llama family (llama 2/3, mistral, smollm, tinyllama all say "llama"), qwen2 and qwen3.
+In scope: the llama family (llama 2/3, mistral, smollm, tinyllama all say "llama"), qwen2, qwen3 and gemma3.
 Each architecture is a row of ARCHS: its rope mode and which optional tensors its layers carry.
 """
 
@@ -25,12 +25,17 @@ class Arch:
     rope_mode: int
     qkv_bias: bool = False  # attn_q/k/v.bias exist (qwen2)
     qk_norm: bool = False  # attn_q_norm / attn_k_norm per-head RMS norms (qwen3)
+    extra_roles: tuple[str, ...] = ()  # further per-layer weights every layer must have
+    swa_pattern: int = 0  # llama.cpp's default sliding-window pattern: of every n layers the last is global
+    embd_scaled: bool = False  # token embeddings times sqrt(n_embd) before the first layer
 
 
 ARCHS = {
     "llama": Arch(ROPE_MODE_NORMAL),
     "qwen2": Arch(ROPE_MODE_NEOX, qkv_bias=True),
     "qwen3": Arch(ROPE_MODE_NEOX, qk_norm=True),
+    "gemma3": Arch(ROPE_MODE_NEOX, qk_norm=True, extra_roles=("post_attention_norm", "post_ffw_norm"), swa_pattern=6,
+                   embd_scaled=True),
 }
 
 
@@ -53,6 +58,16 @@ class HParams:
     rope_freq_scale: float
     rope_ext_factor: float
     kq_scale: float
+    # sliding-window attention (gemma3): the window, and per layer whether it attends through it
+    n_swa: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_freq_base_swa: float = 10000.0  # the sliding layers' rope (llama.cpp's defaults when the file is silent)
+    rope_freq_scale_swa: float = 1.0
+    embd_scale: float = 1.0  # the token embeddings' factor before the first layer
+    final_logit_softcap: float = 0.0  # 0: none; else logits = c * tanh(logits / c)
+
+    def is_swa(self, il: int) -> bool:
+        return il < len(self.swa_layers) and self.swa_layers[il]
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -130,9 +145,12 @@ class ModelFile:
         if tok_embd is None:
             raise ModelError(f"{self.path.name}: no token_embd.weight tensor")
         attn_scale = self.get(f"{a}.attention.scale", float, 0.0)
+        n_layer = self.get(f"{a}.block_count", int)
+        if a == "gemma3":  # llama.cpp ignores the file's scale here (gemma_pytorch's rule; 62 layers: the 27B)
+            attn_scale = 1.0 / math.sqrt(n_embd // n_head if n_layer == 62 else head_dim_k)
         return HParams(
             arch=a,
-            n_layer=self.get(f"{a}.block_count", int),
+            n_layer=n_layer,
             n_embd=n_embd,
             n_ff=self.get(f"{a}.feed_forward_length", int),
             n_head=n_head,
@@ -148,7 +166,25 @@ class ModelFile:
             rope_freq_scale=1.0 / factor if scaling != "none" and factor else 1.0,
             rope_ext_factor=1.0 if scaling == "yarn" else 0.0,
             kq_scale=attn_scale if attn_scale else 1.0 / math.sqrt(head_dim_k),
+            **self._sliding_window(n_layer),
+            embd_scale=float(np.sqrt(np.float32(n_embd))) if self.arch.embd_scaled else 1.0,
+            final_logit_softcap=self.get(f"{a}.final_logit_softcapping", float, 0.0),
         )
+
+    def _sliding_window(self, n_layer: int) -> dict:
+        """llama.cpp's load_swa_pattern: a per-layer array in the file, or every n-th layer global."""
+        a = self.arch_name
+        n_swa = self.get(f"{a}.attention.sliding_window", int, 0)
+        if not self.arch.swa_pattern or n_swa <= 0:
+            return {}
+        pattern = self.get(f"{a}.attention.sliding_window_pattern", None, self.arch.swa_pattern)
+        if isinstance(pattern, list):
+            layers = tuple(bool(x) for x in pattern)[:n_layer]
+        else:
+            n = int(pattern)
+            layers = tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
+        return {"n_swa": n_swa, "swa_layers": layers,
+                "rope_freq_base_swa": self.get(f"{a}.rope.freq_base_swa", float, 10000.0)}
 
     # -- tensors -----------------------------------------------------------------------------------
 
@@ -171,6 +207,7 @@ class ModelFile:
         """role -> tensor name for layer il; optional ones only when present in the file."""
         names = {role: f"blk.{il}.{role}.weight" for role in
                  ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+        names.update({role: f"blk.{il}.{role}.weight" for role in self.arch.extra_roles})
         optional = [f"{r}.bias" for r in ("attn_q", "attn_k", "attn_v", "attn_output")]
         optional += ["attn_q_norm.weight", "attn_k_norm.weight", "rope_freqs.weight"]
         for role in optional:

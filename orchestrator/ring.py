@@ -25,8 +25,6 @@ import numpy as np
 
 from orchestrator.client import WorkerError, await_reply, name_the_dead
 from orchestrator.ggml_graph import wire_tensor
-from orchestrator.kv import Batch
-from orchestrator.llama_graph import Shape
 from orchestrator.push import open_link, peer_write
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
@@ -77,9 +75,9 @@ class Ring:
     def _send(self, step: int, pos: int, first_token: int | None) -> list[list[Command]]:
         """Sends every stage its commands of one step at position `pos`; returns the replies owed."""
         pipe, stages = self.pipe, self.pipe.stages
-        n_kv = pipe.attended_cells(pos + 1)
-        shape = Shape(1, n_kv, 1)
-        feed = pipe._inputs(Batch.sequence([0], pos, n_kv))
+        batch = pipe.sequence_batch([0], pos)
+        shape = pipe.shape(batch)
+        feed = pipe._inputs(batch)
         for i, stage in enumerate(stages):
             stage.prepare(shape, **self._ring_options(i))
         owed = []
@@ -94,7 +92,7 @@ class Ring:
             if i + 1 < len(stages):
                 dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
             else:  # the token goes round to the first stage, as its input of the next step
-                stages[0].prepare(Shape(1, pipe.attended_cells(pos + 2), 1), **self._ring_options(0))
+                stages[0].prepare(pipe.next_shape(pos + 1), **self._ring_options(0))
                 dst, link, to_step = stages[0].graph.inputs["tokens"], self.link, step + 1
             stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
                 link, to_step, wire_tensor(stage.graph.output), wire_tensor(dst)))

@@ -13,6 +13,7 @@ and nothing here prints; the `orchestrator` command (orchestrator/cli.py) report
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.client import RpcClient, WorkerError, name_the_dead
-from orchestrator.kv import Batch
+from orchestrator.kv import Batch, SwaCells
+from orchestrator.gemma3_graph import Gemma3Builder
 from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
 from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
 from orchestrator.model import ModelFile
@@ -36,6 +38,7 @@ from kernels.ggml import TYPE_TRAITS, GGMLType
 KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
 GRAPH_CACHE = 16  # graphs a stage keeps built
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
+BUILDERS = {"gemma3": Gemma3Builder}  # architecture -> its graph builder (else LayerBuilder's llama layer)
 
 
 def context_size(requested: int, n_ctx_train: int) -> int:
@@ -72,7 +75,7 @@ class Stage:
     """One worker, the blocks it owns, and its three buffers: weights, KV cache, compute."""
 
     def __init__(self, client: RpcClient, blocks: range, model: ModelFile, kv_size: int, flash_attn: bool,
-                 cache_types: tuple[GGMLType, GGMLType] = (GGMLType.F16, GGMLType.F16)):
+                 cache_types: tuple[GGMLType, GGMLType] = (GGMLType.F16, GGMLType.F16), kv_size_swa: int = 0):
         self.client, self.blocks, self.model = client, blocks, model
         self.endpoint = client.endpoint
         self.alignment = client.alignment()
@@ -83,12 +86,13 @@ class Stage:
             for name in names.values():
                 info = model.weights[name]
                 self.weights[name] = new_tensor(info.type, info.ne, name)
+        size = {il: kv_size_swa if hp.is_swa(il) else kv_size for il in blocks if il < hp.n_layer}
         self.kv: dict[int, tuple[Tensor, Tensor]] = {
-            il: (new_tensor(cache_types[0], (hp.n_embd_k_gqa, kv_size, 1), f"cache_k_l{il}"),
-                 new_tensor(cache_types[1], (hp.n_embd_v_gqa, kv_size, 1), f"cache_v_l{il}"))
-            for il in blocks if il < hp.n_layer
+            il: (new_tensor(cache_types[0], (hp.n_embd_k_gqa, n, 1), f"cache_k_l{il}"),
+                 new_tensor(cache_types[1], (hp.n_embd_v_gqa, n, 1), f"cache_v_l{il}"))
+            for il, n in size.items()
         }
-        self.builder = LayerBuilder(hp, self.weights, self.kv, flash_attn)
+        self.builder = BUILDERS.get(hp.arch, LayerBuilder)(hp, self.weights, self.kv, flash_attn)
         self.weight_bytes = self._layout(self.weights.values(), RemoteBuffer(0, 0, 0))
         self.kv_bytes = self._layout([t for pair in self.kv.values() for t in pair], RemoteBuffer(0, 0, 0))
         self.compute: RemoteBuffer | None = None
@@ -215,12 +219,20 @@ class Pipeline:
     """
 
     def __init__(self, model: ModelFile, *, n_ctx: int, n_batch: int, n_ubatch: int, flash_attn: bool,
-                 cache_type_k: GGMLType = GGMLType.F16, cache_type_v: GGMLType = GGMLType.F16):
-        self.cache_types = check_cache_types(model.hparams, cache_type_k, cache_type_v, flash_attn)
+                 cache_type_k: GGMLType = GGMLType.F16, cache_type_v: GGMLType = GGMLType.F16,
+                 swa_full: bool = False):
+        hp = model.hparams
+        self.cache_types = check_cache_types(hp, cache_type_k, cache_type_v, flash_attn)
         self.model = model
-        self.n_ctx = context_size(n_ctx, model.hparams.n_ctx_train)
+        self.n_ctx = context_size(n_ctx, hp.n_ctx_train)
         self.n_batch = n_batch
         self.n_ubatch = min(n_batch, n_ubatch)
+        # the sliding-window layers' cache (llama_kv_cache_iswa): the window and a ubatch, padded to 256,
+        # or the whole context with swa_full; None without such layers
+        self.n_swa = hp.n_swa if any(hp.swa_layers) else 0
+        self.n_ctx_swa = 0 if not self.n_swa else self.n_ctx if swa_full else \
+            min(self.n_ctx, round_up(self.n_swa + self.n_ubatch, KV_PAD))
+        self.swa = SwaCells(self.n_ctx_swa, self.n_swa) if self.n_swa else None
         self.flash_attn = flash_attn
         self.n_past = 0
         self.timings = Timings()
@@ -267,8 +279,9 @@ class Pipeline:
             raise PlacementError(f"--tensor-split has {len(shares)} values for {len(self.clients)} workers")
         ranges = split_blocks(hp.n_layer, shares)
         placed = [(c, r, free) for c, r, (free, _) in zip(self.clients, ranges, memory) if r]
-        self.stages = [Stage(c, r, self.model, self.n_ctx, self.flash_attn, self.cache_types) for c, r, _ in placed]
-        worst = Shape(self.n_ubatch, self.n_ctx, 1)
+        self.stages = [Stage(c, r, self.model, self.n_ctx, self.flash_attn, self.cache_types, self.n_ctx_swa)
+                       for c, r, _ in placed]
+        worst = Shape(self.n_ubatch, self.n_ctx, 1, self.n_ctx_swa)
         self.plans = [StagePlan(s.endpoint, s.blocks, free, s.weight_bytes, s.kv_bytes, s.compute_bytes(worst))
                       for s, (_, _, free) in zip(self.stages, placed)]
         self.idle = [c.endpoint for c, r in zip(self.clients, ranges) if not r]
@@ -307,29 +320,61 @@ class Pipeline:
 
     def _inputs(self, batch: Batch) -> dict[str, np.ndarray]:
         """The per-step inputs every stage shares, from the batch."""
-        hp = self.model.hparams
-        cells = batch.cells
+        feed = {"pos": batch.pos, "out_ids": batch.out_ids}
+        feed.update(self._cache_inputs(batch.cells, batch.visible, self.n_ctx, ""))
+        if self.swa is not None:
+            feed.update(self._cache_inputs(batch.swa_cells, batch.swa_visible, self.n_ctx_swa, "_swa"))
+        return feed
+
+    def _cache_inputs(self, cells: np.ndarray, visible: np.ndarray, kv_size: int, sfx: str) -> dict[str, np.ndarray]:
+        """Where one cache takes the batch's K and V, and its attention mask."""
         if self.flash_attn:
             v_idxs = cells
         else:  # transposed V cache: element j of a cell's row lives at j * kv_size + cell
-            v_idxs = (np.arange(hp.n_embd_v_gqa, dtype=np.int64)[None, :] * self.n_ctx + cells[:, None]).reshape(-1)
+            n_embd_v_gqa = self.model.hparams.n_embd_v_gqa
+            v_idxs = (np.arange(n_embd_v_gqa, dtype=np.int64)[None, :] * kv_size + cells[:, None]).reshape(-1)
         mask_type = np.float16 if self.flash_attn else np.float32
-        mask = np.where(batch.visible, mask_type(0), mask_type(-np.inf)).astype(mask_type)
-        return {"pos": batch.pos, "k_idxs": cells, "v_idxs": v_idxs, "kq_mask": mask, "out_ids": batch.out_ids}
+        mask = np.where(visible, mask_type(0), mask_type(-np.inf)).astype(mask_type)
+        return {"k_idxs" + sfx: cells, "v_idxs" + sfx: v_idxs, "kq_mask" + sfx: mask}
+
+    def sequence_batch(self, tokens: list[int], n_past: int) -> Batch:
+        """The next tokens of the CLI's one sequence: cell i of the global cache holds position i, the
+        sliding-window cache's cells are placed as llama.cpp places them."""
+        batch = Batch.sequence(tokens, n_past, self.attended_cells(n_past + len(tokens)))
+        if self.swa is not None:
+            seqs = np.zeros(len(tokens), np.int32)
+            batch.swa_cells = self.swa.place(0, batch.pos)
+            batch.swa_visible = self.swa.visible(seqs, batch.pos, self.swa.n_kv(KV_PAD))
+        return batch
+
+    def next_shape(self, n_past: int) -> Shape:
+        """The shape sequence_batch will give one token at n_past, without placing it."""
+        n_kv_swa = 0
+        if self.swa is not None:
+            probe = copy.deepcopy(self.swa)
+            probe.place(0, np.array([n_past], np.int32))
+            n_kv_swa = probe.n_kv(KV_PAD)
+        return Shape(1, self.attended_cells(n_past + 1), 1, n_kv_swa)
+
+    @staticmethod
+    def shape(batch: Batch) -> Shape:
+        n_kv_swa = batch.swa_visible.shape[1] if batch.swa_visible is not None else 0
+        return Shape(len(batch.tokens), batch.visible.shape[1], len(batch.out_ids), n_kv_swa)
 
     def decode(self, tokens: list[int]) -> np.ndarray:
         """Appends tokens (one ubatch) to the one sequence; returns the last token's logits."""
         n = len(tokens)
         if self.n_past + n > self.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {n} tokens exceed n_ctx = {self.n_ctx}")
-        logits = self.run(Batch.sequence(tokens, self.n_past, self.attended_cells(self.n_past + n)))
+        logits = self.run(self.sequence_batch(tokens, self.n_past))
         self.n_past += n
         return logits[0]
 
     def run(self, batch: Batch) -> np.ndarray:
         """One decode step over every stage; the logits of the batch's output rows (n_outputs, n_vocab)."""
-        n, n_kv = len(batch.tokens), batch.visible.shape[1]
-        shape = Shape(n, n_kv, len(batch.out_ids))
+        if self.swa is not None and batch.swa_cells is None:
+            raise ValueError("this model has sliding-window layers: the batch must place their cells too")
+        shape = self.shape(batch)
         feed = self._inputs(batch)
         for stage in self.stages:
             stage.prepare(shape)

@@ -79,7 +79,9 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
     split = parse_tensor_split(tensor_split)
 
     def load() -> Engine:
-        pipe = Pipeline(model, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off")
+        # swa_full: the engine's sliding-window layers share the global layers' cells (orchestrator/kv.py)
+        pipe = Pipeline(model, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
+                        swa_full=True)
         try:
             pipe.connect(endpoints)
             pipe.place(split)
