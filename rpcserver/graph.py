@@ -2,7 +2,9 @@
 
 Everything that could let a kernel touch memory it should not is checked here, once, before the
 first kernel runs: tensor types, block alignment, every tensor's byte span inside a buffer this
-connection owns, views inside their source, and each op's own shape rules (the kernel's `check`).
+connection owns, views inside their source, no tensor of more elements than all the connection's
+buffers hold (zero strides could claim 2^64: scratch and loops grow with them), and each op's own
+shape rules (the kernel's `check`).
 The resulting plan is kept so GRAPH_RECOMPUTE re-runs it without decoding or validating again.
 
 Each record becomes a kernel Tensor in memory.py's one checked step (BufferTable.tensor); this
@@ -21,7 +23,7 @@ import numpy as np
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
 from kernels.target import AVX2, Target
-from kernels.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, nbytes
+from kernels.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, contiguous_strides, nbytes
 from .memory import NO_MEMORY, BufferTable, RequestError, tensor_label
 from .protocol import GraphComputeRequest, RpcTensor
 
@@ -91,7 +93,7 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable, target: Targe
         raise RequestError("graph node with id 0")
     views = _resolve(records, node_ids, buffers)
 
-    steps = []
+    steps, limit = [], buffers.total
     for tid in node_ids:
         rec = records[tid]
         try:
@@ -108,6 +110,10 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable, target: Targe
             if t is not None and t.mem is NO_MEMORY:
                 raise RequestError(f"node {tensor_label(rec)} ({op.name}) uses "
                                  f"{tensor_label(records[tensor_id])}, which has no buffer here")
+        for t, tensor_id in ((dst, tid), *zip(src, rec.src)):
+            if t is not None and nbytes(t.type, t.ne, contiguous_strides(t.type, t.ne)) > limit:
+                raise RequestError(f"node {tensor_label(rec)} ({op.name}): {tensor_label(records[tensor_id])} "
+                                   f"holds more elements than all {limit} bytes of this connection's buffers")
         node = Node(op, dst, src, np.frombuffer(rec.op_params, dtype="<i4"), rec.name, target)
         try:
             kernel = lookup(node)
@@ -115,6 +121,8 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable, target: Targe
             steps.append((kernel.bind(node), node))
         except InvalidNode as exc:
             raise RequestError(f"node {tensor_label(rec)} ({op.name}): {exc}") from None
+        except MemoryError:
+            raise RequestError(f"node {tensor_label(rec)} ({op.name}): its scratch does not fit in memory") from None
     return Plan(steps, len(node_ids))
 
 

@@ -171,6 +171,12 @@ class BufferTable:
         self.buffers.clear()
 
     @property
+    def total(self) -> int:
+        """The bytes of all this connection's buffers: no tensor of a graph may hold more elements (a
+        view with zero or overlapping strides could, and a kernel's scratch grows with its elements)."""
+        return sum(b.size for b in self.buffers.values())
+
+    @property
     def largest(self) -> int:
         return max((b.size for b in self.buffers.values()), default=0)
 

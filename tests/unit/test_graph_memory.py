@@ -134,3 +134,17 @@ def test_perplexity_default_batch_last_layer():
     out = wire.tensor(Tensor.new(GGMLType.F32, (576, 0)), op=GGMLOp.MUL, src=(a, w), ne=(576, 0, 1, 1))
     plan = wire.plan(out)
     assert plan.steps == []
+
+
+@pytest.mark.parametrize("op,sub", KERNEL_KEYS, ids=lambda v: str(v))
+@pytest.mark.parametrize("where", ["dst", "src"])
+def test_a_tensor_with_more_elements_than_the_connections_memory_is_refused(op, sub, where):
+    """Zero strides let a tensor of a few bytes claim 2^48 elements; a kernel sizing its scratch or its
+    loops by them would exhaust memory or time. The worker refuses such a tensor before any kernel."""
+    wire = Wire()
+    dst, srcs = wire.node(_probe_node(op, sub))
+    victim = dst if where == "dst" else srcs[0]
+    victim.ne = (victim.ne[0], 1 << 24, 1 << 24, 1)
+    victim.nb = (victim.nb[0], 0, 0, 0)
+    with pytest.raises(RequestError, match="more elements than all"):
+        wire.plan(dst)
