@@ -203,7 +203,7 @@ iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K
 
 
 @numba.njit(inline="always", **JIT)
-def _tiled_dot(kind, w, off, nblk, yq, yd, ybs, col):
+def tiled_dot(kind, w, off, nblk, yq, yd, ybs, col):
     if kind == TYPE_Q2_K:
         return _q2k_tiled(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q3_K:
@@ -218,7 +218,7 @@ def _tiled_dot(kind, w, off, nblk, yq, yd, ybs, col):
 
 
 @numba.njit(inline="always", **JIT)
-def _tiled_dots(kind, w, off, nblk, yq, yd, ybs, col):
+def tiled_dots(kind, w, off, nblk, yq, yd, ybs, col):
     if kind == TYPE_Q2_K:
         return _q2k_tiles(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q3_K:
@@ -233,7 +233,7 @@ def _tiled_dots(kind, w, off, nblk, yq, yd, ybs, col):
 
 
 @numba.njit(inline="always", **JIT)
-def _vec_dot(kind, w, off, nblk, yq, yd, ybs, col):
+def vec_dot(kind, w, off, nblk, yq, yd, ybs, col):
     if kind == TYPE_Q2_K:
         return _q2k_vec(w, off, nblk, yq, yd, ybs, col)
     if kind == TYPE_Q3_K:
@@ -281,7 +281,7 @@ def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off,
         tiled = ne11 - ne11 % TILE_COLS if how == TILED else 0
         for i11 in range(0, tiled, TILE_COLS):
             for r in range(lo, hi):
-                v = _tiled_dots(kind, w, base + r * nb01, nblk, yq, yd, ybs, col0 + i11)
+                v = tiled_dots(kind, w, base + r * nb01, nblk, yq, yd, ybs, col0 + i11)
                 for j in range(TILE_COLS):
                     out[i13, i12, i11 + j, r] = v[j]
         for i11 in range(tiled, ne11):
@@ -294,9 +294,9 @@ def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off,
                     else:
                         v1 = _iq4nl_vec(w, row, nblk, yq, yd, col)
                 elif how == VEC:
-                    v1 = _vec_dot(kind, w, row, nblk, yq, yd, ybs, col)
+                    v1 = vec_dot(kind, w, row, nblk, yq, yd, ybs, col)
                 else:
-                    v1 = _tiled_dot(kind, w, row, nblk, yq, yd, ybs, col)[0]
+                    v1 = tiled_dot(kind, w, row, nblk, yq, yd, ybs, col)[0]
                 out[i13, i12, i11, r] = v1
 
 

@@ -173,7 +173,7 @@ def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, start
         if tiled:
             while s + cols <= end:
                 for ir in range(lo, hi):
-                    v = kquant_dot._tiled_dots(kind, w, base + ir * nb01, nblk, yq, yd, ybs, s)
+                    v = kquant_dot.tiled_dots(kind, w, base + ir * nb01, nblk, yq, yd, ybs, s)
                     for c in range(cols):
                         out[pairs[s + c] // n_ids, pairs[s + c] % n_ids, ir] = v[c]
                 s += cols
@@ -184,9 +184,9 @@ def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, start
                 if kind == TYPE_IQ4_NL:
                     out[t, e, ir] = kquant_dot.iq4_nl_vec_dot(w, row, nblk, yq, yd, c)
                 elif tiled:
-                    out[t, e, ir] = kquant_dot._tiled_dot(kind, w, row, nblk, yq, yd, ybs, c)[0]
+                    out[t, e, ir] = kquant_dot.tiled_dot(kind, w, row, nblk, yq, yd, ybs, c)[0]
                 else:
-                    out[t, e, ir] = kquant_dot._vec_dot(kind, w, row, nblk, yq, yd, ybs, c)
+                    out[t, e, ir] = kquant_dot.vec_dot(kind, w, row, nblk, yq, yd, ybs, c)
     return True
 
 
