@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.ggml import FLAG_INPUT, TYPE_TRAITS, GGMLOp, GGMLType, contiguous_strides, nbytes  # noqa: E402
 from orchestrator.client import InProcessClient  # noqa: E402
 from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor, wire_tensor  # noqa: E402
-from orchestrator.llama_graph import Shape  # noqa: E402
 from orchestrator.model import HParams, WeightInfo  # noqa: E402
 from orchestrator.planner import round_up  # noqa: E402
 from orchestrator.runner import Pipeline  # noqa: E402
@@ -166,9 +165,9 @@ def _run_llama(client: RecordingClient, flash_attn: bool) -> None:
         for _ in range(2):
             pipe.evaluate_token(1)
         # the ring's graph (orchestrator/ring.py): token ids in, logit bias and greedy token out
-        stage, n_kv = pipe.stages[0], N_CTX
-        stage.prepare(Shape(1, n_kv, 1), token_ids=True, greedy=True, logit_bias=True)
-        stage.launch({**pipe._inputs(1, n_kv), "tokens": np.ones(1, np.int32)},
+        stage, batch = pipe.stages[0], pipe.sequence_batch([1], N_CTX - 1)
+        stage.prepare(pipe.shape(batch), token_ids=True, greedy=True, logit_bias=True)
+        stage.launch({**pipe._inputs(batch), "tokens": np.ones(1, np.int32)},
                      {"logit_bias": np.zeros(N_VOCAB, np.float32)})
 
 
