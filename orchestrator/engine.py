@@ -1,10 +1,12 @@
 """Many sequences over one pipeline at once: llama-server's slots with continuous batching.
 
 The engine runs on a thread of its own (the pipeline's RPC is blocking) and serves Jobs from a bounded
-queue. Each step it gives the idle slots the oldest waiting jobs, then builds one batch for every stage:
-the next token of each generating slot and chunks of the prompts still being read, up to n_ubatch
-tokens, so a long prompt is read over several steps while the others keep generating. Every slot samples
-its token from its own row of logits with its own sampler chain and seed.
+queue. Each step it gives the idle slots the oldest waiting jobs, then, when the first stage is free,
+starts a batch: the next token of each generating slot and chunks of the prompts still being read, up
+to n_ubatch tokens, so a long prompt is read over several steps while the others keep generating. With
+several stages the slots are shared out over as many batches, which go through the workers one behind
+the other (orchestrator/waves.py), so all workers compute at once. Every slot samples its token from its
+own row of logits with its own sampler chain and seed.
 
 The KV cache is shared (orchestrator/kv.py): cells are tagged with the slot's sequence number, and a
 slot uses at most n_ctx / n_parallel of them. A slot
@@ -27,6 +29,7 @@ import numpy as np
 from orchestrator.client import WorkerError
 from orchestrator.kv import KvCells, KvFull
 from orchestrator.sampling import Sampler, SamplingParams
+from orchestrator.waves import Waves
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class Slot:
     cache_n: int = 0
     t_start: float = 0.0
     t_first: float | None = None  # when its first token was sampled
+    awaiting: bool = False  # a batch in flight holds its last fed token, whose logits it waits for
 
     @property
     def generating(self) -> bool:
@@ -108,6 +112,7 @@ class Engine:
         self.pipe, self.eog = pipe, sorted(eog_ids)
         self.n_vocab = pipe.model.hparams.n_vocab
         self.cells = KvCells(pipe.n_ctx)
+        self.waves = Waves(pipe)
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.n_ctx_slot = pipe.n_ctx // n_parallel
         self.max_queue = max_queue
@@ -166,7 +171,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.waiting and not any(s.job for s in self.slots):
+                while not (self._stopping or self.waiting or self.waves.busy or any(s.job for s in self.slots)):
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -182,7 +187,7 @@ class Engine:
         """Gives each idle slot a waiting job: the slot whose cached tokens share the longest prefix with
         the prompt; the cells past that prefix are freed (one token is always computed again, for logits)."""
         while self.waiting:
-            idle = [s for s in self.slots if s.job is None]
+            idle = [s for s in self.slots if s.job is None and not s.awaiting]
             if not idle:
                 return
             job = self.waiting.popleft()
@@ -197,13 +202,35 @@ class Engine:
             slot.t_start = time.perf_counter()
 
     def _step(self) -> None:
+        """Starts a batch if the first stage is free and a slot has tokens to feed, then moves every batch
+        in flight one stage on and samples from those that left the last."""
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled:
                 self._finish(slot, "cancelled")
+        if self.waves.ready:
+            self._start_batch()
+        if not self.waves.busy:
+            return
+        for (outs, n_tokens, n_gen), logits, seconds in self.waves.tick():
+            self.metrics.n_decode += 1
+            share = seconds / n_tokens
+            self.metrics.prompt_tokens += n_tokens - n_gen
+            self.metrics.prompt_seconds += share * (n_tokens - n_gen)
+            self.metrics.tokens_predicted_seconds += share * n_gen
+            for (slot, job), row in zip(outs, logits):
+                slot.awaiting = False
+                if slot.job is job:  # not cancelled meanwhile
+                    self._sample(slot, row)
+
+    def _start_batch(self) -> None:
+        """One batch: the next token of each generating slot and chunks of the prompts still being read,
+        up to n_ubatch tokens and a share of the busy slots, so that each stage can hold a batch."""
+        ready = [s for s in self.slots if s.job is not None and not s.awaiting and s.n_cached < len(s.tokens)]
+        share = -(-sum(s.job is not None for s in self.slots) // self.waves.width)
         tokens, seqs, pos, cells, outs = [], [], [], [], []
         budget = self.pipe.n_ubatch
         # the generating slots first (one token each), then the prompts as far as the batch has room
-        for slot in sorted((s for s in self.slots if s.job is not None), key=lambda s: not s.generating):
+        for slot in sorted(ready, key=lambda s: not s.generating)[:share]:
             if budget <= 0:
                 break
             chunk = slot.tokens[slot.n_cached:slot.n_cached + budget]
@@ -222,21 +249,14 @@ class Engine:
             budget -= len(chunk)
             if slot.n_cached == len(slot.tokens):
                 outs.append((slot, len(tokens) - 1))
+                slot.awaiting = True
         if not tokens:
             return
         n_cells = self.pipe.attended_cells(self.cells.extent())
         batch = self.cells.batch(tokens, np.concatenate(seqs), np.concatenate(pos), np.concatenate(cells),
                                  np.array([row for _, row in outs]), n_cells, self.pipe.n_swa)
-        start = time.perf_counter()
-        logits = self.pipe.run(batch)
-        self.metrics.n_decode += 1
-        share = (time.perf_counter() - start) / len(tokens)
         n_gen = sum(1 for s, _ in outs if s.generating)
-        self.metrics.prompt_tokens += len(tokens) - n_gen
-        self.metrics.prompt_seconds += share * (len(tokens) - n_gen)
-        self.metrics.tokens_predicted_seconds += share * n_gen
-        for (slot, _), row in zip(outs, logits):
-            self._sample(slot, row)
+        self.waves.start(batch, ([(slot, slot.job) for slot, _ in outs], len(tokens), n_gen))
 
     def _sample(self, slot: Slot, logits: np.ndarray) -> None:
         job = slot.job

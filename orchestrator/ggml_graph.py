@@ -170,7 +170,7 @@ class Graph:
         return self._node(GGMLType.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), GGMLOp.MUL_MAT, (a, b), name=name)
 
     def _binary(self, op, a: Tensor, b: Tensor, name: str) -> Tensor:
-        if any(x % y for x, y in zip(a.ne, b.ne)):
+        if 0 not in b.ne and any(x % y for x, y in zip(a.ne, b.ne)):  # ggml_can_repeat: an empty b repeats
             raise ValueError(f"{op.name}: '{b.name}' {b.ne} does not broadcast to '{a.name}' {a.ne}")
         return self._node(a.type, a.ne, op, (a, b), name=name)
 

@@ -395,7 +395,7 @@ class Pipeline:
             else:  # relayed, or the logits: read the output through the orchestrator
                 self._settle(i)
                 activation = stage.read_output()
-        return activation.reshape(len(batch.out_ids), -1)
+        return activation.reshape(len(batch.out_ids), self.model.hparams.n_vocab)
 
     def relay_from_now(self, link: Link) -> None:
         """A push over `link` failed: the orchestrator relays that boundary from now on."""

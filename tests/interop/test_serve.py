@@ -59,6 +59,19 @@ def one_slot(model_path, workers, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def two_stages(model_path, tmp_path_factory):
+    """Our server over two workers (ours, then llama.cpp's): its batches go through them one behind the other;
+    with 32-token ubatches, a prompt's chunks are in flight at once too."""
+    pair = start_workers(("ours", "reference"), tmp_path_factory.mktemp("serve-pair"))
+    server = started(OrchestratorServer(model_path, tmp_path_factory.mktemp("serve") / "two-stages.log",
+                                        [w.address for w in pair], ["--api-key", KEY, "-ub", 32], n_ctx=2048,
+                                        n_parallel=4))
+    yield server
+    server.stop()
+    stop_workers(pair)
+
+
 def call(server, path: str, body=None, key: str | None = KEY, raw: bytes | None = None):
     """(status, headers, decoded JSON or text) of one plain HTTP request."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -160,14 +173,23 @@ def test_seeded_sampling_draws_what_llama_server_draws(ours, oracle):
         assert sample(ours, seed) == expected, (seed, text_diff(expected, sample(ours, seed)))
 
 
-def test_eight_concurrent_greedy_requests_do_not_talk_across(ours):
+def test_two_stages_give_llama_servers_text(two_stages, oracle):
+    long = " ".join(f"Item {i} is a {w}." for i, w in enumerate(["cat", "dog", "bird", "fish"] * 6))
+    for prompt in (PROMPTS["list"], "The quick brown fox", long):
+        assert completion_text(two_stages, prompt) == completion_text(oracle, prompt), prompt
+
+
+@pytest.mark.parametrize("server", ["ours", "two_stages"])
+def test_eight_concurrent_greedy_requests_do_not_talk_across(server, request):
     """Each of 8 requests served at once over 4 slots gives its text alone; where two token streams part,
-    the first different token is a near-tie (its top-2 log-probabilities within 1e-3)."""
+    the first different token is a near-tie (its top-2 log-probabilities within 1e-3). Over two stages
+    the slots' batches are in flight at once, prompt chunks of one slot too."""
+    server = request.getfixturevalue(server)
     prompts = [f"{PROMPTS['list']} {i}" if i % 2 else f"Story {i}: once upon a time" for i in range(8)]
 
     def tokens(prompt):
-        status, _, reply = call(ours, "/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 12,
-                                                          "logprobs": 2})
+        status, _, reply = call(server, "/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 12,
+                                                            "logprobs": 2})
         assert status == 200, reply
         return reply["choices"][0]["logprobs"]["content"]
 
