@@ -1,10 +1,12 @@
 """Benchmark our worker against llama.cpp's ggml-rpc-server, side by side in one run.
 
-    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--gemma3] [--all]
+    python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--gemma3] [--moe]
+                                 [--all]
 
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
 TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize;
-`--gemma3` the real Gemma 3 270M Q4_K_M that tools/install_reference.sh fetched):
+`--gemma3` the real Gemma 3 270M Q4_K_M that tools/install_reference.sh fetched; `--moe` a random
+qwen3moe in Q4_K_M shaped like a small Qwen3-30B-A3B: 16 experts of 768, 4 routed per token):
   * llama-bench --rpc against each worker (alternating, -r repetitions): pp and tg tokens/s;
   * load time: llama-completion -n 1 through each worker, its "load time" (weight upload, context
     set-up and the first graph), once per repetition;
@@ -36,6 +38,10 @@ KINDS = ("reference", "ours")
 CACHE = Path.home() / ".cache" / "pyrpc-llama"
 # about 1.1B parameters: 16 layers of 2048 wide with an 8192 FFN, plus a 49152-token vocabulary
 SYNTHETIC_1B = dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192)
+# Qwen3-30B-A3B's layer (2048 wide, 32 heads of 128 over 4 KV heads, experts 768 wide) with 16 of its
+# 128 experts and 4 of its 8 routed, 8 layers: about 0.7B parameters, 0.1B active per token
+SYNTHETIC_MOE = dict(n_layer=8, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=768, n_expert=16,
+                     n_expert_used=4)
 LOAD_TIME_RE = re.compile(r"load time =\s*([\d.]+) ms")
 # e.g. "llama_kv_cache: RPC0[127.0.0.1:50052] KV buffer size =   180.00 MiB"
 RPC_BUFFER_RE = re.compile(r"RPC\d+\[[^\]]*\] \w+ buffer size =\s*([\d.]+) MiB")
@@ -80,20 +86,22 @@ def peak_rss_mib(worker) -> float:
     return int(re.search(r"VmHWM:\s*(\d+) kB", status).group(1)) / 1024
 
 
-def synthetic_model(weight_type: str) -> Path:
-    """A ~1B random llama in weight_type, made once and cached."""
+def synthetic_model(weight_type: str, arch: str = "llama") -> Path:
+    """A ~1B random llama (or the small qwen3moe) in weight_type, made once and cached."""
     from tools.make_model import write_model  # noqa: PLC0415
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    path = CACHE / f"synthetic-1b-{weight_type}.gguf"
+    stem = "synthetic-1b" if arch == "llama" else f"synthetic-{arch}"
+    path = CACHE / f"{stem}-{weight_type}.gguf"
     if path.is_file():
         return path
     base_type = "Q8_0" if weight_type == "Q4_K_M" else weight_type
-    base = CACHE / f"synthetic-1b-{base_type}.gguf"
+    base = CACHE / f"{stem}-{base_type}.gguf"
     if not base.is_file():
         print(f"writing {base} (once)...", file=sys.stderr, flush=True)
-        write_model(base.with_suffix(".tmp"), "llama", weight_type=base_type, vocab_from=reference.model_path(),
-                    **SYNTHETIC_1B)
+        shape = SYNTHETIC_1B if arch == "llama" else SYNTHETIC_MOE
+        write_model(base.with_suffix(".tmp"), arch, weight_type=base_type, vocab_from=reference.model_path(),
+                    **shape)
         base.with_suffix(".tmp").rename(base)
     if weight_type == "Q4_K_M":
         partial = path.with_suffix(".tmp")  # an interrupted run must not leave a file that looks done
@@ -150,8 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic", action="append", default=[], choices=["Q4_0", "Q8_0", "Q4_K_M"],
                     help="also bench a ~1B random llama in this type (repeatable)")
     ap.add_argument("--gemma3", action="store_true", help="also bench Gemma 3 270M Q4_K_M")
+    ap.add_argument("--moe", action="store_true", help="also bench the random qwen3moe in Q4_K_M")
     ap.add_argument("--all", action="store_true",
-                    help="SmolLM2, Gemma 3 and every synthetic type (the issue's full set)")
+                    help="SmolLM2, Gemma 3, every synthetic type and the MoE (the issue's full set)")
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
@@ -159,11 +168,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     synthetic = ["Q4_0", "Q8_0", "Q4_K_M"] if args.all else args.synthetic
     models = [Path(m) for m in args.model]
-    if not models and (args.all or not (synthetic or args.gemma3)):
+    if not models and (args.all or not (synthetic or args.gemma3 or args.moe)):
         models.append(reference.model_path())
     if args.gemma3 or args.all:
         models.append(reference.gemma3_model_path())
     models += [synthetic_model(t) for t in synthetic]
+    if args.moe or args.all:
+        models.append(synthetic_model("Q4_K_M", "qwen3moe"))
     with tempfile.TemporaryDirectory() as logs:
         for model in models:
             bench_model(model, args, Path(logs))
