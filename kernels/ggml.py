@@ -104,12 +104,13 @@ PLAIN_DTYPES: dict[GGMLType, str] = {
 }
 
 
+TYPE_OF_NUMBER = {int(t): t for t in GGMLType}  # a dict lookup: the worker decodes thousands per graph
+
+
 def type_traits(value: int) -> TypeTraits | None:
     """Traits of a wire type number, or None if the number names no live type."""
-    try:
-        return TYPE_TRAITS[GGMLType(value)]
-    except ValueError:
-        return None
+    type_ = TYPE_OF_NUMBER.get(value)
+    return None if type_ is None else TYPE_TRAITS.get(type_)
 
 
 def row_size(type_: GGMLType, ne0: int) -> int:
@@ -119,6 +120,13 @@ def row_size(type_: GGMLType, ne0: int) -> int:
 
 def nbytes(type_: GGMLType, ne: tuple[int, ...], nb: tuple[int, ...]) -> int:
     """Bytes spanned by a tensor, as ggml_nbytes: 0 if any dimension is empty."""
+    if len(ne) == 4:  # the worker's case, thousands of times per graph: unrolled
+        ne0, ne1, ne2, ne3 = ne
+        if ne0 <= 0 or ne1 <= 0 or ne2 <= 0 or ne3 <= 0:
+            return 0
+        tt = TYPE_TRAITS[type_]
+        size = tt.type_size + (ne0 - 1) * nb[0] if tt.block_size == 1 else ne0 * nb[0] // tt.block_size
+        return size + (ne1 - 1) * nb[1] + (ne2 - 1) * nb[2] + (ne3 - 1) * nb[3]
     if any(n <= 0 for n in ne):
         return 0
     tt = TYPE_TRAITS[type_]
@@ -131,6 +139,13 @@ def nbytes(type_: GGMLType, ne: tuple[int, ...], nb: tuple[int, ...]) -> int:
     for i in range(1, MAX_DIMS):
         size += (ne[i] - 1) * nb[i]
     return size
+
+
+def logical_bytes(type_: GGMLType, ne: tuple[int, ...]) -> int:
+    """The bytes a tensor's elements would take laid out contiguously (more than it spans when strides
+    overlap)."""
+    tt = TYPE_TRAITS[type_]
+    return ne[0] * ne[1] * ne[2] * ne[3] // tt.block_size * tt.type_size
 
 
 def contiguous_strides(type_: GGMLType, ne: tuple[int, ...]) -> tuple[int, int, int, int]:

@@ -30,6 +30,14 @@ class Tensor:
         self.name = name
 
     @classmethod
+    def trusted(cls, type_: GGMLType, ne: tuple, nb: tuple, mem: np.ndarray, offset: int, name: str = "") -> "Tensor":
+        """As the constructor, for arguments already of their types (a GGMLType, tuples of 4 ints): the
+        worker builds thousands per graph."""
+        t = object.__new__(cls)
+        t.type, t.ne, t.nb, t.mem, t.offset, t.name = type_, ne, nb, mem, offset, name
+        return t
+
+    @classmethod
     def new(cls, type_: GGMLType, ne, data: np.ndarray | None = None) -> "Tensor":
         """A contiguous tensor in fresh memory (tests and references); `data` fills it if given."""
         from .ggml import contiguous_strides

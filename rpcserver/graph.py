@@ -23,7 +23,7 @@ import numpy as np
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
 from kernels.target import AVX2, Target
-from kernels.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, contiguous_strides, nbytes
+from kernels.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, logical_bytes, nbytes
 from .memory import NO_MEMORY, BufferTable, RequestError, tensor_label
 from .protocol import GraphComputeRequest, RpcTensor
 
@@ -82,8 +82,7 @@ def _make_tensor(rec: RpcTensor, records, views, buffers: BufferTable) -> Tensor
 def build_plan(request: GraphComputeRequest, buffers: BufferTable, target: Target = AVX2) -> Plan:
     """The checked, bound nodes of a graph, each computed as the ggml-cpu build `target` computes it."""
     records: dict[int, RpcTensor] = {}
-    for raw in request.tensors:
-        rec = RpcTensor.from_record(raw)
+    for rec in RpcTensor.from_records(request.tensors):
         if rec.id == 0:
             raise RequestError("tensor with id 0")
         if records.setdefault(rec.id, rec) is not rec:
@@ -111,7 +110,7 @@ def build_plan(request: GraphComputeRequest, buffers: BufferTable, target: Targe
                 raise RequestError(f"node {tensor_label(rec)} ({op.name}) uses "
                                  f"{tensor_label(records[tensor_id])}, which has no buffer here")
         for t, tensor_id in ((dst, tid), *zip(src, rec.src)):
-            if t is not None and nbytes(t.type, t.ne, contiguous_strides(t.type, t.ne)) > limit:
+            if t is not None and logical_bytes(t.type, t.ne) > limit:
                 raise RequestError(f"node {tensor_label(rec)} ({op.name}): {tensor_label(records[tensor_id])} "
                                    f"holds more elements than all {limit} bytes of this connection's buffers")
         node = Node(op, dst, src, np.frombuffer(rec.op_params, dtype="<i4"), rec.name, target)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import Tensor
-from kernels.ggml import GGMLType, TypeTraits, nbytes, type_traits
+from kernels.ggml import TYPE_OF_NUMBER, TypeTraits, nbytes, type_traits
 from .protocol import RpcTensor
 
 ALIGNMENT = 32  # as ggml's CPU buffers (TENSOR_ALIGNMENT)
@@ -187,7 +187,7 @@ class BufferTable:
 
     def _span(self, tensor: RpcTensor) -> tuple[Buffer, int, int]:
         buf = self.get(tensor.buffer)
-        size = nbytes(GGMLType(tensor.type), tensor.ne, tensor.nb)
+        size = nbytes(TYPE_OF_NUMBER[tensor.type], tensor.ne, tensor.nb)
         offset = tensor.data - buf.base
         if not (0 <= offset <= buf.size and size <= buf.size - offset):
             raise RequestError(
@@ -211,15 +211,17 @@ class BufferTable:
         connection does not own: it lives on another server); it gets NO_MEMORY, and the graph refuses
         it wherever a node would read or write it. A data pointer without a buffer is refused here."""
         traits = checked_type(rec)
-        label = tensor_label(rec)
+        type_ = TYPE_OF_NUMBER[rec.type]  # checked_type found it live
         if traits.is_quantized and rec.nb[0] != traits.type_size:
-            raise RequestError(f"quantized tensor {label} must have contiguous blocks (nb[0]={rec.nb[0]})")
-        if not self.owns(rec.buffer):
+            raise RequestError(f"quantized tensor {tensor_label(rec)} must have contiguous blocks (nb[0]={rec.nb[0]})")
+        if rec.buffer not in self.buffers:
             if rec.data != 0:
-                raise RequestError(f"tensor {label} has a data pointer but no buffer of this connection")
-            return Tensor(GGMLType(rec.type), rec.ne, rec.nb, NO_MEMORY, 0, rec.name)
+                raise RequestError(f"tensor {tensor_label(rec)} has a data pointer but no buffer of this connection")
+            return Tensor.trusted(type_, rec.ne, rec.nb, NO_MEMORY, 0, rec.name)
         buf, offset, _ = self._span(rec)
         itemsize = traits.type_size if not traits.is_quantized else 1
-        if offset % itemsize or any(n % itemsize for n in rec.nb):
-            raise RequestError(f"tensor {label} is not aligned to its element size {itemsize}")
-        return Tensor(GGMLType(rec.type), rec.ne, rec.nb, buf.mem, offset, rec.name)
+        nb = rec.nb
+        if itemsize > 1 and (offset % itemsize or nb[0] % itemsize or nb[1] % itemsize or nb[2] % itemsize
+                             or nb[3] % itemsize):
+            raise RequestError(f"tensor {tensor_label(rec)} is not aligned to its element size {itemsize}")
+        return Tensor.trusted(type_, rec.ne, rec.nb, buf.mem, offset, rec.name)

@@ -60,6 +60,18 @@ class RpcTensor:
                    name.split(b"\0", 1)[0].decode("utf-8", "replace"), use_count)
 
     @classmethod
+    def from_records(cls, recs: np.ndarray) -> list["RpcTensor"]:
+        """from_record over a whole array of records, a column at a time (a graph's thousands)."""
+        n = len(recs)
+        params = recs["op_params"].tobytes()
+        step = MAX_OP_PARAMS
+        return [cls(id_, type_, buffer, tuple(ne), tuple(nb), op, params[i * step:(i + 1) * step], flags, tuple(src),
+                    view_src, view_offs, data, name.split(b"\0", 1)[0].decode("utf-8", "replace"), use_count)
+                for i, id_, type_, buffer, ne, nb, op, flags, src, view_src, view_offs, data, name, use_count
+                in zip(range(n), *(recs[f].tolist() for f in ("id", "type", "buffer", "ne", "nb", "op", "flags", "src",
+                                                              "view_src", "view_offs", "data", "name", "use_count")))]
+
+    @classmethod
     def decode(cls, payload: memoryview | bytes) -> "RpcTensor":
         return cls.from_record(np.frombuffer(payload, dtype=TENSOR_DTYPE, count=1)[0])
 
