@@ -29,7 +29,7 @@ from orchestrator.push import open_link, peer_write
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
 
-WINDOW = 3  # steps whose commands are in flight at once: enough to hide one orchestrator round trip
+WINDOW = 6  # steps whose commands are in flight at once: enough to hide one orchestrator round trip
 
 
 class Ring:

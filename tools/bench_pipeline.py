@@ -178,8 +178,11 @@ class WorkerSets:
         if len(current) != nodes or not all(w.alive() for w in current):
             self.stop(kind)
             started = self.sets[kind] = []
+            # ours computes as the pinned llama.cpp build does (its portable AVX2 one), so that the texts
+            # compare; on an AVX-512 host `--isa auto` would take that build's float orders instead
+            isa = "avx2" if kind == "ours" else None
             for _ in range(nodes):
-                started.append(reference.start_worker(kind, self.log_dir, threads=self.threads))
+                started.append(reference.start_worker(kind, self.log_dir, threads=self.threads, isa=isa))
         return self.sets[kind]
 
     def dead(self) -> list[reference.Worker]:
