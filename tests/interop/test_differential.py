@@ -488,12 +488,42 @@ def issue4_cases():
     yield _case("ARGMAX-F32", [Leaf("a", F32, (37, 9))], lambda g, t: d.argmax(g, t["a"]), None)
 
 
+# --- mixture of experts: MUL_MAT_ID, ARGSORT, TOP_K, SUM_ROWS, CLAMP ----------------------------------
+
+def _mul_mat_id(g, t):
+    w, x, ids = t["w"], t["x"], t["ids"]
+    return g._node(F32, (w.ne[1], ids.ne[0], x.ne[2], 1), GGMLOp.MUL_MAT_ID, (w, x, ids))
+
+
+def moe_cases():
+    n_as, n_ids = 6, 2
+    for wt, k in [(F32, K_LEGACY), (F16, K_LEGACY), (BF16, K_LEGACY), (T.Q8_0, K_LEGACY), (T.Q4_0, K_LEGACY),
+                  (T.Q4_K, K_SUPER), (T.Q6_K, K_SUPER), (T.IQ4_XS, K_SUPER), (T.IQ4_NL, K_SUPER)]:
+        # 1 token: each expert's row a vec_dot; 11 tokens: experts with 8 or more rows take the tiled route;
+        # x with one row per token broadcasts over the experts (the gate/up projections), with n_ids rows
+        # it does not (the down projection)
+        for n_tok, ne11 in ((1, 1), (11, 1), (11, n_ids)):
+            yield _case(f"MUL_MAT_ID-{wt.name}-t{n_tok}-x{ne11}", [
+                Leaf("w", wt, (k, ROWS, n_as)), Leaf("x", F32, (k, ne11, n_tok)),
+                Leaf("ids", I32, (n_ids, n_tok), d.distinct_indices(n_as))], _mul_mat_id, d.NMSE_MUL_MAT)
+    scores = (37, 9, 2)
+    for order in (0, 1):  # GGML_SORT_ORDER_ASC, _DESC
+        yield _case(f"ARGSORT-F32-{'desc' if order else 'asc'}", [Leaf("a", F32, scores)],
+                    lambda g, t, order=order: g._node(I32, t["a"].ne, GGMLOp.ARGSORT, (t["a"],), d._i32(order)), None)
+    yield _case("TOP_K-F32-k4", [Leaf("a", F32, scores)],
+                lambda g, t: g._node(I32, (4, *t["a"].ne[1:]), GGMLOp.TOP_K, (t["a"],)), None)
+    yield _case("SUM_ROWS-F32", [Leaf("a", F32, (300, 7, 2))],
+                lambda g, t: g._node(F32, (1, *t["a"].ne[1:]), GGMLOp.SUM_ROWS, (t["a"],)))
+    yield _case("CLAMP-F32", [Leaf("a", F32, (37, 5, 2), d.uniform(-3, 3))],
+                lambda g, t: g._node(F32, t["a"].ne, GGMLOp.CLAMP, (t["a"],), d._f32(-1.25, 0.5)))
+
+
 # Cases our worker refuses (it closes the connection on an op or type it does not implement): none today.
 UNSUPPORTED: dict[str, str] = {}
 
 CASES = [*mul_mat_cases(), *get_rows_cases(), *set_rows_cases(), *copy_cases(), *binary_cases(),
          *elementwise_cases(), *rope_cases(), *soft_max_cases(), *flash_attn_cases(), *large_cases(), *graph_cases(),
-         *issue4_cases()]
+         *issue4_cases(), *moe_cases()]
 
 
 def _param(case: Case):
