@@ -236,6 +236,36 @@ class Graph:
     def unary(self, op: GGMLUnaryOp, a: Tensor, name: str = "") -> Tensor:
         return self._node(a.type, a.ne, GGMLOp.UNARY, (a,), _params("i", op), name)
 
+    # mixture-of-experts routing (llama.cpp's build_moe_ffn)
+
+    def mul_mat_id(self, experts: Tensor, b: Tensor, ids: Tensor, name: str = "") -> Tensor:
+        """ggml_mul_mat_id: for each of b's rows (ne[2]), its ids.ne[0] chosen experts' matrices times it."""
+        if (ids.type != GGMLType.I32 or experts.ne[3] != 1 or b.ne[3] != 1 or ids.ne[2:] != (1, 1)
+                or ids.ne[1] != b.ne[2] or experts.ne[0] != b.ne[0] or ids.ne[0] % b.ne[1]):
+            raise ValueError(f"mul_mat_id: experts '{experts.name}' {experts.ne}, b {b.ne}, ids {ids.ne} do not agree")
+        return self._node(GGMLType.F32, (experts.ne[1], ids.ne[0], b.ne[2], 1), GGMLOp.MUL_MAT_ID,
+                          (experts, b, ids), name=name)
+
+    def argsort(self, a: Tensor, descending: bool, name: str = "") -> Tensor:
+        """ggml_argsort: each row's element indices in sorted order (GGML_SORT_ORDER_DESC = 1)."""
+        return self._node(GGMLType.I32, a.ne, GGMLOp.ARGSORT, (a,), _params("i", int(descending)), name)
+
+    def argsort_top_k(self, a: Tensor, k: int, name: str = "", argsort_name: str = "") -> Tensor:
+        """ggml_argsort_top_k: a descending ARGSORT and a view of each row's first k indices."""
+        if a.ne[0] < k:
+            raise ValueError(f"top-k: '{a.name}' has rows of {a.ne[0]}, fewer than {k}")
+        order = self.argsort(a, True, argsort_name)
+        return self.view(order, (k, *order.ne[1:]), order.nb[1:], 0, name)
+
+    def sum_rows(self, a: Tensor, name: str = "") -> Tensor:
+        return self._node(a.type, (1, *a.ne[1:]), GGMLOp.SUM_ROWS, (a,), name=name)
+
+    def clamp(self, a: Tensor, lo: float, hi: float, name: str = "") -> Tensor:
+        return self._node(a.type, a.ne, GGMLOp.CLAMP, (a,), _params("2f", lo, hi), name)
+
+    def div(self, a: Tensor, b: Tensor, name: str = "") -> Tensor:
+        return self._binary(GGMLOp.DIV, a, b, name)
+
     # -- serialization -----------------------------------------------------------------------------
 
     def tensors(self) -> list[Tensor]:

@@ -1,6 +1,6 @@
 """A GGUF model file, memory-mapped: hyper-parameters and weight tensors of the architectures we run.
 
-In scope: the llama family (llama 2/3, mistral, smollm, tinyllama all say "llama"), qwen2, qwen3 and gemma3.
+In scope: the llama family (llama 2/3, mistral, smollm, tinyllama all say "llama"), qwen2, qwen3, qwen3moe (routed experts) and gemma3.
 Each architecture is a row of ARCHS: its rope mode and which optional tensors its layers carry.
 """
 
@@ -28,6 +28,7 @@ class Arch:
     extra_roles: tuple[str, ...] = ()  # further per-layer weights every layer must have
     swa_pattern: int = 0  # llama.cpp's default sliding-window pattern: of every n layers the last is global
     embd_scaled: bool = False  # token embeddings times sqrt(n_embd) before the first layer
+    moe: bool = False  # routed experts (ffn_gate_inp, ffn_{gate,up,down}_exps) in place of the dense FFN
 
 
 ARCHS = {
@@ -36,6 +37,7 @@ ARCHS = {
     "qwen3": Arch(ROPE_MODE_NEOX, qk_norm=True),
     "gemma3": Arch(ROPE_MODE_NEOX, qk_norm=True, extra_roles=("post_attention_norm", "post_ffw_norm"), swa_pattern=6,
                    embd_scaled=True),
+    "qwen3moe": Arch(ROPE_MODE_NEOX, qk_norm=True, moe=True),
 }
 
 
@@ -65,6 +67,11 @@ class HParams:
     rope_freq_scale_swa: float = 1.0
     embd_scale: float = 1.0  # the token embeddings' factor before the first layer
     final_logit_softcap: float = 0.0  # 0: none; else logits = c * tanh(logits / c)
+    n_expert: int = 0  # a MoE arch's experts per layer, and how many each token is routed to (n_ff: each one's width)
+    n_expert_used: int = 0
+    rope_attn_factor: float = 1.0  # ROPE's attn_factor: llama.cpp's cparams.yarn_attn_factor (YaRN's mscale)
+    rope_beta_fast: float = 32.0  # YaRN's correction dims (llama.cpp's hparams defaults; no GGUF key read)
+    rope_beta_slow: float = 1.0
 
     def is_swa(self, il: int) -> bool:
         return il < len(self.swa_layers) and self.swa_layers[il]
@@ -137,10 +144,7 @@ class ModelFile:
         head_dim_k = self.get(f"{a}.attention.key_length", int, n_embd // n_head)
         head_dim_v = self.get(f"{a}.attention.value_length", int, n_embd // n_head)
         n_ctx_train = self.get(f"{a}.context_length", int)
-        scaling = self.get(f"{a}.rope.scaling.type", str, "none")
-        factor = self.get(f"{a}.rope.scaling.factor", float, 0.0)
-        if scaling not in ("none", "linear", "yarn"):
-            raise ModelError(f"{self.path.name}: rope scaling '{scaling}' is not supported")
+        rope = self._rope_scaling()
         tok_embd = self.weights.get("token_embd.weight")
         if tok_embd is None:
             raise ModelError(f"{self.path.name}: no token_embd.weight tensor")
@@ -152,7 +156,7 @@ class ModelFile:
             arch=a,
             n_layer=n_layer,
             n_embd=n_embd,
-            n_ff=self.get(f"{a}.feed_forward_length", int),
+            **self._feed_forward(),
             n_head=n_head,
             n_head_kv=self.get(f"{a}.attention.head_count_kv", int, n_head),
             head_dim_k=head_dim_k,
@@ -163,13 +167,47 @@ class ModelFile:
             n_ctx_orig=self.get(f"{a}.rope.scaling.original_context_length", int, n_ctx_train),
             rms_eps=self.get(f"{a}.attention.layer_norm_rms_epsilon", float),
             rope_freq_base=self.get(f"{a}.rope.freq_base", float, 10000.0),
-            rope_freq_scale=1.0 / factor if scaling != "none" and factor else 1.0,
-            rope_ext_factor=1.0 if scaling == "yarn" else 0.0,
+            **rope,
             kq_scale=attn_scale if attn_scale else 1.0 / math.sqrt(head_dim_k),
             **self._sliding_window(n_layer),
             embd_scale=float(np.sqrt(np.float32(n_embd))) if self.arch.embd_scaled else 1.0,
             final_logit_softcap=self.get(f"{a}.final_logit_softcapping", float, 0.0),
         )
+
+    def _feed_forward(self) -> dict:
+        """The FFN width; a MoE arch's is each expert's (llama.cpp: expert_feed_forward_length, else
+        feed_forward_length / n_expert_used), with its expert counts."""
+        a = self.arch_name
+        if not self.arch.moe:
+            return {"n_ff": self.get(f"{a}.feed_forward_length", int)}
+        n_expert, n_expert_used = self.get(f"{a}.expert_count", int, 0), self.get(f"{a}.expert_used_count", int, 0)
+        if not 0 < n_expert_used <= n_expert:
+            raise ModelError(f"{self.path.name}: {a} needs 0 < expert_used_count <= expert_count "
+                             f"(got {n_expert_used}, {n_expert})")
+        n_ff = self.get(f"{a}.expert_feed_forward_length", int, 0) or \
+            self.get(f"{a}.feed_forward_length", int) // n_expert_used
+        return {"n_ff": n_ff, "n_expert": n_expert, "n_expert_used": n_expert_used}
+
+    def _rope_scaling(self) -> dict:
+        """llama.cpp's rope scaling with llama-completion's defaults (llama_model::load_hparams, then
+        llama_context's cparams): the type defaults to linear, the factor applies unless the type is none,
+        YaRN extrapolates (ext_factor 1) and its mscale cancels against the ROPE kernel's, all in float."""
+        a, f32 = self.arch_name, np.float32
+        scaling = self.get(f"{a}.rope.scaling.type", str, "linear")
+        if scaling not in ("none", "linear", "yarn"):
+            raise ModelError(f"{self.path.name}: rope scaling '{scaling}' is not supported")
+        factor = self.get(f"{a}.rope.scaling.factor", float, 0.0) or self.get(f"{a}.rope.scale_linear", float, 0.0)
+        freq_scale = f32(1.0) if scaling == "none" or not factor else f32(1.0) / f32(factor)
+        ext_factor = 1.0 if scaling == "yarn" else 0.0
+        attn_factor = f32(1.0)
+        if ext_factor:
+            scale = f32(1.0) / freq_scale
+            log = f32(math.log(scale))  # logf
+            attn_factor = f32(1.0) if scale <= 1.0 else f32(f32(f32(0.1) * f32(1.0)) * log) + f32(1.0)
+            attn_factor = f32(attn_factor * (f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * log))))
+        attn_factor = f32(attn_factor * f32(self.get(f"{a}.rope.scaling.attn_factor", float, 1.0)))
+        return {"rope_freq_scale": float(freq_scale), "rope_ext_factor": ext_factor,
+                "rope_attn_factor": float(attn_factor)}
 
     def _sliding_window(self, n_layer: int) -> dict:
         """llama.cpp's load_swa_pattern: a per-layer array in the file, or every n-th layer global."""
@@ -205,15 +243,19 @@ class ModelFile:
 
     def layer_tensor_names(self, il: int) -> dict[str, str]:
         """role -> tensor name for layer il; optional ones only when present in the file."""
+        ffn = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if self.arch.moe else \
+            ("ffn_gate", "ffn_up", "ffn_down")
         names = {role: f"blk.{il}.{role}.weight" for role in
-                 ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+                 ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", *ffn)}
         names.update({role: f"blk.{il}.{role}.weight" for role in self.arch.extra_roles})
-        optional = [f"{r}.bias" for r in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        optional = [f"{r}.bias" for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
         optional += ["attn_q_norm.weight", "attn_k_norm.weight", "rope_freqs.weight"]
         for role in optional:
             name = f"blk.{il}.{role}"
             if name in self.weights:
                 names[role.replace(".weight", "")] = name
+        if "rope_freqs" not in names and "rope_freqs.weight" in self.weights:  # one tensor every layer uses
+            names["rope_freqs"] = "rope_freqs.weight"
         return names
 
     def output_tensor_names(self) -> dict[str, str]:

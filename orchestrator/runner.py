@@ -27,6 +27,7 @@ from orchestrator.gemma3_graph import Gemma3Builder
 from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
 from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
 from orchestrator.model import ModelFile
+from orchestrator.moe_graph import Qwen3MoeBuilder
 from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
 from orchestrator.planner import plan_memory, round_up
 from orchestrator.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, peer_write, split_endpoint
@@ -38,7 +39,7 @@ from kernels.ggml import TYPE_TRAITS, GGMLType
 KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
 GRAPH_CACHE = 16  # graphs a stage keeps built
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
-BUILDERS = {"gemma3": Gemma3Builder}  # architecture -> its graph builder (else LayerBuilder's llama layer)
+BUILDERS = {"gemma3": Gemma3Builder, "qwen3moe": Qwen3MoeBuilder}  # architecture -> its graph builder (else LayerBuilder's llama layer)
 
 
 def context_size(requested: int, n_ctx_train: int) -> int:
@@ -233,6 +234,9 @@ class Pipeline:
         self.n_ctx_swa = 0 if not self.n_swa else self.n_ctx if swa_full else \
             min(self.n_ctx, round_up(self.n_swa + self.n_ubatch, KV_PAD))
         self.swa = SwaCells(self.n_ctx_swa, self.n_swa) if self.n_swa else None
+        # the global cache's cells placed as llama.cpp places them (SwaCells without a window), for a
+        # sequence whose context shifts (orchestrator/context_shift.py); None: cell i holds position i
+        self.cells: SwaCells | None = None
         self.flash_attn = flash_attn
         self.n_past = 0
         self.timings = Timings()
@@ -340,7 +344,13 @@ class Pipeline:
     def sequence_batch(self, tokens: list[int], n_past: int) -> Batch:
         """The next tokens of the CLI's one sequence: cell i of the global cache holds position i, the
         sliding-window cache's cells are placed as llama.cpp places them."""
-        batch = Batch.sequence(tokens, n_past, self.attended_cells(n_past + len(tokens)))
+        if self.cells is not None:
+            pos = np.arange(n_past, n_past + len(tokens), dtype=np.int32)
+            cells = self.cells.place(0, pos)
+            visible = self.cells.visible(np.zeros(len(tokens), np.int32), pos, self.cells.n_kv(KV_PAD))
+            batch = Batch(list(tokens), pos, cells, visible, np.array([len(tokens) - 1], dtype=np.int32))
+        else:
+            batch = Batch.sequence(tokens, n_past, self.attended_cells(n_past + len(tokens)))
         if self.swa is not None:
             seqs = np.zeros(len(tokens), np.int32)
             batch.swa_cells = self.swa.place(0, batch.pos)

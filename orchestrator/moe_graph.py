@@ -1,0 +1,81 @@
+"""One worker's share of a qwen3moe graph, node for node as llama.cpp builds it (src/models/qwen3moe.cpp,
+and llm_graph_context::build_moe_ffn in src/llama-graph.cpp).
+
+The attention half is qwen3's (per-head RMS norms of Q and K before rope, no biases); the feed-forward is
+a mixture of experts in place of the dense SwiGLU:
+- the router: an F32 MUL_MAT of the normed rows by ffn_gate_inp (the logits, one per expert), SOFT_MAX;
+- the top n_expert_used experts of each row: ggml_argsort_top_k, a descending ARGSORT and a view of
+  its first n_expert_used columns (not ggml's TOP_K op);
+- their probabilities, GET_ROWS from the probabilities seen as [1, n_expert, n_tokens], renormalized
+  (norm_w): SUM_ROWS, CLAMP at F16's smallest normal (no division by zero), DIV;
+- gate and up by MUL_MAT_ID of the 3-D expert weights, SWIGLU, down by MUL_MAT_ID, each expert's output
+  times its weight (MUL);
+- the sum over the chosen experts: a 2-D view per expert, added left to right (one expert: a CONT).
+qwen3moe has no shared expert and llama.cpp reads no expert weight scale for it (so no SCALE node).
+"""
+
+from __future__ import annotations
+
+from orchestrator.ggml_graph import Graph, Tensor
+from orchestrator.llama_graph import LayerBuilder, Shape
+
+F16_MIN_NORMAL = 6.103515625e-5  # build_moe_ffn clamps the weight sums to this before dividing
+
+
+class Qwen3MoeBuilder(LayerBuilder):
+    def _layer(self, g: Graph, il: int, inp: Tensor, inputs: dict[str, Tensor], shape: Shape) -> Tensor:
+        hp, w = self.hp, lambda role: self.w[f"blk.{il}.{role}.weight"]
+        n_tokens = shape.n_tokens
+        cur = self._norm(g, inp, w("attn_norm"), f"attn_norm-{il}")
+
+        q = g.reshape(g.mul_mat(w("attn_q"), cur, f"Qcur-{il}"), hp.head_dim_k, hp.n_head, n_tokens)
+        k = g.reshape(g.mul_mat(w("attn_k"), cur, f"Kcur-{il}"), hp.head_dim_k, hp.n_head_kv, n_tokens)
+        v = g.reshape(g.mul_mat(w("attn_v"), cur, f"Vcur-{il}"), hp.head_dim_v, hp.n_head_kv, n_tokens)
+        q = self._norm(g, q, w("attn_q_norm"), f"Qcur_normed-{il}")
+        q = self._rope(g, il, q, inputs["pos"], None, f"Qcur-{il}")
+        k = self._norm(g, k, w("attn_k_norm"), f"Kcur_normed-{il}")
+        k = self._rope(g, il, k, inputs["pos"], None, f"Kcur-{il}")
+
+        cur = self._attention(g, il, q, k, v, inputs, shape)
+        cur = g.mul_mat(w("attn_output"), cur, f"attn_out-{il}")
+        if il == hp.n_layer - 1:
+            cur = g.get_rows(cur, inputs["out_ids"])
+            inp = g.get_rows(inp, inputs["out_ids"])
+        ffn_inp = g.add(cur, inp, f"ffn_inp-{il}")
+
+        cur = self._norm(g, ffn_inp, w("ffn_norm"), f"ffn_norm-{il}")
+        cur = self._moe(g, il, cur)
+        return g.add(cur, ffn_inp, f"l_out-{il}")
+
+    def _moe(self, g: Graph, il: int, cur: Tensor) -> Tensor:
+        """build_moe_ffn with qwen3moe's arguments: SiLU-gated experts, softmax gating, norm_w, no scale."""
+        hp, w = self.hp, lambda role: self.w[f"blk.{il}.{role}.weight"]
+        n_embd, n_tokens = cur.ne[0], cur.ne[1]
+        n_expert, n_used = hp.n_expert, hp.n_expert_used
+
+        logits = g.mul_mat(w("ffn_gate_inp"), cur, f"ffn_moe_logits-{il}")  # [n_expert, n_tokens]
+        probs = g.soft_max_ext(logits, None, 1.0, 0.0, f"ffn_moe_probs-{il}")
+        selected = g.argsort_top_k(probs, n_used, f"ffn_moe_topk-{il}", f"ffn_moe_argsort-{il}")  # [n_used, n_tokens]
+        weights = g.get_rows(g.reshape(probs, 1, n_expert, n_tokens), selected, f"ffn_moe_weights-{il}")
+
+        weights = g.reshape(weights, n_used, n_tokens)
+        weights_sum = g.sum_rows(weights, f"ffn_moe_weights_sum-{il}")  # [1, n_tokens]
+        weights_sum = g.clamp(weights_sum, F16_MIN_NORMAL, float("inf"), f"ffn_moe_weights_sum_clamped-{il}")
+        weights = g.div(weights, weights_sum, f"ffn_moe_weights_norm-{il}")
+        weights = g.reshape(weights, 1, n_used, n_tokens)
+
+        cur = g.reshape(cur, n_embd, 1, n_tokens)
+        # llama.cpp creates up before gate; its graph (ggml_build_forward_expand from the output) runs gate first
+        gate = g.mul_mat_id(w("ffn_gate_exps"), cur, selected, f"ffn_moe_gate-{il}")  # [n_ff, n_used, n_tokens]
+        up = g.mul_mat_id(w("ffn_up_exps"), cur, selected, f"ffn_moe_up-{il}")
+        cur = g.swiglu_split(gate, up, f"ffn_moe_swiglu-{il}")
+        experts = g.mul_mat_id(w("ffn_down_exps"), cur, selected, f"ffn_moe_down-{il}")  # [n_embd, n_used, n_tokens]
+        experts = g.mul(experts, weights, f"ffn_moe_weighted-{il}")
+
+        views = [g.view(experts, (n_embd, n_tokens), (experts.nb[2],), i * experts.nb[1]) for i in range(n_used)]
+        out = views[0]
+        for view in views[1:]:
+            out = g.add(out, view, f"ffn_moe_out-{il}")
+        if n_used == 1:  # the lone view is not contiguous
+            out = g.cont(out, name=f"ffn_moe_out-{il}")
+        return out
