@@ -75,6 +75,10 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
               "q5_0 or q5_1")
 @click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs flash "
               "attention)")
+@click.option("--context-shift/--no-context-shift", default=False,
+              help="when the context is full, drop half of it after the first --keep tokens and go on, as "
+                   "llama-completion's --context-shift (default: stop, as llama-completion)")
+@click.option("--keep", default=0, help="tokens of the prompt a context shift keeps (-1 = all), besides the BOS")
 @click.option("--swa-full", is_flag=True, help="a full-size cache for the sliding-window layers (Gemma 3), as llama.cpp's")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template as a user message")
 @click.option("-sys", "--system-prompt", default=None, help="system message for --chat")
@@ -131,9 +135,10 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
              temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
-             cache_type_k, cache_type_v, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
+             cache_type_k, cache_type_v, context_shift, keep, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
+    from orchestrator import context_shift as shifting  # noqa: PLC0415
     from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
     from orchestrator.model import ModelFile  # noqa: PLC0415
     from orchestrator.ring import Ring  # noqa: PLC0415
@@ -179,6 +184,12 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
                         cache_type_k=cache_type(cache_type_k), cache_type_v=cache_type(cache_type_v), swa_full=swa_full)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    # llama-completion's n_keep: the whole prompt for -1 or more than it has, else --keep plus the BOS
+    n_keep = len(tokens) if keep < 0 or keep > len(tokens) else keep + int(bool(vocab.add_bos))
+    if context_shift:
+        if why := shifting.can_shift(pipe):
+            raise CliError(why)
+        shifting.enable(pipe)
     try:
         pipe.connect(endpoints)
         pipe.place(parse_tensor_split(tensor_split))
@@ -206,7 +217,8 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
                 emit(t)
         if verbose:
             log(f"prompt: {len(tokens)} tokens {tokens}")
-        ring = None if no_ring or not params.greedy else Ring(pipe, banned)
+        # the ring keeps cell i at position i: a context that shifts goes token by token
+        ring = None if no_ring or context_shift or not params.greedy else Ring(pipe, banned)
         if ring is not None:
             why = ring.why_not() or (None if ring.setup() else f"{pipe.stages[-1].endpoint} refuses peer links")
             log(f"  ring: {'on' if why is None else f'off ({why})'}")
@@ -225,13 +237,19 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
             if vocab.is_eog(token):
                 out.write(b" [end of text]\n")
                 break
-            if pipe.n_past + 1 > pipe.n_ctx:
-                log(f"\ncontext full ({pipe.n_ctx} tokens): stopping")
-                break
             if n_predict >= 0 and n_generated >= n_predict:
                 break
-            if ring is not None:  # the workers generate the rest among themselves
-                limit = n_predict - n_generated if n_predict >= 0 else pipe.n_ctx
+            if pipe.n_past + 1 >= pipe.n_ctx:  # llama-completion's test: the last cell is never used
+                if not context_shift:
+                    log(f"\ncontext full ({pipe.n_ctx} tokens) and context shift is disabled: stopping")
+                    break
+                n_discard = (pipe.n_past - n_keep) // 2
+                if verbose:
+                    log(f"context full, shifting: n_past = {pipe.n_past}, n_keep = {n_keep}, n_discard = {n_discard}")
+                shifting.shift(pipe, n_keep, n_discard)
+            if ring is not None:  # the workers generate the rest among themselves, up to the context's last cell
+                room = pipe.n_ctx - 1 - pipe.n_past
+                limit = min(n_predict - n_generated, room) if n_predict >= 0 else room
                 n, token, ended = ring_generate(pipe, ring, token, limit, vocab, emit, sampler)
                 n_generated += n
                 if ended or ring.broken is None:
@@ -270,8 +288,8 @@ def ring_generate(pipe, ring, token: int, limit: int, vocab, emit, sampler) -> t
                 break
     finally:
         tokens.close()
-        if pipe.n_past >= pipe.n_ctx:
-            log(f"\ncontext full ({pipe.n_ctx} tokens): stopping")
+        if pipe.n_past + 1 >= pipe.n_ctx:
+            log(f"\ncontext full ({pipe.n_ctx} tokens) and context shift is disabled: stopping")
         pipe.timings.eval_tokens += n
         pipe.timings.eval_seconds += time.perf_counter() - start
     return n, token, ended

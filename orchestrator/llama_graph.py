@@ -162,7 +162,7 @@ class LayerBuilder:
             q = self._norm(g, q, q_norm, f"Qcur_normed-{il}")
         if (k_norm := w("attn_k_norm.weight")) is not None:
             k = self._norm(g, k, k_norm, f"Kcur_normed-{il}")
-        freq_factors = w("rope_freqs.weight")
+        freq_factors = self._rope_factors(il)
         q = self._rope(g, il, q, inputs["pos"], freq_factors, f"Qcur-{il}")
         k = self._rope(g, il, k, inputs["pos"], freq_factors, f"Kcur-{il}")
 
@@ -176,18 +176,30 @@ class LayerBuilder:
         ffn_inp = g.add(cur, inp, f"ffn_inp-{il}")
 
         cur = self._norm(g, ffn_inp, w("ffn_norm.weight"), f"ffn_norm-{il}")
+        # llm_graph_context::build_ffn (LLM_FFN_SILU, LLM_FFN_PAR) with the llama arch's optional biases
         gate = g.mul_mat(w("ffn_gate.weight"), cur, f"ffn_gate-{il}")
+        if (bias := w("ffn_gate.bias")) is not None:
+            gate = g.add(gate, bias, f"ffn_gate_b-{il}")
         up = g.mul_mat(w("ffn_up.weight"), cur, f"ffn_up-{il}")
+        if (bias := w("ffn_up.bias")) is not None:
+            up = g.add(up, bias, f"ffn_up_b-{il}")
         cur = g.swiglu_split(gate, up, f"ffn_swiglu-{il}")
         cur = g.mul_mat(w("ffn_down.weight"), cur, f"ffn_out-{il}")
+        if (bias := w("ffn_down.bias")) is not None:
+            cur = g.add(cur, bias, f"ffn_down_b-{il}")
         return g.add(cur, ffn_inp, f"l_out-{il}")
+
+    def _rope_factors(self, il: int) -> Tensor | None:
+        """llama_model::get_rope_factors: the layer's rope_freqs (one tensor for all layers in llama 3 files)."""
+        factors = self.w.get(f"blk.{il}.rope_freqs.weight")
+        return factors if factors is not None else self.w.get("rope_freqs.weight")
 
     def _rope(self, g: Graph, il: int, x: Tensor, pos: Tensor, freq_factors: Tensor | None, name: str) -> Tensor:
         hp = self.hp
         base, scale = ((hp.rope_freq_base_swa, hp.rope_freq_scale_swa) if hp.is_swa(il)
                        else (hp.rope_freq_base, hp.rope_freq_scale))
         return g.rope_ext(x, pos, freq_factors, hp.n_rot, hp.rope_mode, hp.n_ctx_orig, base, scale,
-                          hp.rope_ext_factor, 1.0, 32.0, 1.0, name)
+                          hp.rope_ext_factor, hp.rope_attn_factor, hp.rope_beta_fast, hp.rope_beta_slow, name)
 
     @staticmethod
     def _rotate(g: Graph, x: Tensor, rot: Tensor) -> Tensor:

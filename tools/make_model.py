@@ -65,8 +65,20 @@ WEIGHT_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "Q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     "Q4_K": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
     "Q6_K": (GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "Q5_0": (GGMLQuantizationType.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "Q5_1": (GGMLQuantizationType.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "Q2_K": (GGMLQuantizationType.Q2_K, LlamaFileType.MOSTLY_Q2_K),
+    "Q3_K": (GGMLQuantizationType.Q3_K, LlamaFileType.MOSTLY_Q3_K_M),
+    "Q5_K": (GGMLQuantizationType.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
+    "IQ4_NL": (GGMLQuantizationType.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
+    "IQ4_XS": (GGMLQuantizationType.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+    "BF16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
 }
-GGML_QUANTIZED = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K}  # types gguf-py cannot quantize
+# types gguf-py cannot quantize (or, for the later ones, that we let the pinned libggml quantize as llama.cpp would)
+GGML_QUANTIZED = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
+                  GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K,
+                  GGMLQuantizationType.Q5_K, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS}
+ROPE_SCALINGS = ("none", "linear", "yarn")
 
 # Copied from the vocabulary donor as they are (when present); the pre-tokenizer is set per arch instead.
 TOKENIZER_KEYS = (
@@ -98,9 +110,12 @@ def tensor_name(tensor: MODEL_TENSOR, suffix: str, layer: int | None = None) -> 
 
 
 def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,
-                 n_ff: int, n_vocab: int, n_expert: int = 0) -> list[Tensor]:
+                 n_ff: int, n_vocab: int, n_expert: int = 0, biases: bool = False,
+                 rope_freqs: bool = False) -> list[Tensor]:
     """Every tensor of the model, with the shapes llama.cpp's load_arch_tensors checks (n_ff: the
-    expert FFN width of a MoE arch)."""
+    expert FFN width of a MoE arch). biases: also the optional attn_output and ffn_{gate,up,down} biases
+    llama.cpp's llama arch loads (TENSOR_NOT_REQUIRED); rope_freqs: a rope_freqs.weight even where the
+    arch does not always have one (llama 3's frequency factors)."""
     spec = ARCHS[arch]
     n_q, n_kv = head_dim * n_head, head_dim * n_head_kv
     T = MODEL_TENSOR
@@ -108,7 +123,7 @@ def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
             Tensor(tensor_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm")]
     if not spec.tied_output:
         plan.append(Tensor(tensor_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "matrix"))
-    if spec.rope_freqs:  # one tensor; llama.cpp points every layer at it
+    if spec.rope_freqs or rope_freqs:  # one tensor; llama.cpp points every layer at it
         plan.append(Tensor(tensor_name(T.ROPE_FREQS, "weight"), (head_dim // 2,), "rope_freqs"))
     for i in range(n_layer):
         plan.append(Tensor(tensor_name(T.ATTN_NORM, "weight", i), (n_embd,), "norm"))
@@ -127,6 +142,8 @@ def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
                      Tensor(tensor_name(T.ATTN_K_NORM, "weight", i), (head_dim,), "norm")]
         plan += [Tensor(tensor_name(T.ATTN_OUT, "weight", i), (n_q, n_embd), "matrix"),
                  Tensor(tensor_name(T.FFN_NORM, "weight", i), (n_embd,), "norm")]
+        if biases:
+            plan.insert(-1, Tensor(tensor_name(T.ATTN_OUT, "bias", i), (n_embd,), "bias"))
         if spec.moe:  # the router stays F32, as llama.cpp's converters and llama-quantize leave it
             plan += [Tensor(tensor_name(T.FFN_GATE_INP, "weight", i), (n_embd, n_expert), "router"),
                      Tensor(tensor_name(T.FFN_GATE_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
@@ -139,6 +156,10 @@ def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
             plan += [Tensor(tensor_name(T.FFN_GATE, "weight", i), (n_embd, n_ff), "matrix"),
                      Tensor(tensor_name(T.FFN_UP, "weight", i), (n_embd, n_ff), "matrix")]
         plan.append(Tensor(tensor_name(T.FFN_DOWN, "weight", i), (n_ff, n_embd), "matrix"))
+        if biases:
+            plan += [Tensor(tensor_name(T.FFN_GATE, "bias", i), (n_ff,), "bias"),
+                     Tensor(tensor_name(T.FFN_UP, "bias", i), (n_ff,), "bias"),
+                     Tensor(tensor_name(T.FFN_DOWN, "bias", i), (n_embd,), "bias")]
     return plan
 
 
@@ -224,16 +245,31 @@ def quantize(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head: int = 4, n_head_kv: int = 2,
                 head_dim: int | None = None, n_ff: int = 512, weight_type: str = "Q8_0", seed: int = 0,
-                n_expert: int = 8, n_expert_used: int = 2, vocab_from: Path) -> Path:
+                n_expert: int = 8, n_expert_used: int = 2, vocab_from: Path, embd_type: str | None = None,
+                biases: bool = False, rope_scaling: str | None = None, rope_scale: float = 0.0,
+                rope_orig_ctx: int = 0, rope_attn_factor: float = 0.0, rope_freqs: bool = False) -> Path:
     """Write a random-weight `arch` model to `path`; 2-D weights (token_embd too) and 3-D expert weights
-    in `weight_type`. A MoE arch has `n_expert` experts of FFN width `n_ff`, `n_expert_used` per token."""
+    in `weight_type`. A MoE arch has `n_expert` experts of FFN width `n_ff`, `n_expert_used` per token.
+
+    embd_type: token_embd's type instead (the tied output's too); biases: the optional attention-output
+    and FFN biases (dense archs without fused tensors); rope_scaling/rope_scale/rope_orig_ctx/
+    rope_attn_factor: the rope.scaling.{type,factor,original_context_length,attn_factor} keys, written
+    when given; rope_freqs: a rope_freqs.weight of per-pair frequency divisors."""
     path = Path(path)
     head_dim = head_dim if head_dim is not None else n_embd // n_head
-    if weight_type not in WEIGHT_TYPES:
-        raise ValueError(f"weight_type {weight_type!r}; expected one of {sorted(WEIGHT_TYPES)}")
+    for what, name in (("weight_type", weight_type), ("embd_type", embd_type or weight_type)):
+        if name not in WEIGHT_TYPES:
+            raise ValueError(f"{what} {name!r}; expected one of {sorted(WEIGHT_TYPES)}")
     qtype, file_type = WEIGHT_TYPES[weight_type]
+    embd_qtype = WEIGHT_TYPES[embd_type or weight_type][0]
     moe = ARCHS[arch].moe
     check_arguments(arch, n_embd, n_head, n_head_kv, head_dim, n_ff, qtype, n_expert, n_expert_used)
+    if n_embd % gguf.GGML_QUANT_SIZES[embd_qtype][0]:
+        raise ValueError(f"n_embd={n_embd} is not a multiple of the {embd_qtype.name} block size")
+    if biases and (moe or ARCHS[arch].fused_qkv or ARCHS[arch].fused_gate_up):
+        raise ValueError(f"biases are for dense archs with separate projections, not {arch}")
+    if rope_scaling is not None and rope_scaling not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling {rope_scaling!r}; expected one of {ROPE_SCALINGS}")
 
     writer = gguf.GGUFWriter(path, arch)
     # not the arch: llama.cpp keys vocabulary quirks on general.name ("phi3" makes it look up Phi-3's own
@@ -253,6 +289,14 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+    if rope_scale:
+        writer.add_rope_scaling_factor(rope_scale)
+    if rope_orig_ctx:
+        writer.add_rope_scaling_orig_ctx_len(rope_orig_ctx)
+    if rope_attn_factor:
+        writer.add_rope_scaling_attn_factors(rope_attn_factor)
     writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -262,13 +306,15 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
 
     rng = np.random.default_rng(seed)
     plan = plan_tensors(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-                        head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, n_expert=n_expert if moe else 0)
+                        head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, n_expert=n_expert if moe else 0,
+                        biases=biases, rope_freqs=rope_freqs)
     for tensor in plan:
         values = random_values(tensor, rng)
         if len(tensor.shape) == 1 or tensor.kind == "router":  # F32, as llama.cpp's converters write them
             writer.add_tensor(tensor.name, values)
         else:
-            writer.add_tensor(tensor.name, quantize(values, qtype), raw_dtype=qtype)
+            type_ = embd_qtype if tensor.kind == "embedding" else qtype
+            writer.add_tensor(tensor.name, quantize(values, type_), raw_dtype=type_)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -302,6 +348,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-expert", type=int, default=8, help="experts per layer (qwen3moe)")
     parser.add_argument("--n-expert-used", type=int, default=2, help="experts each token is routed to (qwen3moe)")
     parser.add_argument("--weight-type", default="Q8_0", choices=sorted(WEIGHT_TYPES))
+    parser.add_argument("--embd-type", default=None, choices=sorted(WEIGHT_TYPES),
+                        help="token_embd's type (default: --weight-type)")
+    parser.add_argument("--biases", action="store_true", help="attn_output and ffn_{gate,up,down} biases")
+    parser.add_argument("--rope-scaling", default=None, choices=ROPE_SCALINGS, help="rope.scaling.type")
+    parser.add_argument("--rope-scale", type=float, default=0.0, help="rope.scaling.factor (0: not written)")
+    parser.add_argument("--rope-orig-ctx", type=int, default=0,
+                        help="rope.scaling.original_context_length (0: not written)")
+    parser.add_argument("--rope-attn-factor", type=float, default=0.0, help="rope.scaling.attn_factor (0: not written)")
+    parser.add_argument("--rope-freqs", action="store_true", help="a rope_freqs.weight (llama 3 frequency factors)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-from", type=Path, default=None, help="GGUF to copy the tokenizer from "
                         "(default: the installed SmolLM2 test model)")
@@ -309,7 +364,10 @@ def main(argv: list[str] | None = None) -> None:
     written = write_model(args.output, args.arch, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                           n_head_kv=args.n_head_kv, head_dim=args.head_dim, n_ff=args.n_ff,
                           weight_type=args.weight_type, seed=args.seed, n_expert=args.n_expert,
-                          n_expert_used=args.n_expert_used,
+                          n_expert_used=args.n_expert_used, embd_type=args.embd_type, biases=args.biases,
+                          rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
+                          rope_orig_ctx=args.rope_orig_ctx, rope_attn_factor=args.rope_attn_factor,
+                          rope_freqs=args.rope_freqs,
                           vocab_from=args.vocab_from or default_vocab_source())
     print(written)
 
