@@ -7,7 +7,7 @@ import importlib
 
 from .node import InvalidNode, Node, Tensor  # noqa: F401
 
-OP_MODULES = ("matmul", "moe", "sort", "reduce", "get_rows", "elementwise", "glu", "norm", "rope", "softmax", "attention",
+OP_MODULES = ("matmul", "moe", "add_id", "sort", "reduce", "get_rows", "elementwise", "glu", "norm", "rope", "softmax", "attention",
               "copy", "shape_ops")
 
 

@@ -126,6 +126,10 @@ def _sort(op, sub, x, y):  # ARGSORT (descending) and TOP_K
     return Node(op, tensor(y, ROW if op == GGMLOp.ARGSORT else 8, 4), [tensor(x, ROW, 4)], [1])
 
 
+def _add_id(op, sub, a, b, ids, y):
+    return Node(op, tensor(y, ROW, 2, 3), [tensor(a, ROW, 2, 3), tensor(b, ROW, 8), tensor(ids, 2, 3)])
+
+
 def _sum_rows(op, sub, x, y):
     return Node(op, tensor(y, 1, 4), [tensor(x, ROW, 4)])
 
@@ -149,6 +153,8 @@ PROBES: dict[int, Probe] = {
     GGMLOp.UNARY: _ONE_IN_ONE_OUT, GGMLOp.SQR: _ONE_IN_ONE_OUT, GGMLOp.SQRT: _ONE_IN_ONE_OUT,
     GGMLOp.SCALE: _ONE_IN_ONE_OUT, GGMLOp.NORM: _ONE_IN_ONE_OUT, GGMLOp.RMS_NORM: _ONE_IN_ONE_OUT,
     GGMLOp.L2_NORM: _ONE_IN_ONE_OUT, GGMLOp.CLAMP: _ONE_IN_ONE_OUT,
+    GGMLOp.ADD_ID: Probe((("src0", PLAIN), ("src1", PLAIN), ("ids", PLAIN), ("dst", PLAIN)), _add_id,
+                         "{src0}, {src1} rows by {ids} → {dst}"),
     GGMLOp.SUM_ROWS: Probe((("src", PLAIN), ("dst", PLAIN)), _sum_rows, "{src} → {dst}"),
     GGMLOp.ARGSORT: Probe((("src", PLAIN), ("dst", PLAIN)), _sort, "{src} → {dst}"),
     GGMLOp.TOP_K: Probe((("src", PLAIN), ("dst", PLAIN)), _sort, "{src} → {dst}"),

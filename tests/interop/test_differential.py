@@ -488,7 +488,7 @@ def issue4_cases():
     yield _case("ARGMAX-F32", [Leaf("a", F32, (37, 9))], lambda g, t: d.argmax(g, t["a"]), None)
 
 
-# --- mixture of experts: MUL_MAT_ID, ARGSORT, TOP_K, SUM_ROWS, CLAMP ----------------------------------
+# --- mixture of experts: MUL_MAT_ID, ARGSORT, TOP_K, SUM_ROWS, CLAMP, ADD_ID ---------------------------
 
 def _mul_mat_id(g, t):
     w, x, ids = t["w"], t["x"], t["ids"]
@@ -514,6 +514,9 @@ def moe_cases():
                 lambda g, t: g._node(I32, (4, *t["a"].ne[1:]), GGMLOp.TOP_K, (t["a"],)), None)
     yield _case("SUM_ROWS-F32", [Leaf("a", F32, (300, 7, 2))],
                 lambda g, t: g._node(F32, (1, *t["a"].ne[1:]), GGMLOp.SUM_ROWS, (t["a"],)))
+    yield _case("ADD_ID-F32", [Leaf("a", F32, (300, n_ids, 5)), Leaf("b", F32, (300, n_as)),
+                               Leaf("ids", I32, (n_ids, 5), d.distinct_indices(n_as))],
+                lambda g, t: g._node(F32, t["a"].ne, GGMLOp.ADD_ID, (t["a"], t["b"], t["ids"])))
     yield _case("CLAMP-F32", [Leaf("a", F32, (37, 5, 2), d.uniform(-3, 3))],
                 lambda g, t: g._node(F32, t["a"].ne, GGMLOp.CLAMP, (t["a"],), d._f32(-1.25, 0.5)))
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts ops (MUL_MAT_ID, ARGSORT, TOP_K, SUM_ROWS, CLAMP): numba forward bit for bit
+"""The mixture-of-experts ops (MUL_MAT_ID, ARGSORT, TOP_K, SUM_ROWS, CLAMP, ADD_ID): numba forward bit for bit
 against the real ggml-cpu, and against the numpy reference; check() refusing what would read or write
 outside the tensors."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import moe, reduce, sort
+from kernels import add_id, moe, reduce, sort
 from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
@@ -224,3 +224,51 @@ def test_sum_rows_check_rejects_wrong_result_shape():
     node = Node(GGMLOp.SUM_ROWS, Tensor.new(T.F32, (2, 3)), (Tensor.new(T.F32, (8, 3)),))
     with pytest.raises(InvalidNode, match="result shape"):
         reduce.check(node)
+
+
+# ----------------------------------------------------------------------------------------------
+# ADD_ID
+
+
+@needs_ggml
+@pytest.mark.parametrize("ne0,n_used,n_tok,n_expert", [(64, 2, 1, 6), (300, 4, 7, 8), (17, 1, 3, 2)])
+def test_add_id_bit_exact_with_ggml(ne0, n_used, n_tok, n_expert):
+    rng = np.random.default_rng(ne0)
+    a = rng.standard_normal(ne0 * n_used * n_tok).astype(np.float32)
+    b = rng.standard_normal(ne0 * n_expert).astype(np.float32)
+    ids = routed_ids(rng, n_expert + 1, n_used, n_tok, hot=False)
+    ours, ref, theirs = against_ggml(lambda g: g.op(
+        "ggml_add_id", g.new(T.F32, (ne0, n_used, n_tok), a), g.new(T.F32, (ne0, n_expert), b),
+        g.new(T.I32, (n_used, n_tok), ids)))
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(ref, theirs)
+
+
+def add_id_node(ids, n_expert=4, ne0=8):
+    n_tok, n_used = ids.shape
+    ids_t = Tensor.new(T.I32, (n_used, n_tok))
+    ids_t.array()[0, 0] = ids
+    return Node(GGMLOp.ADD_ID, Tensor.new(T.F32, (ne0, n_used, n_tok)),
+                (Tensor.new(T.F32, (ne0, n_used, n_tok)), Tensor.new(T.F32, (ne0, n_expert)), ids_t))
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 1 << 30])
+def test_add_id_refuses_an_id_outside_the_table(bad):
+    """ggml's worker aborts on such an id; ours refuses the node and writes nothing."""
+    node = add_id_node(np.array([[0, 1], [2, bad]], np.int32))
+    add_id.check(node)
+    node.dst.mem[:] = 0x7F
+    for run in (lookup(node).bind(node), lambda: add_id.reference(node)):
+        with pytest.raises(InvalidNode, match="out of range"):
+            run()
+        assert (node.dst.mem == 0x7F).all()
+
+
+def test_add_id_check_rejects_mismatched_shapes():
+    node = add_id_node(np.zeros((3, 2), np.int32))
+    short_ids = Tensor.new(T.I32, (2, 2))  # fewer id rows than src0 has tokens: would read past them
+    with pytest.raises(InvalidNode, match="ids"):
+        add_id.check(Node(GGMLOp.ADD_ID, node.dst, (node.src[0], node.src[1], short_ids)))
+    narrow = Tensor.new(T.F32, (4, 4))  # bias rows shorter than src0's
+    with pytest.raises(InvalidNode, match="src1"):
+        add_id.check(Node(GGMLOp.ADD_ID, node.dst, (node.src[0], narrow, node.src[2])))
