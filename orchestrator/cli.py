@@ -79,6 +79,8 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
               help="when the context is full, drop half of it after the first --keep tokens and go on, as "
                    "llama-completion's --context-shift (default: stop, as llama-completion)")
 @click.option("--keep", default=0, help="tokens of the prompt a context shift keeps (-1 = all), besides the BOS")
+@click.option("--warmup/--no-warmup", default=True, show_default=True,
+              help="an untimed run of the prompt's first batch before it, as llama-completion's warm-up")
 @click.option("--swa-full", is_flag=True, help="a full-size cache for the sliding-window layers (Gemma 3), as llama.cpp's")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template as a user message")
 @click.option("-sys", "--system-prompt", default=None, help="system message for --chat")
@@ -135,7 +137,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
              temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
-             cache_type_k, cache_type_v, context_shift, keep, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
+             cache_type_k, cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
     from orchestrator import context_shift as shifting  # noqa: PLC0415
@@ -199,6 +201,8 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
             log("  " + link.describe())
         pipe.on_relay = lambda link: log(f"\n{link.describe()}: relaying from now on")
         upload_with_progress_bar(pipe)
+        if warmup:
+            pipe.warmup(tokens)
         t_loaded = time.perf_counter()
 
         sampler = Sampler(params, hp.n_vocab)

@@ -444,6 +444,19 @@ class Pipeline:
         self.timings.prompt_seconds += time.perf_counter() - start
         return logits
 
+    def warmup(self, tokens: list[int]) -> None:
+        """llama-completion's warm-up run, shaped as the prompt's first ubatch: every stage builds and sends
+        that graph before the clock starts, so the prompt itself is a GRAPH_RECOMPUTE. The cells it wrote
+        are forgotten (the prompt writes the same K and V into them again)."""
+        if self.n_past:
+            raise ValueError("warm up before the prompt")
+        self.decode(tokens[:self.n_ubatch])
+        self.n_past = 0
+        if self.swa is not None:
+            self.swa = SwaCells(self.n_ctx_swa, self.n_swa)
+        if self.cells is not None:
+            self.cells = SwaCells(self.cells.size, self.cells.n_swa)
+
     def evaluate_token(self, token: int) -> np.ndarray:
         start = time.perf_counter()
         logits = self.decode([token])
