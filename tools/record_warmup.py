@@ -7,8 +7,9 @@ client sends, so numba compiles (or loads) every kernel signature a llama graph 
 first client arrives. This tool runs the orchestrator's Pipeline over a private in-process Session
 and records each request's frame: weights upload, KV cache clear, GRAPH_COMPUTE for prompts of 8 and
 2 tokens (ggml routes batches of 8+ and of 2+ differently) and single tokens, GRAPH_RECOMPUTE,
-GET_TENSOR, with flash attention on and off (off adds SOFT_MAX, CPY and F16 products). Its layers
-carry the weight types llama.cpp's common files use. rpcserver/warmup.py replays the recording.
+GET_TENSOR, with flash attention on and off (off adds SOFT_MAX, CPY and F16 products), and a small
+qwen3moe (MUL_MAT_ID, ARGSORT, SUM_ROWS, CLAMP, DIV). Its layers carry the weight types llama.cpp's
+common files use. rpcserver/warmup.py replays the recording.
 
 Weight data is not kept (a SET_TENSOR over SMALL bytes keeps only its header; the replay writes zeros):
 which kernels run depends on shapes, types and layouts, not on values.
@@ -44,6 +45,14 @@ LAYER_TYPES = (
     {"*": GGMLType.F16},
     {"*": GGMLType.Q4_K, "ffn_down": GGMLType.Q6_K, "attn_v": GGMLType.Q6_K},
 )
+# the MoE session's layers: Q4_K_M's experts (Q6_K down), legacy Q8_0 and F16 ones (MUL_MAT_ID's three
+# kernels: K-quant, legacy quant and float)
+MOE_LAYER_TYPES = (
+    {"*": GGMLType.Q4_K, "ffn_down_exps": GGMLType.Q6_K, "attn_v": GGMLType.Q6_K},
+    {"*": GGMLType.Q8_0},
+    {"*": GGMLType.F16},
+)
+N_EXPERT, N_EXPERT_USED = 4, 2
 OUTPUT_TYPE = GGMLType.Q8_0
 N_EMBD, N_FF, N_HEAD, N_HEAD_KV, N_VOCAB, N_CTX = 256, 512, 4, 2, 256, 256  # K-quants need rows of 256
 PROMPTS = (8, 2)  # tokens per prompt step; then two single-token steps (the second a recompute)
@@ -51,21 +60,29 @@ BUDGET = 64 << 20
 
 
 class _Model:
-    """What the orchestrator's Pipeline reads of a ModelFile, for a small random llama."""
+    """What the orchestrator's Pipeline reads of a ModelFile, for a small random llama (or, with
+    moe=True, a qwen3moe: Q/K norms and N_EXPERT routed experts in place of the dense FFN)."""
 
-    def __init__(self):
+    def __init__(self, moe: bool = False):
         head_dim = N_EMBD // N_HEAD
+        layer_types = MOE_LAYER_TYPES if moe else LAYER_TYPES
         self.hparams = HParams(
-            arch="llama", n_layer=len(LAYER_TYPES), n_embd=N_EMBD, n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV,
-            head_dim_k=head_dim, head_dim_v=head_dim, n_rot=head_dim, n_vocab=N_VOCAB, n_ctx_train=N_CTX,
-            n_ctx_orig=N_CTX, rms_eps=1e-5, rope_freq_base=10000.0, rope_freq_scale=1.0, rope_ext_factor=0.0,
-            kq_scale=1.0 / np.sqrt(head_dim),
+            arch="qwen3moe" if moe else "llama", n_layer=len(layer_types), n_embd=N_EMBD, n_ff=N_FF, n_head=N_HEAD,
+            n_head_kv=N_HEAD_KV, head_dim_k=head_dim, head_dim_v=head_dim, n_rot=head_dim, n_vocab=N_VOCAB,
+            n_ctx_train=N_CTX, n_ctx_orig=N_CTX, rms_eps=1e-5, rope_freq_base=10000.0, rope_freq_scale=1.0,
+            rope_ext_factor=0.0, kq_scale=1.0 / np.sqrt(head_dim),
+            n_expert=N_EXPERT if moe else 0, n_expert_used=N_EXPERT_USED if moe else 0,
         )
         rng = np.random.default_rng(0)
         kv = N_HEAD_KV * head_dim
         shapes = {"attn_norm": (N_EMBD,), "attn_q": (N_EMBD, N_EMBD), "attn_k": (N_EMBD, kv),
-                  "attn_v": (N_EMBD, kv), "attn_output": (N_EMBD, N_EMBD), "ffn_norm": (N_EMBD,),
-                  "ffn_gate": (N_EMBD, N_FF), "ffn_up": (N_EMBD, N_FF), "ffn_down": (N_FF, N_EMBD)}
+                  "attn_v": (N_EMBD, kv), "attn_output": (N_EMBD, N_EMBD), "ffn_norm": (N_EMBD,)}
+        if moe:
+            shapes.update({"attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,), "ffn_gate_inp": (N_EMBD, N_EXPERT),
+                           "ffn_gate_exps": (N_EMBD, N_FF, N_EXPERT), "ffn_up_exps": (N_EMBD, N_FF, N_EXPERT),
+                           "ffn_down_exps": (N_FF, N_EMBD, N_EXPERT)})
+        else:
+            shapes.update({"ffn_gate": (N_EMBD, N_FF), "ffn_up": (N_EMBD, N_FF), "ffn_down": (N_FF, N_EMBD)})
         self.weights = {}
 
         def add(name, type_, ne):
@@ -79,9 +96,10 @@ class _Model:
                 data = values.astype(_NUMPY[type_]).view(np.uint8)
             self.weights[name] = WeightInfo(name, type_, ne, data)
 
-        for il, types in enumerate(LAYER_TYPES):
+        for il, types in enumerate(layer_types):
             for role, ne in shapes.items():
-                type_ = GGMLType.F32 if role.endswith("norm") else types.get(role, types["*"])
+                plain = role.endswith("norm") or role == "ffn_gate_inp"  # the router stays F32, as in real files
+                type_ = GGMLType.F32 if plain else types.get(role, types["*"])
                 add(f"blk.{il}.{role}.weight", type_, ne)
         add("output_norm.weight", GGMLType.F32, (N_EMBD,))
         add("token_embd.weight", OUTPUT_TYPE, (N_EMBD, N_VOCAB))
@@ -152,9 +170,9 @@ def record_input_nodes(client: RecordingClient) -> None:
     client.get_tensor(wire_tensor(table), table.nbytes)
 
 
-def _run_llama(client: RecordingClient, flash_attn: bool) -> None:
-    """A llama client's requests: upload, prompts of each length in PROMPTS, then single tokens."""
-    pipe = Pipeline(_Model(), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
+def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False) -> None:
+    """A llama (qwen3moe) client's requests: upload, prompts of each length in PROMPTS, then single tokens."""
+    pipe = Pipeline(_Model(moe), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
     pipe.connect([client])
     pipe.place()
     pipe.allocate()
@@ -164,6 +182,8 @@ def _run_llama(client: RecordingClient, flash_attn: bool) -> None:
             pipe.evaluate_prompt([1] * n)
         for _ in range(2):
             pipe.evaluate_token(1)
+        if moe:
+            return
         # the ring's graph (orchestrator/ring.py): token ids in, logit bias and greedy token out
         stage, batch = pipe.stages[0], pipe.sequence_batch([1], N_CTX - 1)
         stage.prepare(pipe.shape(batch), token_ids=True, greedy=True, logit_bias=True)
@@ -182,8 +202,10 @@ def _recorded(drive) -> list[tuple[int, bytes, int]]:
 
 
 def record() -> bytes:
-    """The warm-up frames of both flash-attention settings and of the input nodes, encoded for rpcserver.warmup."""
+    """The warm-up frames of both flash-attention settings, of a qwen3moe and of the input nodes, encoded for
+    rpcserver.warmup."""
     sessions = [_recorded(lambda c, fa=fa: _run_llama(c, fa)) for fa in (True, False)]
+    sessions.append(_recorded(lambda c: _run_llama(c, True, moe=True)))
     sessions.append(_recorded(record_input_nodes))
     return warmup.encode(sessions)
 
