@@ -36,6 +36,10 @@ from orchestrator.cli import CliError, default_model, log, log_placement, parse_
 @click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
               help="flash attention (auto = on)")
+@click.option("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f32, f16, q8_0, q4_0, q4_1, iq4_nl, "
+              "q5_0 or q5_1")
+@click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs flash "
+              "attention)")
 @click.option("--no-push", is_flag=True, help="relay every activation through the orchestrator")
 @click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
@@ -66,10 +70,10 @@ def run(*, rpc, workers, threads, **options) -> None:
 
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
-          api_key, metrics, tensor_split, flash_attn, no_push) -> None:
+          api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push) -> None:
     from orchestrator.engine import Engine  # noqa: PLC0415
     from orchestrator.model import ModelFile  # noqa: PLC0415
-    from orchestrator.runner import Pipeline  # noqa: PLC0415
+    from orchestrator.runner import Pipeline, cache_type  # noqa: PLC0415
     from orchestrator.server import Service, serve as serve_http  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
 
@@ -80,8 +84,12 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
 
     def load() -> Engine:
         # swa_full: the engine's sliding-window layers share the global layers' cells (orchestrator/kv.py)
-        pipe = Pipeline(model, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
-                        swa_full=True)
+        try:
+            pipe = Pipeline(model, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
+                            flash_attn=flash_attn != "off", cache_type_k=cache_type(cache_type_k),
+                            cache_type_v=cache_type(cache_type_v), swa_full=True)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
         try:
             pipe.connect(endpoints)
             pipe.place(split)

@@ -113,6 +113,30 @@ def test_greedy_chat_and_completion_match_llama_server(ours, oracle):
     assert got.choices[0].message.content == expected, text_diff(expected, got.choices[0].message.content)
 
 
+def test_quantized_kv_cache_gives_llama_servers_text(bin_dir, model_path, workers, oracle, tmp_path):
+    """-ctk/-ctv q4_0: llama.cpp's Hadamard-rotated, quantized cache, shared by the slots."""
+    flags = ["-ctk", "q4_0", "-ctv", "q4_0"]
+    with_f16_cache = completion_text(oracle, PROMPTS["list"])
+    own = start_workers(("reference",), tmp_path)  # llama.cpp's worker serves one client at a time
+    try:
+        quantized = started(LlamaServer(bin_dir, model_path, tmp_path / "llama-server.log",
+                                        ["--rpc", own[0].address, "-ngl", 99, *flags], n_ctx=2048, n_parallel=2))
+        try:
+            expected = completion_text(quantized, PROMPTS["list"])
+        finally:
+            quantized.stop()
+    finally:
+        stop_workers(own)
+    ours = started(OrchestratorServer(model_path, tmp_path / "ours.log", [workers[2].address], ["--api-key", KEY, *flags],
+                                      n_ctx=2048, n_parallel=2))
+    try:
+        got = completion_text(ours, PROMPTS["list"])
+    finally:
+        ours.stop()
+    assert expected != with_f16_cache, "the quantized cache changed nothing: the test cannot see it"
+    assert got == expected, text_diff(expected, got, "llama-server", "orchestrator serve")
+
+
 def test_stop_strings_cut_the_text_as_llama_servers(ours, oracle):
     full = completion_text(oracle, PROMPTS["list"])
     stop = full.split()[3]  # a word from the middle of the greedy text
