@@ -36,19 +36,18 @@ def smollm2():
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("flash_attn", [True, False])
-def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, flash_attn):
+def run_after_warm_up(model, flash_attn: bool):
+    """The warm-up, then llama-completion's shapes through a session (its 2-token warm-up decode, a prompt,
+    single tokens): the last logits, and the numba functions that compiled new signatures meanwhile."""
     from orchestrator.client import InProcessClient
     from orchestrator.runner import Pipeline
 
     warmup.warm_up()
     before = numba_signatures()
     assert sum(before.values()) > 10  # the warm-up did load kernels
-
     client = InProcessClient(Session(WorkerConfig(MemoryBudget())))
     try:
-        # llama-completion's shapes: its 2-token warm-up decode, a prompt, then single tokens
-        pipe = Pipeline(smollm2, n_ctx=512, n_batch=64, n_ubatch=64, flash_attn=flash_attn)
+        pipe = Pipeline(model, n_ctx=512, n_batch=64, n_ubatch=64, flash_attn=flash_attn)
         pipe.connect([client])
         pipe.place()
         pipe.allocate()
@@ -59,38 +58,24 @@ def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, 
             logits = pipe.evaluate_token(token)
     finally:
         client.close()
-    assert logits.shape == (smollm2.hparams.n_vocab,)
     after = numba_signatures()
-    grown = {k: (before.get(k, 0), n) for k, n in after.items() if n != before.get(k, 0)}
-    assert not grown, f"compiled after the warm-up: {grown}"
+    return logits, {k: (before.get(k, 0), n) for k, n in after.items() if n != before.get(k, 0)}
 
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, flash_attn):
+    logits, grown = run_after_warm_up(smollm2, flash_attn)
+    assert logits.shape == (smollm2.hparams.n_vocab,)
+    assert not grown, f"compiled after the warm-up: {grown}"
 
 
 def test_a_mixture_of_experts_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, tmp_path):
     """A random qwen3moe in Q4_K_M (tools/make_model.py): MUL_MAT_ID, ARGSORT and the routing weights' ops
     were compiled at start-up, so a first MoE client does not wait for numba."""
-    from orchestrator.client import InProcessClient
     from orchestrator.model import ModelFile
-    from orchestrator.runner import Pipeline
     from tools.make_model import write_model
 
     model = ModelFile(write_model(tmp_path / "moe.gguf", "qwen3moe", n_layer=2, n_embd=256, n_ff=256, n_expert=8,
                                   n_expert_used=2, weight_type="Q4_K", vocab_from=smollm2.path))
-    warmup.warm_up()
-    before = numba_signatures()
-    client = InProcessClient(Session(WorkerConfig(MemoryBudget())))
-    try:
-        pipe = Pipeline(model, n_ctx=512, n_batch=64, n_ubatch=64, flash_attn=True)
-        pipe.connect([client])
-        pipe.place()
-        pipe.allocate()
-        pipe.upload()
-        pipe.evaluate_prompt([1, 2])
-        pipe.evaluate_prompt(list(range(10, 47)))
-        for token in (5, 6):
-            pipe.evaluate_token(token)
-    finally:
-        client.close()
-    after = numba_signatures()
-    grown = {k: (before.get(k, 0), n) for k, n in after.items() if n != before.get(k, 0)}
+    _, grown = run_after_warm_up(model, flash_attn=True)
     assert not grown, f"compiled after the warm-up: {grown}"

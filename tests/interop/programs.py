@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -146,6 +147,30 @@ def started(server: LlamaServer) -> LlamaServer:
         server.stop()
         raise
     return server
+
+
+def serve_greedy(model, prompts, n_predict: int, n_ctx: int, tmp_path) -> list[str]:
+    """Greedy completions of `prompts` sent at once to `orchestrator serve` (-np one slot per prompt, -fa on)
+    over one of our workers started for the call."""
+    workers = start_workers(("ours",), tmp_path)
+    try:
+        server = started(OrchestratorServer(model, tmp_path / "serve.log", [workers[0].address], ["-fa", "on"],
+                                            n_ctx=n_ctx, n_parallel=len(prompts)))
+        try:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return list(pool.map(lambda prompt: _complete(server.url, prompt, n_predict), prompts))
+        finally:
+            server.stop()
+    finally:
+        stop_workers(workers)
+
+
+def _complete(url: str, prompt: str, n_predict: int) -> str:
+    body = {"prompt": prompt, "max_tokens": n_predict, "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
+        return json.loads(response.read())["choices"][0]["text"]
 
 
 # -- our orchestrator over workers started for a module ---------------------------------------------------

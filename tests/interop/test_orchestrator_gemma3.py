@@ -11,14 +11,10 @@ cells (llama.cpp's --swa-full) and masked per sequence and window.
 """
 from __future__ import annotations
 
-import json
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from .conftest import RPC_TIMEOUT, text_diff
-from .programs import OrchestratorServer, long_prompt, run_orchestrator, start_workers, started, stop_workers
+from .conftest import text_diff
+from .programs import long_prompt, run_orchestrator, serve_greedy, start_workers, stop_workers
 
 pytestmark = pytest.mark.interop
 
@@ -58,26 +54,8 @@ def test_same_text_as_llama_completion(gemma3_path, case, cpu_text):
 
 def test_serve_batches_two_sequences(gemma3_path, cpu_text, tmp_path):
     prompts = [SHORT, "Here are three simple tips for staying healthy:\n1."]
-    workers = start_workers(("ours",), tmp_path)
-    try:
-        server = started(OrchestratorServer(gemma3_path, tmp_path / "serve.log", [workers[0].address], ["-fa", "on"],
-                                            n_ctx=1024, n_parallel=2))
-        try:
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                texts = list(pool.map(lambda prompt: _complete(server.url, prompt), prompts))
-        finally:
-            server.stop()
-    finally:
-        stop_workers(workers)
+    texts = serve_greedy(gemma3_path, prompts, N_PREDICT, 1024, tmp_path)
     for prompt, text in zip(prompts, texts):
         expected = cpu_text(["-m", gemma3_path, "-p", prompt, "-n", N_PREDICT, "--temp", 0, "--ignore-eos", "-fa", "on",
                              "-c", 1024, "--no-display-prompt", "-ngl", 0, "--no-repack"]).removesuffix("\n\n")
         assert text == expected, text_diff(expected, text, "llama-completion", "orchestrator serve")
-
-
-def _complete(url: str, prompt: str) -> str:
-    body = {"prompt": prompt, "max_tokens": N_PREDICT, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
-        return json.loads(response.read())["choices"][0]["text"]

@@ -13,10 +13,7 @@ it alone.
 """
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import gguf
 import pytest
@@ -31,7 +28,7 @@ from tools.make_model import write_model
 from tools.trace_proxy import TraceProxy, describe_graph
 
 from .conftest import CLIENT_THREADS, RPC_TIMEOUT, ClientFailed, text_diff
-from .programs import PROMPTS, OrchestratorServer, run_orchestrator, start_workers, started, stop_workers
+from .programs import PROMPTS, run_orchestrator, serve_greedy, start_workers, stop_workers
 
 pytestmark = pytest.mark.interop
 
@@ -173,26 +170,8 @@ def test_placement_counts_the_expert_weights(moe_models, tmp_path):
 def test_serve_batches_two_sequences(moe_models, cpu_text, tmp_path):
     model = moe_models("Q8_0")
     prompts = [PROMPTS["fact"], PROMPTS["list"]]
-    workers = start_workers(("ours",), tmp_path)
-    try:
-        server = started(OrchestratorServer(model, tmp_path / "serve.log", [workers[0].address], ["-fa", "on"],
-                                            n_ctx=512, n_parallel=2))
-        try:
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                texts = list(pool.map(lambda prompt: _complete(server.url, prompt), prompts))
-        finally:
-            server.stop()
-    finally:
-        stop_workers(workers)
+    texts = serve_greedy(model, prompts, N_SERVE, 512, tmp_path)
     for prompt, text in zip(prompts, texts):
         expected = cpu_text(["-m", model, "-p", prompt, "-n", N_SERVE, "--temp", 0, "--ignore-eos", "-fa", "on",
                              "-c", 512, "--no-display-prompt", "-ngl", 0, "--no-repack"]).removesuffix("\n\n")
         assert text == expected, text_diff(expected, text, "llama-completion", "orchestrator serve")
-
-
-def _complete(url: str, prompt: str) -> str:
-    body = {"prompt": prompt, "max_tokens": N_SERVE, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
-        return json.loads(response.read())["choices"][0]["text"]
