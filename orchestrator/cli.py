@@ -93,7 +93,7 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
                    "worker picks the greedy token and passes it to the first one itself)")
 @click.option("--no-push", is_flag=True,
               help="relay every activation through the orchestrator, even between workers that can push it to "
-                   "each other (--rpc host:port@peerhost:port: how the other workers reach that one)")
+                   "each other (--rpc host:port@peerhost:port: how the other workers reach that one); no ring")
 @click.option("-v", "--verbose", is_flag=True, help="log tokens and per-step details")
 def main(**options) -> None:
     """Generate text with a GGUF model split across llama.cpp RPC workers."""
@@ -222,7 +222,7 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
         if verbose:
             log(f"prompt: {len(tokens)} tokens {tokens}")
         # the ring keeps cell i at position i: a context that shifts goes token by token
-        ring = None if no_ring or context_shift or not params.greedy else Ring(pipe, banned)
+        ring = None if no_ring or no_push or context_shift or not params.greedy else Ring(pipe, banned)
         if ring is not None:
             why = ring.why_not() or (None if ring.setup() else f"{pipe.stages[-1].endpoint} refuses peer links")
             log(f"  ring: {'on' if why is None else f'off ({why})'}")

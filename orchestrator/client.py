@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import select
 import socket
 import time
@@ -134,6 +135,7 @@ class InProcessClient(RpcClient):
     def __init__(self, session, endpoint: str = "in-process"):
         self.session, self.endpoint, self.version = session, endpoint, p.PROTOCOL_VERSION
         self.owed = 0
+        self.replies: collections.deque[bytes] = collections.deque()  # of send(), for receive()
 
     def close(self) -> None:
         self.session.close()
@@ -143,7 +145,12 @@ class InProcessClient(RpcClient):
         return self.session.handle(command, p.decode_request(command, payload)) or b""
 
     def send(self, command: Command, message=None) -> None:
-        self.call(command, message)
+        reply = self.call(command, message)
+        if p.COMMANDS[command].response is not None:
+            self.replies.append(reply)
+
+    def receive(self, command: Command) -> bytes:
+        return self.replies.popleft()
 
 
 def name_the_dead(clients: list[RpcClient], grace: float = 1.0) -> None:

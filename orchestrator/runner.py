@@ -194,9 +194,17 @@ class Stage:
         self.client.set_tensor(wire_tensor(tensor), info.data)
         self.weights[name] = tensor
 
-    def read_output(self) -> np.ndarray:
+    def request_output(self) -> None:
+        """Asks for the output after the commands sent so far, without waiting: receive_output() reads it."""
         out = self.graph.output
-        return np.frombuffer(self.client.get_tensor(wire_tensor(out), out.nbytes), dtype=np.float32)
+        self.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
+
+    def receive_output(self) -> np.ndarray:
+        return np.frombuffer(self.client.receive(Command.GET_TENSOR), dtype=np.float32)
+
+    def read_output(self) -> np.ndarray:
+        self.request_output()
+        return self.receive_output()
 
 
 @dataclass
@@ -402,9 +410,10 @@ class Pipeline:
                 stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
                     i, self.step, wire_tensor(stage.graph.output), wire_tensor(nxt.graph.inputs["embd"])))
                 self._pushes.add(i)
-            else:  # relayed, or the logits: read the output through the orchestrator
+            else:  # relayed, or the logits: the output is asked for in the same burst (not a round trip
+                stage.request_output()  # after the waits), and read once the replies before it are
                 self._settle(i)
-                activation = stage.read_output()
+                activation = stage.receive_output()
         return activation.reshape(len(batch.out_ids), self.model.hparams.n_vocab)
 
     def relay_from_now(self, link: Link) -> None:

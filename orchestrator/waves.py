@@ -71,12 +71,13 @@ class Waves:
             if flight is not None:
                 stage.prepare(flight.shape)
                 stage.launch({**flight.feed, "embd": flight.activation})
+                stage.request_output()  # every output is asked for before any is read: one round trip
         moved: list[Flight | None] = [None] * len(stages)
         done = []
         for i, (stage, flight) in enumerate(zip(stages, self.at)):
             if flight is None:
                 continue
-            flight.activation = stage.read_output()
+            flight.activation = stage.receive_output()
             if i + 1 < len(stages):
                 moved[i + 1] = flight
             else:

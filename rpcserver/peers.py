@@ -2,14 +2,15 @@
 
 PEER_TOKEN and PEER_WRITE are plain Session handlers (a PEER_WRITE is a SET_TENSOR into the session its
 token names). The three here need the event loop: SET_PEER records where the next stage lives,
-PUSH_TENSOR sends a tensor there over a worker-to-worker connection and waits for its acknowledgement,
-WAIT_PUSH holds a connection's later commands until a push has landed. None of them blocks any other
+PUSH_TENSOR sends a tensor there over a worker-to-worker connection (its reply, the peer's
+acknowledgement, comes later, while the connection goes on with its next commands), WAIT_PUSH holds a connection's later commands until a push has landed. None of them blocks any other
 connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import socket
@@ -24,6 +25,7 @@ log = logging.getLogger("rpcserver")
 
 CONNECT_TIMEOUT = 10.0  # seconds to reach a peer and finish its handshake
 REPLY_TIMEOUT = 300.0  # a PEER_WRITE waits behind the peer's running graphs: be generous
+MAX_UNACKED = 64  # PEER_WRITEs a link may have in flight; the next PUSH_TENSOR waits for the oldest
 LOOP_COMMANDS = frozenset({Command.SET_PEER, Command.PUSH_TENSOR, Command.WAIT_PUSH})
 
 
@@ -55,19 +57,28 @@ class PeerError(Exception):
 
 
 class PeerConnection:
-    """One worker-to-worker connection, opened with HELLO and EXT_HELLO, carrying PEER_WRITEs."""
+    """One worker-to-worker connection, opened with HELLO and EXT_HELLO, carrying PEER_WRITEs. A write is
+    sent at once; its acknowledgement is read by a task of its own, so the sender need not wait for it."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.acks: collections.deque[asyncio.Future] = collections.deque()  # of the writes sent, oldest first
+        self.ack_reader: asyncio.Task | None = None
+        self.closed = False
 
     async def _call(self, command: Command, *parts: bytes, expect: int) -> bytes:
-        size = sum(len(x) for x in parts)
-        self.writer.write(struct.pack("<BQ", command, size))
+        await self._send(command, *parts)
+        return await self._reply(expect, command)
+
+    async def _send(self, command: Command, *parts: bytes) -> None:
+        self.writer.write(struct.pack("<BQ", command, sum(len(x) for x in parts)))
         for part in parts:
             self.writer.write(part)
         await self.writer.drain()
+
+    async def _reply(self, expect: int, command: Command) -> bytes:
         (reply_size,) = struct.unpack("<Q", await self.reader.readexactly(8))
         if reply_size != expect:
             raise PeerError(f"{command.name} reply of {reply_size} bytes, expected {expect}")
@@ -83,11 +94,41 @@ class PeerConnection:
         ext = p.ExtHelloResponse.decode(await self._call(Command.EXT_HELLO, expect=p.ExtHelloResponse.wire_size()))
         if ext.magic != p.EXT_MAGIC or not ext.features & p.FEATURE_PEER_PUSH:
             raise PeerError("does not offer peer push")
+        self.ack_reader = asyncio.get_running_loop().create_task(self._read_acks())
 
-    async def write(self, head: bytes, data: bytes) -> int:
-        return (await self._call(Command.PEER_WRITE, head, data, expect=1))[0]
+    async def write(self, head: bytes, data: bytes) -> asyncio.Future:
+        """Sends one PEER_WRITE; the future of its status (0 if the connection fails before it comes)."""
+        while len(self.acks) >= MAX_UNACKED:  # a peer that stopped reading holds its sender back
+            await asyncio.shield(self.acks[0])
+        if self.closed:
+            raise PeerError("the connection closed")
+        ack = asyncio.get_running_loop().create_future()
+        self.acks.append(ack)
+        await self._send(Command.PEER_WRITE, head, data)
+        return ack
+
+    async def _read_acks(self) -> None:
+        try:
+            while True:
+                status = (await self._reply(1, Command.PEER_WRITE))[0]
+                if not self.acks:
+                    raise PeerError("a reply to no PEER_WRITE")
+                self.acks.popleft().set_result(status)
+        except (OSError, EOFError, asyncio.IncompleteReadError, PeerError) as exc:
+            if self.acks:
+                log.warning("peer %s:%d: %s; %d writes unacknowledged", self.host, self.port,
+                            exc or type(exc).__name__, len(self.acks))
+        finally:
+            self.close()
 
     def close(self) -> None:
+        self.closed = True
+        while self.acks:
+            ack = self.acks.popleft()
+            if not ack.done():
+                ack.set_result(0)
+        if self.ack_reader is not None and self.ack_reader is not asyncio.current_task():
+            self.ack_reader.cancel()
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -106,11 +147,15 @@ class PeerSide:
         loop = asyncio.get_running_loop()
         session.on_push = lambda: loop.call_soon_threadsafe(self.landed.set)
 
-    async def handle(self, command: Command, request) -> bytes:
+    async def handle(self, command: Command, request) -> bytes | asyncio.Future:
+        """The reply, or for a PUSH_TENSOR sent on its way the future of its reply: the connection goes on
+        with its next commands meanwhile (protocol_spec.md §8.1)."""
         if command == Command.SET_PEER:
             status = self.set_peer(request)
         elif command == Command.PUSH_TENSOR:
             status = await self.push_tensor(request)
+            if isinstance(status, asyncio.Future):
+                return status
         else:
             status = await self.wait_push(request)
         return p.U8Response(status).encode()
@@ -123,7 +168,8 @@ class PeerSide:
         self.links[req.link] = (host, req.port, req.token)
         return 1
 
-    async def push_tensor(self, req: p.PushTensorRequest) -> int:
+    async def push_tensor(self, req: p.PushTensorRequest) -> int | asyncio.Future:
+        """Sends the tensor over the link: 0 if it could not be sent, else the future of the reply."""
         try:  # this connection's commands run in order: the graph that made src is done, and only
             # this connection could free its buffer; so it is read here, without a thread hop
             data = self.session.tensor_bytes(req.src)
@@ -136,15 +182,26 @@ class PeerSide:
         head = p.PeerWriteRequest(token, req.step, req.dst, 0, memoryview(b"")).encode_head()
         try:
             conn = self.connections.get(req.link)
-            if conn is None:
+            if conn is None or conn.closed:
                 conn = PeerConnection(host, port)
                 self.connections[req.link] = conn
                 await asyncio.wait_for(conn.open(), CONNECT_TIMEOUT)
-            return await asyncio.wait_for(conn.write(head, data), REPLY_TIMEOUT)
+            ack = await asyncio.wait_for(conn.write(head, data), REPLY_TIMEOUT)
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError, PeerError, ValueError) as exc:
             log.warning("push to %s:%d over link %d failed: %s", host, port, req.link, exc or type(exc).__name__)
             self._drop_connection(req.link)
             return 0
+        return asyncio.ensure_future(self._acknowledged(req.link, conn, ack))
+
+    async def _acknowledged(self, link: int, conn: PeerConnection, ack: asyncio.Future) -> bytes:
+        try:
+            status = await asyncio.wait_for(asyncio.shield(ack), REPLY_TIMEOUT)
+        except asyncio.TimeoutError:
+            status = 0
+            conn.close()
+        if status != 1:
+            log.warning("push to %s:%d over link %d was not acknowledged", conn.host, conn.port, link)
+        return p.U8Response(status).encode()
 
     async def wait_push(self, req: p.WaitPushRequest) -> int:
         loop = asyncio.get_running_loop()

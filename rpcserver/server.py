@@ -38,6 +38,8 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.task: asyncio.Task | None = None
         self.peer = "?"
         self.greeted = False
+        self.replies: collections.deque = collections.deque()  # behind a reply still to come (a push's)
+        self.flusher: asyncio.Task | None = None
 
     # -- asyncio callbacks ---------------------------------------------------------------------------
 
@@ -103,18 +105,41 @@ class WorkerProtocol(asyncio.BufferedProtocol):
                     self.transport.resume_reading()
                 reply = await self._dispatch(loop, frame)
                 self.unplaced -= frame.placed is None
-                if reply is not None and not self.closed:
-                    self.transport.write(p.response_header(len(reply)))
-                    self.transport.write(reply)
+                if reply is not None:
+                    self._reply(reply)
         except ProtocolError as exc:
             self._fail(exc)
         except Exception:  # a bug of ours: keep the worker alive, drop only this client
             log.exception("client %s: internal error; closing the connection", self.peer)
             self.transport.abort()
         finally:
+            if self.flusher is not None:
+                self.flusher.cancel()
             self.peer_side.close()
             await loop.run_in_executor(self.executor, self.session.close)
             log.info("client %s disconnected", self.peer)
+
+    def _reply(self, reply: bytes | asyncio.Future) -> None:
+        """Replies go out in request order: one still to come holds back the replies after it."""
+        if self.replies or isinstance(reply, asyncio.Future):
+            self.replies.append(reply)
+            if self.flusher is None:
+                self.flusher = asyncio.get_running_loop().create_task(self._flush())
+        elif not self.closed:
+            self._write(reply)
+
+    async def _flush(self) -> None:
+        while self.replies:
+            head = self.replies[0]
+            reply = await head if isinstance(head, asyncio.Future) else head
+            self.replies.popleft()
+            if not self.closed:
+                self._write(reply)
+        self.flusher = None
+
+    def _write(self, reply: bytes) -> None:
+        self.transport.write(p.response_header(len(reply)))
+        self.transport.write(reply)
 
     async def _dispatch(self, loop, frame: Frame):
         command = frame.command

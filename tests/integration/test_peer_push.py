@@ -2,6 +2,8 @@
 nothing a client sends can make a worker write outside the token's session or fall over."""
 
 import os
+import socket
+import struct
 import threading
 import time
 
@@ -197,6 +199,84 @@ def test_push_racing_free_buffer(workers, connect):
         t.join(60)
     assert outcomes <= {0, 1}
     alive(workers[1])
+    alive(workers[0])
+
+
+class SlowPeer:
+    """A peer that answers the handshake, then collects PEER_WRITEs and acknowledges them only when told."""
+
+    def __init__(self):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.writes: list[tuple[int, bytes]] = []  # (step, data) of each PEER_WRITE received
+        self.conn = None
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.conn.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _serve(self) -> None:
+        self.conn, _ = self.server.accept()
+        replies = {Command.HELLO: p.HelloResponse().encode(),
+                   Command.EXT_HELLO: p.ExtHelloResponse(p.EXT_MAGIC, p.FEATURE_PEER_PUSH).encode()}
+        try:
+            while True:
+                command, size = struct.unpack("<BQ", self._read(9))
+                payload = self._read(size)
+                if command in replies:
+                    self.conn.sendall(struct.pack("<Q", len(replies[command])) + replies[command])
+                else:
+                    assert command == Command.PEER_WRITE
+                    step = struct.unpack_from("<Q", payload, p.TOKEN_SIZE)[0]
+                    self.writes.append((step, payload[p.PeerWriteRequest.HEADER:]))
+        except (EOFError, OSError):
+            pass
+
+    def ack(self, status: int) -> None:
+        self.conn.sendall(struct.pack("<QB", 1, status))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.shutdown(socket.SHUT_RDWR)  # wakes the thread in recv; close alone would not
+            except OSError:
+                pass
+            self.conn.close()
+        self.server.close()
+
+
+def test_a_push_does_not_hold_the_connection_until_acknowledged(workers, connect):
+    """The worker sends a PEER_WRITE and goes on with the client's next commands (here the next push); the
+    replies still come in request order, each once its write was acknowledged (0 if the peer hangs up)."""
+    a = connect(0)
+    ga = GraphBuilder(a)
+    x, y = np.arange(16, dtype=np.float32), np.full(16, 5, np.float32)
+    src1, src2 = ga.tensor(F32, (16,), data=x), ga.tensor(F32, (16,), data=y)
+    peer = SlowPeer()
+    try:
+        assert set_peer(a, 1, os.urandom(16), port=peer.port) == 1
+        a.send(Command.PUSH_TENSOR, p.PushTensorRequest(1, 1, src1, src2))
+        a.send(Command.PUSH_TENSOR, p.PushTensorRequest(1, 2, src2, src1))
+        a.send(Command.GET_ALIGNMENT, p.DeviceRequest(0))
+        for _ in range(600):  # polled: with a push that waits for its reply, the second never comes
+            if len(peer.writes) == 2:
+                break
+            time.sleep(0.05)
+        assert [(step, np.frombuffer(data, np.float32).tolist()) for step, data in peer.writes] == \
+            [(1, x.tolist()), (2, y.tolist())]
+        peer.ack(1)
+        assert status(a.receive(Command.PUSH_TENSOR)) == 1
+        peer.close()  # the second write is never acknowledged
+        assert status(a.receive(Command.PUSH_TENSOR)) == 0
+        assert p.U64Response.decode(a.receive(Command.GET_ALIGNMENT)).value > 0
+    finally:
+        peer.close()
     alive(workers[0])
 
 

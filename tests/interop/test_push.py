@@ -91,6 +91,16 @@ def test_the_ring_generates_llama_completions_text(models, chain, cpu_text, arch
     assert stepwise.stdout == expected, text_diff(expected, stepwise.stdout, "llama-completion", "stepwise push")
 
 
+def test_one_worker_runs_the_ring_unless_told_not_to_push(chain, cpu_text, model_path):
+    """A single worker pushes its token to itself in the ring; --no-push means no push at all, so no ring."""
+    args = ["-m", model_path, "-p", PROMPTS["fact"], "-n", N_PREDICT, "--temp", 0, "--ignore-eos"]
+    expected = cpu_text(args)
+    for flags, ring in (([], "ring: on"), (["--no-push"], None)):
+        done = run_orchestrator(["--rpc", chain[0].address, *args, *flags], chain[:1])
+        assert (ring in done.stderr) if ring else ("ring:" not in done.stderr), done.stderr[-3000:]
+        assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", " ".join(flags) or "ring")
+
+
 def test_a_ring_whose_push_fails_goes_on_stepwise(models, chain, cpu_text):
     """The first worker's peer address is a port nobody listens on, so the boundary pushes but the last
     stage cannot push the token back: the ring's first step fails, the orchestrator releases the steps in
