@@ -20,16 +20,8 @@ from kernels.ggml import GGMLGluOp
 class Gemma3Builder(LayerBuilder):
     def _layer(self, g: Graph, il: int, inp: Tensor, inputs: dict[str, Tensor], shape: Shape) -> Tensor:
         hp, w = self.hp, lambda role: self.w[f"blk.{il}.{role}.weight"]
-        n_tokens = shape.n_tokens
         cur = self._norm(g, inp, w("attn_norm"), f"attn_norm-{il}")
-
-        q = g.reshape(g.mul_mat(w("attn_q"), cur, f"Qcur-{il}"), hp.head_dim_k, hp.n_head, n_tokens)
-        k = g.reshape(g.mul_mat(w("attn_k"), cur, f"Kcur-{il}"), hp.head_dim_k, hp.n_head_kv, n_tokens)
-        v = g.reshape(g.mul_mat(w("attn_v"), cur, f"Vcur-{il}"), hp.head_dim_v, hp.n_head_kv, n_tokens)
-        q = self._norm(g, q, w("attn_q_norm"), f"Qcur_normed-{il}")
-        q = self._rope(g, il, q, inputs["pos"], None, f"Qcur-{il}")
-        k = self._norm(g, k, w("attn_k_norm"), f"Kcur_normed-{il}")
-        k = self._rope(g, il, k, inputs["pos"], None, f"Kcur-{il}")
+        q, k, v = self._qkv(g, il, cur, inputs["pos"], shape.n_tokens)
         q = g.scale(q, hp.kq_scale, f"Qcur_scaled-{il}")
 
         cur = self._attention(g, il, q, k, v, inputs, shape, kq_scale=1.0)

@@ -145,49 +145,49 @@ class LayerBuilder:
         return g.mul(g.rms_norm(x, self.hp.rms_eps, "norm"), weight, name)
 
     def _layer(self, g: Graph, il: int, inp: Tensor, inputs: dict[str, Tensor], shape: Shape) -> Tensor:
-        hp, w = self.hp, lambda role: self.w.get(f"blk.{il}.{role}")
-        n_tokens = shape.n_tokens
-        cur = self._norm(g, inp, w("attn_norm.weight"), f"attn_norm-{il}")
-
-        def projection(role: str, n_head: int, head_dim: int) -> Tensor:
-            t = g.mul_mat(w(f"{role}.weight"), cur, f"{role}-{il}")
-            if (bias := w(f"{role}.bias")) is not None:
-                t = g.add(t, bias, f"{role}_b-{il}")
-            return g.reshape(t, head_dim, n_head, n_tokens)
-
-        q = projection("attn_q", hp.n_head, hp.head_dim_k)
-        k = projection("attn_k", hp.n_head_kv, hp.head_dim_k)
-        v = projection("attn_v", hp.n_head_kv, hp.head_dim_v)
-        if (q_norm := w("attn_q_norm.weight")) is not None:
-            q = self._norm(g, q, q_norm, f"Qcur_normed-{il}")
-        if (k_norm := w("attn_k_norm.weight")) is not None:
-            k = self._norm(g, k, k_norm, f"Kcur_normed-{il}")
-        freq_factors = self._rope_factors(il)
-        q = self._rope(g, il, q, inputs["pos"], freq_factors, f"Qcur-{il}")
-        k = self._rope(g, il, k, inputs["pos"], freq_factors, f"Kcur-{il}")
-
+        """llama's layer (qwen2's and qwen3's too: optional biases, optional Q/K norms); a subclass with
+        another feed-forward overrides only _feed_forward."""
+        cur = self._norm(g, inp, self.w[f"blk.{il}.attn_norm.weight"], f"attn_norm-{il}")
+        q, k, v = self._qkv(g, il, cur, inputs["pos"], shape.n_tokens)
         cur = self._attention(g, il, q, k, v, inputs, shape)
-        cur = g.mul_mat(w("attn_output.weight"), cur, f"attn_out-{il}")
-        if (bias := w("attn_output.bias")) is not None:
-            cur = g.add(cur, bias, f"attn_out_b-{il}")
-        if il == hp.n_layer - 1:
+        cur = self._linear(g, il, "attn_output", cur, "attn_out")
+        if il == self.hp.n_layer - 1:
             cur = g.get_rows(cur, inputs["out_ids"])
             inp = g.get_rows(inp, inputs["out_ids"])
         ffn_inp = g.add(cur, inp, f"ffn_inp-{il}")
-
-        cur = self._norm(g, ffn_inp, w("ffn_norm.weight"), f"ffn_norm-{il}")
-        # llm_graph_context::build_ffn (LLM_FFN_SILU, LLM_FFN_PAR) with the llama arch's optional biases
-        gate = g.mul_mat(w("ffn_gate.weight"), cur, f"ffn_gate-{il}")
-        if (bias := w("ffn_gate.bias")) is not None:
-            gate = g.add(gate, bias, f"ffn_gate_b-{il}")
-        up = g.mul_mat(w("ffn_up.weight"), cur, f"ffn_up-{il}")
-        if (bias := w("ffn_up.bias")) is not None:
-            up = g.add(up, bias, f"ffn_up_b-{il}")
-        cur = g.swiglu_split(gate, up, f"ffn_swiglu-{il}")
-        cur = g.mul_mat(w("ffn_down.weight"), cur, f"ffn_out-{il}")
-        if (bias := w("ffn_down.bias")) is not None:
-            cur = g.add(cur, bias, f"ffn_down_b-{il}")
+        cur = self._norm(g, ffn_inp, self.w[f"blk.{il}.ffn_norm.weight"], f"ffn_norm-{il}")
+        cur = self._feed_forward(g, il, cur)
         return g.add(cur, ffn_inp, f"l_out-{il}")
+
+    def _linear(self, g: Graph, il: int, role: str, x: Tensor, name: str) -> Tensor:
+        """blk.il.role.weight times x, plus the layer's bias for it if the file has one."""
+        t = g.mul_mat(self.w[f"blk.{il}.{role}.weight"], x, f"{name}-{il}")
+        if (bias := self.w.get(f"blk.{il}.{role}.bias")) is not None:
+            t = g.add(t, bias, f"{name}_b-{il}")
+        return t
+
+    def _qkv(self, g: Graph, il: int, cur: Tensor, pos: Tensor, n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K and V of the normed rows, as [head_dim, n_head, n_tokens]: Q and K through their per-head
+        RMS norms where the file has them (qwen3, gemma3), then rope."""
+        hp = self.hp
+        q = g.reshape(self._linear(g, il, "attn_q", cur, "Qcur"), hp.head_dim_k, hp.n_head, n_tokens)
+        k = g.reshape(self._linear(g, il, "attn_k", cur, "Kcur"), hp.head_dim_k, hp.n_head_kv, n_tokens)
+        v = g.reshape(self._linear(g, il, "attn_v", cur, "Vcur"), hp.head_dim_v, hp.n_head_kv, n_tokens)
+        freq_factors = self._rope_factors(il)
+        if (q_norm := self.w.get(f"blk.{il}.attn_q_norm.weight")) is not None:
+            q = self._norm(g, q, q_norm, f"Qcur_normed-{il}")
+        q = self._rope(g, il, q, pos, freq_factors, f"Qcur-{il}")
+        if (k_norm := self.w.get(f"blk.{il}.attn_k_norm.weight")) is not None:
+            k = self._norm(g, k, k_norm, f"Kcur_normed-{il}")
+        k = self._rope(g, il, k, pos, freq_factors, f"Kcur-{il}")
+        return q, k, v
+
+    def _feed_forward(self, g: Graph, il: int, cur: Tensor) -> Tensor:
+        """llm_graph_context::build_ffn (LLM_FFN_SILU, LLM_FFN_PAR) with the llama arch's optional biases."""
+        gate = self._linear(g, il, "ffn_gate", cur, "ffn_gate")
+        up = self._linear(g, il, "ffn_up", cur, "ffn_up")
+        cur = g.swiglu_split(gate, up, f"ffn_swiglu-{il}")
+        return self._linear(g, il, "ffn_down", cur, "ffn_out")
 
     def _rope_factors(self, il: int) -> Tensor | None:
         """llama_model::get_rope_factors: the layer's rope_freqs (one tensor for all layers in llama 3 files)."""

@@ -17,37 +17,15 @@ qwen3moe has no shared expert and llama.cpp reads no expert weight scale for it 
 from __future__ import annotations
 
 from orchestrator.ggml_graph import Graph, Tensor
-from orchestrator.llama_graph import LayerBuilder, Shape
+from orchestrator.llama_graph import LayerBuilder
 
 F16_MIN_NORMAL = 6.103515625e-5  # build_moe_ffn clamps the weight sums to this before dividing
 
 
 class Qwen3MoeBuilder(LayerBuilder):
-    def _layer(self, g: Graph, il: int, inp: Tensor, inputs: dict[str, Tensor], shape: Shape) -> Tensor:
-        hp, w = self.hp, lambda role: self.w[f"blk.{il}.{role}.weight"]
-        n_tokens = shape.n_tokens
-        cur = self._norm(g, inp, w("attn_norm"), f"attn_norm-{il}")
+    """qwen3's layer (LayerBuilder: its Q/K norms come with the file) with the experts as feed-forward."""
 
-        q = g.reshape(g.mul_mat(w("attn_q"), cur, f"Qcur-{il}"), hp.head_dim_k, hp.n_head, n_tokens)
-        k = g.reshape(g.mul_mat(w("attn_k"), cur, f"Kcur-{il}"), hp.head_dim_k, hp.n_head_kv, n_tokens)
-        v = g.reshape(g.mul_mat(w("attn_v"), cur, f"Vcur-{il}"), hp.head_dim_v, hp.n_head_kv, n_tokens)
-        q = self._norm(g, q, w("attn_q_norm"), f"Qcur_normed-{il}")
-        q = self._rope(g, il, q, inputs["pos"], None, f"Qcur-{il}")
-        k = self._norm(g, k, w("attn_k_norm"), f"Kcur_normed-{il}")
-        k = self._rope(g, il, k, inputs["pos"], None, f"Kcur-{il}")
-
-        cur = self._attention(g, il, q, k, v, inputs, shape)
-        cur = g.mul_mat(w("attn_output"), cur, f"attn_out-{il}")
-        if il == hp.n_layer - 1:
-            cur = g.get_rows(cur, inputs["out_ids"])
-            inp = g.get_rows(inp, inputs["out_ids"])
-        ffn_inp = g.add(cur, inp, f"ffn_inp-{il}")
-
-        cur = self._norm(g, ffn_inp, w("ffn_norm"), f"ffn_norm-{il}")
-        cur = self._moe(g, il, cur)
-        return g.add(cur, ffn_inp, f"l_out-{il}")
-
-    def _moe(self, g: Graph, il: int, cur: Tensor) -> Tensor:
+    def _feed_forward(self, g: Graph, il: int, cur: Tensor) -> Tensor:
         """build_moe_ffn with qwen3moe's arguments: SiLU-gated experts, softmax gating, norm_w, no scale."""
         hp, w = self.hp, lambda role: self.w[f"blk.{il}.{role}.weight"]
         n_embd, n_tokens = cur.ne[0], cur.ne[1]
