@@ -179,3 +179,21 @@ def cpu_text(llama):
         return cache[key]
 
     return baseline
+
+
+@pytest.fixture(scope="module")
+def moe_models(model_path, tmp_path_factory, request):
+    """weight type -> a random qwen3moe file (tools/make_model.py) of the shape in the test module's `MOE`
+    dict, written on first use, once per module."""
+    from tools.make_model import write_model  # noqa: PLC0415
+
+    folder, made = tmp_path_factory.mktemp("moe-models"), {}
+
+    def model(weight_type: str):
+        if weight_type not in made:
+            made[weight_type] = write_model(folder / f"qwen3moe-{weight_type}.gguf", "qwen3moe",
+                                            weight_type=weight_type, seed=11, vocab_from=model_path,
+                                            **request.module.MOE)
+        return made[weight_type]
+
+    return model

@@ -14,7 +14,6 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from tools.make_model import write_model
 
 from .conftest import CPU_TIMEOUT, RPC_TIMEOUT, assert_fully_offloaded, text_diff
 from .perplexity import CPU_ONLY, assert_kl_matches_cpu, perplexity_args
@@ -24,20 +23,6 @@ pytestmark = pytest.mark.interop
 
 MOE = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=256, n_expert=8, n_expert_used=2)
 WEIGHT_TYPES = ("Q8_0", "Q4_K", "F16")
-
-
-@pytest.fixture(scope="module")
-def moe_models(model_path, tmp_path_factory):
-    """weight type -> a qwen3moe file, written lazily once per module."""
-    folder, made = tmp_path_factory.mktemp("moe-models"), {}
-
-    def model(weight_type: str):
-        if weight_type not in made:
-            made[weight_type] = write_model(folder / f"qwen3moe-{weight_type}.gguf", "qwen3moe",
-                                            weight_type=weight_type, seed=11, vocab_from=model_path, **MOE)
-        return made[weight_type]
-
-    return model
 
 
 def test_the_file_has_routed_experts(moe_models):

@@ -24,7 +24,6 @@ from orchestrator.llama_graph import Shape
 from orchestrator.model import ModelFile
 from orchestrator.runner import BUILDERS
 from rpcserver import protocol as p
-from tools.make_model import write_model
 from tools.trace_proxy import TraceProxy, describe_graph
 
 from .conftest import CLIENT_THREADS, RPC_TIMEOUT, ClientFailed, text_diff
@@ -42,20 +41,6 @@ CASES = {
     "Q4_K-reference-fa-on": ("Q4_K", ("reference",), "on"),
     "Q8_0-ours+reference+ours-fa-off": ("Q8_0", ("ours", "reference", "ours"), "off"),
 }
-
-
-@pytest.fixture(scope="module")
-def moe_models(model_path, tmp_path_factory):
-    """weight type -> a qwen3moe file, written lazily once per module."""
-    folder, made = tmp_path_factory.mktemp("moe-models"), {}
-
-    def model(weight_type: str):
-        if weight_type not in made:
-            made[weight_type] = write_model(folder / f"qwen3moe-{weight_type}.gguf", "qwen3moe",
-                                            weight_type=weight_type, seed=11, vocab_from=model_path, **MOE)
-        return made[weight_type]
-
-    return model
 
 
 def generation_args(model, prompt: str, flash_attn: str) -> list:
