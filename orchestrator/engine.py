@@ -223,14 +223,14 @@ class Engine:
                     self._sample(slot, row)
 
     def _start_batch(self) -> None:
-        """One batch: the next token of each generating slot and chunks of the prompts still being read,
-        up to n_ubatch tokens and a share of the busy slots, so that each stage can hold a batch."""
+        """One batch: the next token of generating slots, up to a share of the busy ones (so that each
+        stage can hold a batch), then chunks of the prompts still being read, up to n_ubatch tokens in all
+        (a new prompt does not wait for a batch of its own: its first token comes sooner)."""
         ready = [s for s in self.slots if s.job is not None and not s.awaiting and s.n_cached < len(s.tokens)]
         share = -(-sum(s.job is not None for s in self.slots) // self.waves.width)
         tokens, seqs, pos, cells, outs = [], [], [], [], []
         budget = self.pipe.n_ubatch
-        # the generating slots first (one token each), then the prompts as far as the batch has room
-        for slot in sorted(ready, key=lambda s: not s.generating)[:share]:
+        for slot in [s for s in ready if s.generating][:share] + [s for s in ready if not s.generating]:
             if budget <= 0:
                 break
             chunk = slot.tokens[slot.n_cached:slot.n_cached + budget]
