@@ -174,3 +174,28 @@ def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float = 60
         for c in watched:
             if c.sock in ready:
                 c.pump()
+
+
+def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None) -> list[int]:
+    """The indices of the clients that have a whole reply buffered, waiting until at least one has (each
+    client's own timeout, as a blocking receive would) or, with `wake`, until that socket is readable
+    (drained; then the list may be empty)."""
+    if not clients:
+        return []
+    timeout = max(c.sock.gettimeout() or 0 for c in clients) or None
+    watched = [c.sock for c in clients] + ([wake] if wake is not None else [])
+    while not (ready := [i for i, c in enumerate(clients) if c.reader.complete()]):
+        readable, _, _ = select.select(watched, [], [], timeout)
+        if not readable:
+            raise WorkerError(f"no reply from {', '.join(c.endpoint for c in clients)}")
+        for c in clients:
+            if c.sock in readable:
+                c.pump()
+        if wake in readable:
+            while True:
+                try:
+                    wake.recv(4096)
+                except BlockingIOError:
+                    break
+            return [i for i, c in enumerate(clients) if c.reader.complete()]
+    return ready

@@ -18,6 +18,7 @@ leaves its slot at the next step.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -120,6 +121,10 @@ class Engine:
         self.metrics = Metrics()
         self.failed: str | None = None  # why the engine stopped serving (a worker went away)
         self._wake = threading.Condition()
+        # a byte here ends the engine's wait for the workers' outputs: a new job can start on a free stage
+        self._interrupt, self._interrupter = socket.socketpair()
+        self._interrupt.setblocking(False)
+        self._interrupter.setblocking(False)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -136,6 +141,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         self.pipe.close()
+        self._interrupt.close()
+        self._interrupter.close()
 
     def submit(self, job: Job) -> None:
         """Queues a job; Busy if the queue is full, WorkerError if the engine has failed."""
@@ -149,6 +156,10 @@ class Engine:
                 raise Busy(f"all {len(self.slots)} slots are busy and {self.max_queue} requests are waiting")
             self.waiting.append(job)
             self._wake.notify()
+        try:
+            self._interrupter.send(b"\0")
+        except BlockingIOError:  # bytes are waiting already
+            pass
 
     def cancel(self, job: Job) -> None:
         """The job's slot is freed at the next step (or it leaves the queue)."""
@@ -211,7 +222,7 @@ class Engine:
             self._start_batch()
         if not self.waves.busy:
             return
-        for (outs, n_tokens, n_gen), logits, seconds in self.waves.tick():
+        for (outs, n_tokens, n_gen), logits, seconds in self.waves.tick(self._interrupt):
             self.metrics.n_decode += 1
             share = seconds / n_tokens
             self.metrics.prompt_tokens += n_tokens - n_gen

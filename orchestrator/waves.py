@@ -3,10 +3,11 @@ the batch before it.
 
 `Pipeline.run` takes one batch through every stage before the next starts, so of two workers one always
 waits. The serving engine has several sequences to step, so it splits them into batches and keeps up to
-one batch per stage in flight, as llama.cpp's pipeline parallelism does with its micro-batches. Each
-tick every stage holding a batch computes it at the same time (the orchestrator sends each worker its
-inputs and the activation it relays, then reads every output) and the batches move one stage on; the
-last stage's batch leaves with its logits.
+one batch per stage in flight, as llama.cpp's pipeline parallelism does with its micro-batches. A stage
+starts the next batch waiting for it as soon as it is free (the orchestrator sends it its inputs and the
+activation it relays, and asks for the output in the same burst); whenever an output arrives, its batch
+moves one stage on, and the last stage's batch leaves with its logits. No stage waits for another to
+finish unless it needs that one's output.
 
 Every stage sees the batches in the order they started, so each finds in the KV cache what every earlier
 batch wrote there: a sequence may be in several batches in flight (chunks of its prompt), but a token
@@ -17,10 +18,12 @@ always go through the orchestrator here (a peer push would need its step order o
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.client import replies_waiting
 from orchestrator.kv import Batch
 from orchestrator.llama_graph import Shape
 
@@ -38,16 +41,17 @@ class Flight:
 class Waves:
     def __init__(self, pipe):
         self.pipe = pipe
-        self.at: list[Flight | None] = [None] * len(pipe.stages)  # the batch at each stage
+        self.at: list[Flight | None] = [None] * len(pipe.stages)  # the batch each stage computes
+        self.queued: list[deque[Flight]] = [deque() for _ in pipe.stages]  # batches waiting for each stage
 
     @property
     def ready(self) -> bool:
         """The first stage is free for a new batch."""
-        return self.at[0] is None
+        return self.at[0] is None and not self.queued[0]
 
     @property
     def busy(self) -> bool:
-        return any(f is not None for f in self.at)
+        return any(f is not None for f in self.at) or any(self.queued)
 
     @property
     def width(self) -> int:
@@ -60,28 +64,30 @@ class Waves:
             raise RuntimeError("the first stage still holds a batch")
         if pipe.swa is not None and batch.swa_cells is None:
             raise ValueError("this model has sliding-window layers: the batch must place their cells too")
-        self.at[0] = Flight(batch, tag, pipe.shape(batch), pipe._inputs(batch),
-                            pipe.model.token_embeddings(batch.tokens), time.perf_counter())
+        self.queued[0].append(Flight(batch, tag, pipe.shape(batch), pipe._inputs(batch),
+                                     pipe.model.token_embeddings(batch.tokens), time.perf_counter()))
 
-    def tick(self) -> list[tuple[object, np.ndarray, float]]:
-        """Every stage holding a batch computes it; returns (tag, logits of its output rows, seconds since
-        it started) for the batch that left the last stage, if one did."""
+    def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
+        """Each free stage starts the batch waiting for it; then, once at least one output has come, those
+        batches move on (or, with `wake`, a socket, as soon as it is readable: the caller has a new batch
+        for a stage that may be free). Returns (tag, logits of its output rows, seconds since it started) for each batch
+        that left the last stage."""
         stages = self.pipe.stages
-        for stage, flight in zip(stages, self.at):
-            if flight is not None:
+        for i, stage in enumerate(stages):
+            if self.at[i] is None and self.queued[i]:
+                flight = self.at[i] = self.queued[i].popleft()
                 stage.prepare(flight.shape)
                 stage.launch({**flight.feed, "embd": flight.activation})
-                stage.request_output()  # every output is asked for before any is read: one round trip
-        moved: list[Flight | None] = [None] * len(stages)
+                stage.request_output()
+        computing = [i for i, f in enumerate(self.at) if f is not None]
         done = []
-        for i, (stage, flight) in enumerate(zip(stages, self.at)):
-            if flight is None:
-                continue
-            flight.activation = stage.receive_output()
+        for i in replies_waiting([stages[i].client for i in computing], wake):
+            i = computing[i]
+            flight, self.at[i] = self.at[i], None
+            flight.activation = stages[i].receive_output()
             if i + 1 < len(stages):
-                moved[i + 1] = flight
+                self.queued[i + 1].append(flight)
             else:
                 logits = flight.activation.reshape(len(flight.batch.out_ids), self.pipe.model.hparams.n_vocab)
                 done.append((flight.tag, logits, time.perf_counter() - flight.started))
-        self.at = moved
         return done

@@ -8,7 +8,7 @@ concurrent clients, every client sends one completion (the same prompt with its 
 greedy, --ignore-eos, n tokens) and the tool records time to first token, each request's generation
 rate (tokens after the first over the time after the first) and the aggregate rate (all tokens over
 the wall time of the round). Then the interference case: a short request (8 tokens) sent while a long
-one generates, its time to first token beside the same request's on an idle server. Prints one table
+one generates, its time to first token beside the same request's on an idle server (medians of five). Prints one table
 per server and the ratios ours / llama-server.
 """
 
@@ -94,15 +94,20 @@ def round_of(url: str, clients: int, n: int) -> dict:
             "aggregate": sum(r["tokens"] for r in results) / wall}
 
 
-def interference(url: str) -> tuple[float, float]:
-    """TTFT (ms) of a short request on an idle server, and while a long request generates."""
-    idle = statistics.median(stream(url, f"{PROMPT} short", 8)["ttft"] for _ in range(3))
+def interference(url: str, samples: int = 5) -> tuple[float, float]:
+    """TTFT (ms) of a short request on an idle server, and while a long request generates: medians of
+    `samples` requests one after the other (the busy ones a little apart, so they meet the long one's
+    steps at different points)."""
+    idle = statistics.median(stream(url, f"{PROMPT} short", 8)["ttft"] for _ in range(samples))
     long = threading.Thread(target=stream, args=(url, f"{PROMPT} long", 400))
     long.start()
-    time.sleep(3.0)  # the long one is generating by now
-    busy = stream(url, f"{PROMPT} short", 8)["ttft"]
+    time.sleep(3.0)  # the long one is generating by now (it takes about 6 s)
+    busy = []
+    for _ in range(samples):
+        busy.append(stream(url, f"{PROMPT} short", 8)["ttft"])
+        time.sleep(0.13)
     long.join()
-    return 1e3 * idle, 1e3 * busy
+    return 1e3 * idle, 1e3 * statistics.median(busy)
 
 
 def main(argv=None) -> int:
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
         print(f"| {c} | {ref[c]['ttft_ms']:.0f} | {ours[c]['ttft_ms']:.0f} | {ref[c]['rate']:.1f} | {ours[c]['rate']:.1f} "
               f"| {ref[c]['aggregate']:.1f} | {ours[c]['aggregate']:.1f} | {ours[c]['aggregate'] / ref[c]['aggregate']:.2f} "
               f"| {ours[c]['aggregate'] / ours[clients[0]]['aggregate']:.2f} |")
-    print("\nTTFT of an 8-token request, idle -> while a 400-token request generates (ms):")
+    print("\nTTFT of an 8-token request, idle -> while a 400-token request generates (ms, medians of 5):")
     for kind in table:
         idle, busy = table[kind]["interference"]
         print(f"  {kind:12} {idle:7.0f} -> {busy:7.0f}  ({busy / idle:.2f}x)")
