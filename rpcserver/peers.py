@@ -73,6 +73,8 @@ class PeerConnection:
         return await self._reply(expect, command)
 
     async def _send(self, command: Command, *parts: bytes) -> None:
+        if self.writer is None:  # closed meanwhile (the client went away)
+            raise PeerError("the connection closed")
         self.writer.write(struct.pack("<BQ", command, sum(len(x) for x in parts)))
         for part in parts:
             self.writer.write(part)
@@ -86,6 +88,10 @@ class PeerConnection:
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        if self.closed:  # dropped while connecting
+            self.writer.close()
+            self.writer = None
+            raise PeerError("the connection closed")
         self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = p.HelloResponse.decode(await self._call(Command.HELLO, p.HelloRequest().encode(),
                                                         expect=p.HelloResponse.wire_size()))

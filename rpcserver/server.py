@@ -40,6 +40,8 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.greeted = False
         self.replies: collections.deque = collections.deque()  # behind a reply still to come (a push's)
         self.flusher: asyncio.Task | None = None
+        self.writable = asyncio.Event()  # cleared while the client does not read what we wrote
+        self.writable.set()
 
     # -- asyncio callbacks ---------------------------------------------------------------------------
 
@@ -84,8 +86,15 @@ class WorkerProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.wakeup.set()
-        self.peer_side.cancel_waits()
+        self.writable.set()
+        self.peer_side.close()  # ends its waits, and its pushes' replies (nobody will read them)
         self.connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
 
     # -- request processing --------------------------------------------------------------------------
 
@@ -99,6 +108,9 @@ class WorkerProtocol(asyncio.BufferedProtocol):
                     continue
                 if self.closed:
                     break  # the client is gone: drop what it left queued
+                if not self.writable.is_set() or len(self.replies) >= MAX_QUEUED_FRAMES:
+                    await self._caught_up()  # a client that does not read its replies gets no more
+                    continue
                 frame = self.frames.popleft()
                 if self.paused and len(self.frames) < MAX_QUEUED_FRAMES // 2:
                     self.paused = False
@@ -118,6 +130,12 @@ class WorkerProtocol(asyncio.BufferedProtocol):
             self.peer_side.close()
             await loop.run_in_executor(self.executor, self.session.close)
             log.info("client %s disconnected", self.peer)
+
+    async def _caught_up(self) -> None:
+        """Waits until the client has read enough of its replies and few are held back."""
+        await self.writable.wait()
+        if len(self.replies) >= MAX_QUEUED_FRAMES and self.flusher is not None:
+            await asyncio.shield(self.flusher)
 
     def _reply(self, reply: bytes | asyncio.Future) -> None:
         """Replies go out in request order: one still to come holds back the replies after it."""

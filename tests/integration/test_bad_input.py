@@ -2,6 +2,7 @@
 client's buffers, and leaves the worker computing correctly for the next client."""
 
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -274,3 +275,27 @@ def test_second_hello(connect):
     c = connect()
     c.send(Command.HELLO, p.HelloRequest())
     assert_closed(c)
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_client_that_does_not_read_its_replies_is_not_buffered_for(worker, connect):
+    """Asked 24 times for 32 MiB that it does not read, the worker stops taking the client's requests
+    once its socket is full instead of holding every reply in memory (768 MiB); it answers them all, in
+    order, as the client reads them."""
+    c = connect()
+    x = np.arange(8 << 20, dtype=np.float32)
+    t = GraphBuilder(c, size=x.nbytes).tensor(GGMLType.F32, x.shape, data=x)
+    assert np.array_equal(np.frombuffer(c.get_tensor(t, x.nbytes), np.float32), x)
+    before = peak = rss_mib(worker.proc.pid)
+    for _ in range(24):
+        c.send(Command.GET_TENSOR, p.GetTensorRequest(t, 0, x.nbytes))
+    for _ in range(40):  # without flow control the worker makes every reply within a second or two
+        peak = max(peak, rss_mib(worker.proc.pid))
+        time.sleep(0.1)
+    assert peak - before < 300, f"the worker's memory grew by {peak - before:.0f} MiB"
+    for _ in range(24):
+        assert np.array_equal(np.frombuffer(c.receive(Command.GET_TENSOR), np.float32), x)
