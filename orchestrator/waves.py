@@ -69,9 +69,9 @@ class Waves:
 
     def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
         """Each free stage starts the batch waiting for it; then, once at least one output has come, those
-        batches move on (or, with `wake`, a socket, as soon as it is readable: the caller has a new batch
-        for a stage that may be free). Returns (tag, logits of its output rows, seconds since it started) for each batch
-        that left the last stage."""
+        batches move on (with `wake`, a socket, the wait also ends when it is readable: the caller has a
+        new batch for a first stage that may be free). Returns (tag, logits of its output rows, seconds
+        since it started) for each batch that left the last stage."""
         stages = self.pipe.stages
         for i, stage in enumerate(stages):
             if self.at[i] is None and self.queued[i]:
