@@ -3,8 +3,8 @@
 PEER_TOKEN and PEER_WRITE are plain Session handlers (a PEER_WRITE is a SET_TENSOR into the session its
 token names). The three here need the event loop: SET_PEER records where the next stage lives,
 PUSH_TENSOR sends a tensor there over a worker-to-worker connection (its reply, the peer's
-acknowledgement, comes later, while the connection goes on with its next commands), WAIT_PUSH holds a connection's later commands until a push has landed. None of them blocks any other
-connection.
+acknowledgement, comes later, while the connection goes on with its next commands), WAIT_PUSH holds
+a connection's later commands until a push has landed. None of them blocks any other connection.
 """
 
 from __future__ import annotations
