@@ -153,27 +153,30 @@ class InProcessClient(RpcClient):
         return self.replies.popleft()
 
 
+def _pump_readable(clients: list[RpcClient], timeout: float | None, extra: tuple = ()) -> list:
+    """Waits up to `timeout` for any of the clients' sockets or `extra` to become readable, buffers what
+    each readable client has received (a closed connection raises) and returns the readable sockets."""
+    readable, _, _ = select.select([c.sock for c in clients] + list(extra), [], [], timeout)
+    for c in clients:
+        if c.sock in readable:
+            c.pump()
+    return readable
+
+
 def name_the_dead(clients: list[RpcClient], grace: float = 1.0) -> None:
     """Raises WorkerError naming a worker whose connection has closed, watching them for up to `grace`
     seconds: a failure reported by one worker is often the loss of another (its input never came)."""
     deadline = time.monotonic() + grace
     while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([c.sock for c in clients], [], [], left)
-        for c in clients:
-            if c.sock in ready:
-                c.pump()
+        _pump_readable(clients, left)
 
 
 def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float = 60.0) -> None:
     """Waits until `client` has a whole reply buffered, meanwhile watching the other connections: a worker
     that goes away is named at once, not after the replies that depend on it time out."""
     while not client.reader.complete():
-        ready, _, _ = select.select([c.sock for c in watched], [], [], timeout)
-        if not ready:
+        if not _pump_readable(watched, timeout):
             raise WorkerError(f"worker {client.endpoint}: no reply for {timeout:.0f} s")
-        for c in watched:
-            if c.sock in ready:
-                c.pump()
 
 
 def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None) -> list[int]:
@@ -183,14 +186,11 @@ def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None)
     if not clients:
         return []
     timeout = max(c.sock.gettimeout() or 0 for c in clients) or None
-    watched = [c.sock for c in clients] + ([wake] if wake is not None else [])
+    extra = (wake,) if wake is not None else ()
     while not (ready := [i for i, c in enumerate(clients) if c.reader.complete()]):
-        readable, _, _ = select.select(watched, [], [], timeout)
+        readable = _pump_readable(clients, timeout, extra)
         if not readable:
             raise WorkerError(f"no reply from {', '.join(c.endpoint for c in clients)}")
-        for c in clients:
-            if c.sock in readable:
-                c.pump()
         if wake in readable:
             while True:
                 try:

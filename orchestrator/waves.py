@@ -81,8 +81,8 @@ class Waves:
                 stage.request_output()
         computing = [i for i, f in enumerate(self.at) if f is not None]
         done = []
-        for i in replies_waiting([stages[i].client for i in computing], wake):
-            i = computing[i]
+        for j in replies_waiting([stages[i].client for i in computing], wake):
+            i = computing[j]
             flight, self.at[i] = self.at[i], None
             flight.activation = stages[i].receive_output()
             if i + 1 < len(stages):
