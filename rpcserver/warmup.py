@@ -4,8 +4,8 @@ Numba compiles (or loads from its on-disk cache) a kernel the first time it is c
 signature; left to the first client, that lands in its first GRAPH_COMPUTE. Here a private Session
 (its own buffers and budget, nothing shared with clients) replays `warmup.rec`: the requests a client
 sends for a tiny random llama — weights upload, KV cache clear, prompts of 8 and 2 tokens, single
-tokens, GRAPH_RECOMPUTE, GET_TENSOR — with flash attention on and off, through the same codec and
-handlers as any connection. tools/record_warmup.py made the recording with the orchestrator, which
+tokens (one deep into a long context), GRAPH_RECOMPUTE, GET_TENSOR — with flash attention on and off,
+through the same codec and handlers as any connection. tools/record_warmup.py made the recording with the orchestrator, which
 the worker itself does not import.
 
 The file: zlib-compressed; "PYRPCWU1", then per session a u32 frame count and per frame

@@ -6,9 +6,10 @@ The worker must not depend on the orchestrator, yet its warm-up should send exac
 client sends, so numba compiles (or loads) every kernel signature a llama graph needs before the
 first client arrives. This tool runs the orchestrator's Pipeline over a private in-process Session
 and records each request's frame: weights upload, KV cache clear, GRAPH_COMPUTE for prompts of 8 and
-2 tokens (ggml routes batches of 8+ and of 2+ differently) and single tokens, GRAPH_RECOMPUTE,
-GET_TENSOR, with flash attention on and off (off adds SOFT_MAX, CPY and F16 products), and a small
-qwen3moe (MUL_MAT_ID, ARGSORT, SUM_ROWS, CLAMP, DIV). Its layers carry the weight types llama.cpp's
+2 tokens (ggml routes batches of 8+ and of 2+ differently) and single tokens, one of them deep into the
+context (ggml splits a long cache over threads), GRAPH_RECOMPUTE, GET_TENSOR, with flash attention on
+and off (off adds SOFT_MAX, CPY and F16 products), with one KV head (then a K/V view is contiguous, a
+layout numba compiles for apart), and a small qwen3moe (MUL_MAT_ID, ARGSORT, SUM_ROWS, CLAMP, DIV). Its layers carry the weight types llama.cpp's
 common files use. rpcserver/warmup.py replays the recording.
 
 Weight data is not kept (a SET_TENSOR over SMALL bytes keeps only its header; the replay writes zeros):
@@ -54,7 +55,8 @@ MOE_LAYER_TYPES = (
 )
 N_EXPERT, N_EXPERT_USED = 4, 2
 OUTPUT_TYPE = GGMLType.Q8_0
-N_EMBD, N_FF, N_HEAD, N_HEAD_KV, N_VOCAB, N_CTX = 256, 512, 4, 2, 256, 256  # K-quants need rows of 256
+N_EMBD, N_FF, N_HEAD, N_HEAD_KV, N_VOCAB = 256, 512, 4, 2, 256  # K-quants need rows of 256
+N_CTX = 1024  # a token at 512 attends to >= 512 cells: ggml's split-KV path
 PROMPTS = (8, 2)  # tokens per prompt step; then two single-token steps (the second a recompute)
 BUDGET = 64 << 20
 
@@ -63,18 +65,18 @@ class _Model:
     """What the orchestrator's Pipeline reads of a ModelFile, for a small random llama (or, with
     moe=True, a qwen3moe: Q/K norms and N_EXPERT routed experts in place of the dense FFN)."""
 
-    def __init__(self, moe: bool = False):
+    def __init__(self, moe: bool = False, n_head_kv: int = N_HEAD_KV):
         head_dim = N_EMBD // N_HEAD
         layer_types = MOE_LAYER_TYPES if moe else LAYER_TYPES
         self.hparams = HParams(
             arch="qwen3moe" if moe else "llama", n_layer=len(layer_types), n_embd=N_EMBD, n_ff=N_FF, n_head=N_HEAD,
-            n_head_kv=N_HEAD_KV, head_dim_k=head_dim, head_dim_v=head_dim, n_rot=head_dim, n_vocab=N_VOCAB,
+            n_head_kv=n_head_kv, head_dim_k=head_dim, head_dim_v=head_dim, n_rot=head_dim, n_vocab=N_VOCAB,
             n_ctx_train=N_CTX, n_ctx_orig=N_CTX, rms_eps=1e-5, rope_freq_base=10000.0, rope_freq_scale=1.0,
             rope_ext_factor=0.0, kq_scale=1.0 / np.sqrt(head_dim),
             n_expert=N_EXPERT if moe else 0, n_expert_used=N_EXPERT_USED if moe else 0,
         )
         rng = np.random.default_rng(0)
-        kv = N_HEAD_KV * head_dim
+        kv = n_head_kv * head_dim
         shapes = {"attn_norm": (N_EMBD,), "attn_q": (N_EMBD, N_EMBD), "attn_k": (N_EMBD, kv),
                   "attn_v": (N_EMBD, kv), "attn_output": (N_EMBD, N_EMBD), "ffn_norm": (N_EMBD,)}
         if moe:
@@ -170,9 +172,10 @@ def record_input_nodes(client: RecordingClient) -> None:
     client.get_tensor(wire_tensor(table), table.nbytes)
 
 
-def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False) -> None:
-    """A llama (qwen3moe) client's requests: upload, prompts of each length in PROMPTS, then single tokens."""
-    pipe = Pipeline(_Model(moe), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
+def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False, n_head_kv: int = N_HEAD_KV) -> None:
+    """A llama (qwen3moe) client's requests: upload, prompts of each length in PROMPTS, then single tokens,
+    the last one deep into the context."""
+    pipe = Pipeline(_Model(moe, n_head_kv), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
     pipe.connect([client])
     pipe.place()
     pipe.allocate()
@@ -182,6 +185,7 @@ def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False) -> 
             pipe.evaluate_prompt([1] * n)
         for _ in range(2):
             pipe.evaluate_token(1)
+        pipe.run(pipe.sequence_batch([1], N_CTX // 2))
         if moe:
             return
         # the ring's graph (orchestrator/ring.py): token ids in, logit bias and greedy token out
@@ -202,9 +206,10 @@ def _recorded(drive) -> list[tuple[int, bytes, int]]:
 
 
 def record() -> bytes:
-    """The warm-up frames of both flash-attention settings, of a qwen3moe and of the input nodes, encoded for
-    rpcserver.warmup."""
+    """The warm-up frames of both flash-attention settings, of one KV head, of a qwen3moe and of the input
+    nodes, encoded for rpcserver.warmup."""
     sessions = [_recorded(lambda c, fa=fa: _run_llama(c, fa)) for fa in (True, False)]
+    sessions.append(_recorded(lambda c: _run_llama(c, True, n_head_kv=1)))
     sessions.append(_recorded(lambda c: _run_llama(c, True, moe=True)))
     sessions.append(_recorded(record_input_nodes))
     return warmup.encode(sessions)

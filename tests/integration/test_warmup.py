@@ -6,6 +6,7 @@ import sys
 import numba.core.registry
 import pytest
 
+from kernels.jit import RowLoop
 from rpcserver import warmup
 from rpcserver.memory import MemoryBudget
 from rpcserver.session import Session, WorkerConfig
@@ -21,24 +22,38 @@ def numba_signatures() -> dict[str, int]:
         for attr, value in vars(module).items():
             if isinstance(value, numba.core.registry.CPUDispatcher):
                 found[f"{name}.{attr}"] = len(value.signatures)
+            elif isinstance(value, RowLoop):  # two dispatchers: prange on numba's threads, and serial
+                found[f"{name}.{attr}"] = len(value.parallel.signatures)
+                found[f"{name}.{attr}_serial"] = len(value.serial.signatures)
     return found
 
 
-@pytest.fixture(scope="module")
-def smollm2():
+def _reference_model(locate):
     from orchestrator.model import ModelFile
 
     try:
-        return ModelFile(reference.model_path())
+        return ModelFile(locate())
     except reference.ReferenceMissing as exc:  # the test policy for a missing reference: fail in CI, skip locally
         if os.environ.get("CI", "").strip().lower() == "true":
             pytest.fail(str(exc), pytrace=False)
         pytest.skip(str(exc))
 
 
-def run_after_warm_up(model, flash_attn: bool):
+@pytest.fixture(scope="module")
+def smollm2():
+    return _reference_model(reference.model_path)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return _reference_model(reference.gemma3_model_path)
+
+
+def run_after_warm_up(model, flash_attn: bool, n_ctx: int = 1024):
     """The warm-up, then llama-completion's shapes through a session (its 2-token warm-up decode, a prompt,
-    single tokens): the last logits, and the numba functions that compiled new signatures meanwhile."""
+    single tokens, a token deep into the context, where ggml splits a long cache over threads, and one
+    that attends to the whole cache, whose view numba types as contiguous): the last logits, and the numba
+    functions that compiled new signatures meanwhile."""
     from orchestrator.client import InProcessClient
     from orchestrator.runner import Pipeline
 
@@ -47,7 +62,7 @@ def run_after_warm_up(model, flash_attn: bool):
     assert sum(before.values()) > 10  # the warm-up did load kernels
     client = InProcessClient(Session(WorkerConfig(MemoryBudget())))
     try:
-        pipe = Pipeline(model, n_ctx=512, n_batch=64, n_ubatch=64, flash_attn=flash_attn)
+        pipe = Pipeline(model, n_ctx=n_ctx, n_batch=64, n_ubatch=64, flash_attn=flash_attn)
         pipe.connect([client])
         pipe.place()
         pipe.allocate()
@@ -56,16 +71,26 @@ def run_after_warm_up(model, flash_attn: bool):
         pipe.evaluate_prompt(list(range(10, 47)))
         for token in (5, 6):
             logits = pipe.evaluate_token(token)
+        pipe.run(pipe.sequence_batch([7], n_ctx - 100))
+        pipe.run(pipe.sequence_batch([8], n_ctx - 1))
     finally:
         client.close()
     after = numba_signatures()
     return logits, {k: (before.get(k, 0), n) for k, n in after.items() if n != before.get(k, 0)}
 
 
+@pytest.mark.parametrize("n_ctx", [256, 1024])
 @pytest.mark.parametrize("flash_attn", [True, False])
-def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, flash_attn):
-    logits, grown = run_after_warm_up(smollm2, flash_attn)
+def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, flash_attn, n_ctx):
+    logits, grown = run_after_warm_up(smollm2, flash_attn, n_ctx)
     assert logits.shape == (smollm2.hparams.n_vocab,)
+    assert not grown, f"compiled after the warm-up: {grown}"
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_gemma3_after_the_warm_up_needs_no_new_kernel_signatures(gemma3, flash_attn):
+    """Sliding-window layers attend to a cache of their own, whole or in part."""
+    _, grown = run_after_warm_up(gemma3, flash_attn)
     assert not grown, f"compiled after the warm-up: {grown}"
 
 

@@ -55,7 +55,7 @@ def test_the_recording_covers_a_real_clients_ops():
 
 def test_the_recording_replays_through_a_session():
     sessions = warmup.decode(warmup.RECORDING.read_bytes())
-    assert len(sessions) == 4  # flash attention on, off; a qwen3moe; the input nodes of llama.cpp's graphs
+    assert len(sessions) == 5  # flash attention on, off; one KV head; a qwen3moe; llama.cpp graphs' input nodes
     commands = {command for frames in sessions for command, _ in frames}
     assert {p.Command.SET_TENSOR, p.Command.GRAPH_COMPUTE, p.Command.GRAPH_RECOMPUTE, p.Command.GET_TENSOR} <= commands
 
