@@ -69,16 +69,12 @@ class Waves:
 
     def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
         """Each free stage starts the batch waiting for it; then, once at least one output has come, those
-        batches move on (with `wake`, a socket, the wait also ends when it is readable: the caller has a
-        new batch for a first stage that may be free). Returns (tag, logits of its output rows, seconds
+        batches move on and start on the stages they reach if those are free (with `wake`, a socket, the
+        wait also ends when it is readable: the caller has a new batch for a first stage that may be
+        free). Returns (tag, logits of its output rows, seconds
         since it started) for each batch that left the last stage."""
         stages = self.pipe.stages
-        for i, stage in enumerate(stages):
-            if self.at[i] is None and self.queued[i]:
-                flight = self.at[i] = self.queued[i].popleft()
-                stage.prepare(flight.shape)
-                stage.launch({**flight.feed, "embd": flight.activation})
-                stage.request_output()
+        self._launch()
         computing = [i for i, f in enumerate(self.at) if f is not None]
         done = []
         for j in replies_waiting([stages[i].client for i in computing], wake):
@@ -90,4 +86,15 @@ class Waves:
             else:
                 logits = flight.activation.reshape(len(flight.batch.out_ids), self.pipe.model.hparams.n_vocab)
                 done.append((flight.tag, logits, time.perf_counter() - flight.started))
+        self._launch()  # the batches that moved on start now, not after the caller has sampled the others
         return done
+
+    def _launch(self) -> None:
+        """Each free stage starts the batch waiting for it."""
+        for i, stage in enumerate(self.pipe.stages):
+            if self.at[i] is None and self.queued[i]:
+                flight = self.at[i] = self.queued[i].popleft()
+                with stage.client.corked():
+                    stage.prepare(flight.shape)
+                    stage.launch({**flight.feed, "embd": flight.activation})
+                    stage.request_output()
