@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.cxx import F32
+from orchestrator.cxx import F32, uniform_canonical
 from orchestrator.sampling.samplers import Candidates, Dist, MinP, Penalties, Temperature, TopK, TopP
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # "pick a random seed", as in include/llama.h
@@ -71,6 +71,7 @@ class Sampler:
             (F32(params.temp) != 1.0, lambda: Temperature(params.temp)),
         ]
         self._filters = [make() for enabled, make in optional if enabled]
+        self._greedy = params.greedy and self._penalties is None
         self.reset()
 
     def reset(self) -> None:
@@ -96,6 +97,12 @@ class Sampler:
         return c
 
     def sample(self, logits: np.ndarray) -> int:
+        if self._greedy:  # the chain would keep the highest logit alone: when that one is unique, take it
+            logits = np.asarray(logits)
+            top = int(np.argmax(logits))
+            if logits.shape == (self.n_vocab,) and np.count_nonzero(logits == logits[top]) == 1:
+                uniform_canonical(self._dist.rng)  # the draw the chain's dist makes, so the streams stay equal
+                return top
         c = self.candidates(logits)
         return int(c.ids[c.selected])
 

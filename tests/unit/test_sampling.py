@@ -93,6 +93,22 @@ def test_zero_temperature_takes_the_first_highest_logit():
     assert {sampler.sample(logits) for _ in range(10)} == {1}
 
 
+@pytest.mark.parametrize("top_k", [40, 0])
+def test_greedy_shortcut_picks_what_the_whole_chain_picks(top_k):
+    """Greedy sampling takes a unique highest logit without running the chain (and falls back to it on a
+    tie at the top); tokens and the random stream stay those of the chain run in full every time."""
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temp=0.0, seed=11, top_k=top_k)
+    fast, full = Sampler(params, 300), Sampler(params, 300)
+    for i in range(40):
+        logits = rng.normal(0, 2, 300).astype(np.float32)
+        if i % 3 == 0:  # a tie at the top, found by the chain's own order
+            logits[rng.integers(300, size=2)] = logits.max() + 1
+        c = full.candidates(logits)
+        assert fast.sample(logits) == int(c.ids[c.selected])
+    assert cxx.uniform_canonical(fast._dist.rng) == cxx.uniform_canonical(full._dist.rng)
+
+
 def test_repeat_penalty_window_forgets_old_tokens():
     params = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=100.0, repeat_last_n=2, seed=1)
     sampler = Sampler(params, 3)
