@@ -82,26 +82,32 @@ class Ring:
             stage.prepare(shape, **self._ring_options(i))
         owed = []
         for i, stage in enumerate(stages):
-            replies = []
-            sticky = {"logit_bias": self.bias} if i == len(stages) - 1 and self.bias is not None else None
-            if i == 0 and first_token is not None:
-                stage.launch({**feed, "tokens": np.array([first_token], np.int32)}, sticky)
-            else:
-                stage.launch(feed, sticky, wait_step=step)
-                replies.append(Command.WAIT_PUSH)
-            if i + 1 < len(stages):
-                dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
-            else:  # the token goes round to the first stage, as its input of the next step
-                stages[0].prepare(pipe.next_shape(pos + 1), **self._ring_options(0))
-                dst, link, to_step = stages[0].graph.inputs["tokens"], self.link, step + 1
-            stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
-                link, to_step, wire_tensor(stage.graph.output), wire_tensor(dst)))
-            replies.append(Command.PUSH_TENSOR)
-            owed.append(replies)
-        out = stages[-1].graph.output
-        stages[-1].client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
-        owed[-1].append(Command.GET_TENSOR)
+            with stage.client.corked():  # the stage's part of the step in one write
+                owed.append(self._send_stage(i, step, pos, feed, first_token))
         return owed
+
+    def _send_stage(self, i: int, step: int, pos: int, feed: dict, first_token: int | None) -> list[Command]:
+        pipe, stages, stage = self.pipe, self.pipe.stages, self.pipe.stages[i]
+        replies = []
+        sticky = {"logit_bias": self.bias} if i == len(stages) - 1 and self.bias is not None else None
+        if i == 0 and first_token is not None:
+            stage.launch({**feed, "tokens": np.array([first_token], np.int32)}, sticky)
+        else:
+            stage.launch(feed, sticky, wait_step=step)
+            replies.append(Command.WAIT_PUSH)
+        if i + 1 < len(stages):
+            dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
+        else:  # the token goes round to the first stage, as its input of the next step
+            stages[0].prepare(pipe.next_shape(pos + 1), **self._ring_options(0))
+            dst, link, to_step = stages[0].graph.inputs["tokens"], self.link, step + 1
+        stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
+            link, to_step, wire_tensor(stage.graph.output), wire_tensor(dst)))
+        replies.append(Command.PUSH_TENSOR)
+        if i == len(stages) - 1:
+            out = stage.graph.output
+            stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
+            replies.append(Command.GET_TENSOR)
+        return replies
 
     def _receive(self, owed: list[list[Command]]) -> int | None:
         """Reads one step's replies; its token, or None once the ring is broken (a push failed)."""

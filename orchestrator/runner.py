@@ -400,18 +400,20 @@ class Pipeline:
         self._settled, self._waits, self._pushes = -1, set(), set()  # this step's replies still to read
         activation = self.model.token_embeddings(batch.tokens)
         for i, stage in enumerate(self.stages):
-            if self._pushed(i - 1):  # its input arrives from the previous worker: wait for it there
-                stage.launch(feed, wait_step=self.step)
-                self._waits.add(i)
-            else:
-                stage.launch({**feed, "embd": activation})
-            if self._pushed(i):
-                nxt = self.stages[i + 1]
-                stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
-                    i, self.step, wire_tensor(stage.graph.output), wire_tensor(nxt.graph.inputs["embd"])))
-                self._pushes.add(i)
-            else:  # relayed, or the logits: the output is asked for in the same burst (not a round trip
-                stage.request_output()  # after the waits), and read once the replies before it are
+            with stage.client.corked():  # the stage's part of the burst in one write
+                if self._pushed(i - 1):  # its input arrives from the previous worker: wait for it there
+                    stage.launch(feed, wait_step=self.step)
+                    self._waits.add(i)
+                else:
+                    stage.launch({**feed, "embd": activation})
+                if self._pushed(i):
+                    nxt = self.stages[i + 1]
+                    stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
+                        i, self.step, wire_tensor(stage.graph.output), wire_tensor(nxt.graph.inputs["embd"])))
+                    self._pushes.add(i)
+                else:  # relayed, or the logits: the output is asked for in the same burst (not a round trip
+                    stage.request_output()  # after the waits), and read once the replies before it are
+            if not self._pushed(i):
                 self._settle(i)
                 activation = stage.receive_output()
         return activation.reshape(len(batch.out_ids), self.model.hparams.n_vocab)
