@@ -294,10 +294,11 @@ class Engine:
     def _finish(self, slot: Slot, reason: str) -> None:
         job, now = slot.job, time.perf_counter()
         first = slot.t_first if slot.t_first is not None else now
-        job.emit("done", Finish(reason, len(job.prompt) - slot.cache_n, slot.cache_n, 1e3 * (first - slot.t_start),
-                                slot.n_generated, 1e3 * (now - first)))
-        slot.job, slot.sampler = None, None
+        finish = Finish(reason, len(job.prompt) - slot.cache_n, slot.cache_n, 1e3 * (first - slot.t_start),
+                        slot.n_generated, 1e3 * (now - first))
+        slot.job, slot.sampler = None, None  # before the client hears: its next /metrics sees the slot free
         del slot.tokens[slot.n_cached:]  # what was never fed (the last sampled token, an unread prompt tail)
+        job.emit("done", finish)
 
     def _fail(self, message: str) -> None:
         with self._wake:
