@@ -1,15 +1,17 @@
-"""Serving benchmark: our `orchestrator serve` against `llama-server --rpc`, on the same reference workers.
+"""Serving benchmark: our `orchestrator serve` against `llama-server --rpc`, on the same workers.
 
-    python tools/bench_serve.py [--clients 1,2,4,8] [-n 64] [-np 4] [--workers 2] [-m MODEL]
+    python tools/bench_serve.py [--clients 1,2,4,8] [-n 64] [-np 4] [--workers 2] [--worker reference,ours]
 
-Starts llama.cpp ggml-rpc-server workers, then, for each server in turn (llama-server, ours; same
-workers, model, -c and -np), streams requests with the official openai client: for each number of
-concurrent clients, every client sends one completion (the same prompt with its number appended,
-greedy, --ignore-eos, n tokens) and the tool records time to first token, each request's generation
-rate (tokens after the first over the time after the first) and the aggregate rate (all tokens over
-the wall time of the round). Then the interference case: a short request (8 tokens) sent while a long
-one generates, its time to first token beside the same request's on an idle server (medians of five). Prints one table
-per server and the ratios ours / llama-server.
+For each kind of worker in turn (llama.cpp's ggml-rpc-server, then ours), starts the workers, then, for
+each server in turn (llama-server, ours; same workers, model, -c and -np), streams requests with the
+official openai client: for each number of concurrent clients, --reps rounds (medians), in each of which
+every client sends one completion (the
+same prompt with its number appended, greedy, --ignore-eos, n tokens) and the tool records time to first
+token, each request's generation rate (tokens after the first over the time after the first) and the
+aggregate rate (all tokens over the wall time of the round). Then the interference case: a short request
+(8 tokens) sent while a long one generates, its time to first token beside the same request's on an idle
+server (medians of five). Prints, per kind of worker, one table of both servers and the ratios ours /
+llama-server.
 """
 
 from __future__ import annotations
@@ -94,6 +96,13 @@ def round_of(url: str, clients: int, n: int) -> dict:
             "aggregate": sum(r["tokens"] for r in results) / wall}
 
 
+def median_round(url: str, clients: int, n: int, reps: int) -> dict:
+    """Each figure of `reps` rounds one after the other: its median (one round lasts a second or two, so a
+    single one is at the mercy of whatever else the machine did meanwhile)."""
+    rounds = [round_of(url, clients, n) for _ in range(reps)]
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
 def interference(url: str, samples: int = 5) -> tuple[float, float]:
     """TTFT (ms) of a short request on an idle server, and while a long request generates: medians of
     `samples` requests one after the other (the busy ones a little apart, so they meet the long one's
@@ -118,31 +127,51 @@ def main(argv=None) -> int:
     ap.add_argument("-np", "--parallel", type=int, default=4)
     ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each reference worker")
+    ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker")
+    ap.add_argument("--reps", type=int, default=3, help="rounds per number of clients (medians)")
+    ap.add_argument("--worker", default="reference,ours",
+                    help="whose rpc-server both servers run on, in turn: llama.cpp's (reference), ours")
     args = ap.parse_args(argv)
     model = str(args.model or reference.model_path())
     clients = [int(c) for c in args.clients.split(",")]
+    kinds = args.worker.split(",")
+    if not set(kinds) <= {"reference", "ours"}:
+        ap.error(f"--worker: reference and/or ours, not {args.worker}")
+    tables = {kind: measure(kind, model, clients, args) for kind in kinds}
+    for kind, table in tables.items():
+        print_table(kind, table, model, clients, args)
+    return 0
+
+
+def measure(worker: str, model: str, clients: list[int], args) -> dict[str, dict]:
+    """Both servers over the same fresh workers of one kind: their rows and interference figures."""
     table: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as logs:
-        workers = [reference.start_worker("reference", Path(logs), threads=args.threads) for _ in range(args.workers)]
+        workers = [reference.start_worker(worker, Path(logs), threads=args.threads) for _ in range(args.workers)]
         rpc = ",".join(w.address for w in workers)
         try:
             for kind in ("llama-server", "ours"):
                 server = start_server(kind, model, rpc, args, Path(logs) / f"{kind}.log")
                 try:
                     stream(server.url, PROMPT, 4)  # warm up
-                    rows = {c: round_of(server.url, c, args.n_predict) for c in clients}
+                    rows = {c: median_round(server.url, c, args.n_predict, args.reps) for c in clients}
                     table[kind] = {"rows": rows, "interference": interference(server.url)}
                 finally:
                     server.terminate()
                     server.wait(30)
                 for c, row in table[kind]["rows"].items():
-                    print(f"{kind:12} clients {c}: {json.dumps({k: round(v, 2) for k, v in row.items()})}", flush=True)
+                    print(f"{worker} workers, {kind:12} clients {c}: {json.dumps({k: round(v, 2) for k, v in row.items()})}",
+                          flush=True)
         finally:
             for w in workers:
                 w.stop()
-    print(f"\nSmolLM2 {Path(model).name}, {args.workers} reference workers x {args.threads} thread(s), -np {args.parallel}, "
-          f"-c {args.ctx}, {args.n_predict} greedy tokens per request, streamed with the openai client\n")
+    return table
+
+
+def print_table(worker: str, table: dict[str, dict], model: str, clients: list[int], args) -> None:
+    print(f"\nSmolLM2 {Path(model).name}, {args.workers} {worker} workers x {args.threads} thread(s), -np {args.parallel}, "
+          f"-c {args.ctx}, {args.n_predict} greedy tokens per request, streamed with the openai client, "
+          f"medians of {args.reps} rounds\n")
     print("| clients | llama-server TTFT ms | ours TTFT ms | llama-server tok/s per request | ours tok/s per request "
           "| llama-server aggregate tok/s | ours aggregate tok/s | ours / llama-server aggregate | ours / ours at 1 client |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -155,7 +184,6 @@ def main(argv=None) -> int:
     for kind in table:
         idle, busy = table[kind]["interference"]
         print(f"  {kind:12} {idle:7.0f} -> {busy:7.0f}  ({busy / idle:.2f}x)")
-    return 0
 
 
 if __name__ == "__main__":
