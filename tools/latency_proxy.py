@@ -107,19 +107,21 @@ class Link:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def put(self, data, due: float) -> float:
+    def put(self, data, due: float) -> None:
         """Queue `data` to leave at monotonic time `due`, or after what is queued before it."""
-        if not data:
-            return self._last_due
+        self.put_all([(data, due)])
+
+    def put_all(self, pieces: list) -> None:
+        """put() each (data, due) in order, waking the writer once (what one recv brought goes together)."""
         with self._cv:
             while self._queued > MAX_QUEUED and not self._aborted.is_set():
                 self._cv.wait(0.5)
-            due = max(due, self._last_due)
-            self._last_due = due
-            self._queue.append((due, data))
-            self._queued += len(data)
+            for data, due in pieces:
+                if data:
+                    due = self._last_due = max(due, self._last_due)
+                    self._queue.append((due, data))
+                    self._queued += len(data)
             self._cv.notify_all()
-        return due
 
     def finish(self) -> None:
         """No more data: send what is queued, each piece when due, then shut the socket's write side."""
@@ -281,6 +283,7 @@ class _Connection:
                     continue
                 view = memoryview(chunk)
                 off = 0
+                out: list = []  # (piece, due) of this chunk, queued together
                 try:
                     while off < len(view):
                         target = reader.get_buffer()
@@ -303,13 +306,14 @@ class _Connection:
                             if COMMANDS[command].response is not None:  # before any byte can reach the worker
                                 self.awaiting.append((command, latency is not None))
                             if serial and latency is not None:
+                                up.put_all(out)  # what came before leaves first
+                                out = []
                                 time.sleep(latency)  # the published proxy: the reader itself waits
-                            for data in pending:
-                                up.put(data, self._due(now, latency))
+                            out.extend((data, self._due(now, latency)) for data in pending)
                             pending = []
                         else:
                             remaining -= n
-                            up.put(piece, self._due(now, latency))
+                            out.append((piece, self._due(now, latency)))
                         if remaining == 0:
                             if reader.next_frame() is None:  # the codec and we disagree: stop parsing
                                 raise ProtocolError("frame boundary mismatch")
@@ -317,10 +321,10 @@ class _Connection:
                             latency = None
                 except (ProtocolError, ValueError, MemoryError) as exc:
                     self._fall_back(str(exc), "requests")
-                    for data in pending:
-                        up.put(data, now)
+                    out.extend((data, now) for data in pending)
                     pending = []
-                    up.put(view[off:], now)
+                    out.append((view[off:], now))
+                up.put_all(out)
         except OSError:
             self.abort()
         finally:
@@ -348,6 +352,7 @@ class _Connection:
                     continue
                 view = memoryview(chunk)
                 off = 0
+                out: list = []  # (piece, due) of this chunk, queued together
                 try:
                     reader.feed(chunk)
                     while off < len(view):
@@ -359,11 +364,11 @@ class _Connection:
                         payload = reader.next_payload(command)
                         if payload is None:  # the rest of the chunk is part of this reply
                             seen += len(view) - off
-                            down.put(view[off:], self._due(now, latency))
+                            out.append((view[off:], self._due(now, latency)))
                             off = len(view)
                             break
                         n = 8 + len(payload) - seen
-                        down.put(view[off : off + n], self._due(now, latency))
+                        out.append((view[off : off + n], self._due(now, latency)))
                         off += n
                         seen = 0
                         self.awaiting.popleft()
@@ -372,7 +377,8 @@ class _Connection:
                             stats.replies_delayed[command.name] += 1
                 except (ProtocolError, ValueError, MemoryError) as exc:
                     self._fall_back(str(exc), "replies")
-                    down.put(view[off:], now)
+                    out.append((view[off:], now))
+                down.put_all(out)
         except OSError:
             self.abort()
         finally:
