@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from . import protocol as p
 from .framing import Frame, FrameReader, decode_frame
 from .peers import LOOP_COMMANDS, PeerSide
-from .protocol import ProtocolError
+from .protocol import Command, ProtocolError
 from .session import HEAVY, Session, WorkerConfig
 
 log = logging.getLogger("rpcserver")
@@ -23,10 +23,26 @@ log = logging.getLogger("rpcserver")
 MAX_QUEUED_FRAMES = 16  # stop reading from a client that is this far ahead of us
 
 
-class WorkerProtocol(asyncio.BufferedProtocol):
-    def __init__(self, config: WorkerConfig, executor: ThreadPoolExecutor, connections: set):
-        self.config = config
+class ComputeThread:
+    """The one thread that runs heavy handlers, shared by every connection, and how many it has queued
+    or running: when none, no handler touches any session's memory but the event loop's own."""
+
+    def __init__(self, executor: ThreadPoolExecutor):
         self.executor = executor
+        self.in_flight = 0
+
+    async def run(self, fn, *args):
+        self.in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self.in_flight -= 1
+
+
+class WorkerProtocol(asyncio.BufferedProtocol):
+    def __init__(self, config: WorkerConfig, compute: ComputeThread, connections: set):
+        self.config = config
+        self.compute = compute
         self.connections = connections
         self.session = Session(config)
         self.reader = FrameReader(self.session.max_payload, place=self._place)
@@ -99,7 +115,6 @@ class WorkerProtocol(asyncio.BufferedProtocol):
     # -- request processing --------------------------------------------------------------------------
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while not self.closed or self.frames:
                 if not self.frames:
@@ -115,7 +130,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
                 if self.paused and len(self.frames) < MAX_QUEUED_FRAMES // 2:
                     self.paused = False
                     self.transport.resume_reading()
-                reply = await self._dispatch(loop, frame)
+                reply = await self._dispatch(frame)
                 self.unplaced -= frame.placed is None
                 if reply is not None:
                     self._reply(reply)
@@ -128,7 +143,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
             if self.flusher is not None:
                 self.flusher.cancel()
             self.peer_side.close()
-            await loop.run_in_executor(self.executor, self.session.close)
+            await self.compute.run(self.session.close)
             log.info("client %s disconnected", self.peer)
 
     async def _caught_up(self) -> None:
@@ -159,7 +174,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.transport.write(p.response_header(len(reply)))
         self.transport.write(reply)
 
-    async def _dispatch(self, loop, frame: Frame):
+    async def _dispatch(self, frame: Frame):
         command = frame.command
         request = decode_frame(frame)
         if not self.greeted:  # the reader let only HELLO through first
@@ -168,7 +183,12 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         if command in LOOP_COMMANDS:
             return await self.peer_side.handle(command, request)
         if command in HEAVY and not (frame.placed is not None and not self.session.caching):
-            return await loop.run_in_executor(self.executor, self.session.handle, command, request)
+            if command == Command.PEER_WRITE and not self.compute.in_flight:
+                # a pushed activation, kilobytes, into a worker waiting for it: written here, no thread hop
+                # on the pipeline's critical path (with nothing on the compute thread, nothing else can
+                # be reading or freeing the target's memory)
+                return self.session.handle(command, request)
+            return await self.compute.run(self.session.handle, command, request)
         return self.session.handle(command, request)
 
     def _fail(self, exc: ProtocolError) -> None:
@@ -190,10 +210,11 @@ async def serve(host: str, port: int, config: WorkerConfig, ready=None) -> None:
     # numba's thread count is per calling thread: set it on the compute thread itself
     init = (_set_numba_threads, (config.threads,)) if config.threads else (None, ())
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=init[0], initargs=init[1])
+    compute = ComputeThread(executor)  # one for all connections: its count is the whole worker's
     connections: set = set()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: WorkerProtocol(config, executor, connections), host, port, reuse_address=True
+        lambda: WorkerProtocol(config, compute, connections), host, port, reuse_address=True
     )
     if ready is not None:
         ready(server)
