@@ -71,8 +71,8 @@ class Waves:
         """Each free stage starts the batch waiting for it; then, once at least one output has come, those
         batches move on and start on the stages they reach if those are free (with `wake`, a socket, the
         wait also ends when it is readable: the caller has a new batch for a first stage that may be
-        free). Returns (tag, logits of its output rows, seconds
-        since it started) for each batch that left the last stage."""
+        free). Returns (tag, logits of its output rows, seconds since it started) for each batch that
+        left the last stage."""
         stages = self.pipe.stages
         self._launch()
         computing = [i for i, f in enumerate(self.at) if f is not None]

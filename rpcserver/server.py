@@ -21,6 +21,7 @@ from .session import HEAVY, Session, WorkerConfig
 log = logging.getLogger("rpcserver")
 
 MAX_QUEUED_FRAMES = 16  # stop reading from a client that is this far ahead of us
+INLINE_PEER_WRITE = 1 << 20  # a pushed decode step's activation is kilobytes; a prompt's goes to the thread
 
 
 class ComputeThread:
@@ -183,10 +184,10 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         if command in LOOP_COMMANDS:
             return await self.peer_side.handle(command, request)
         if command in HEAVY and not (frame.placed is not None and not self.session.caching):
-            if command == Command.PEER_WRITE and not self.compute.in_flight:
-                # a pushed activation, kilobytes, into a worker waiting for it: written here, no thread hop
-                # on the pipeline's critical path (with nothing on the compute thread, nothing else can
-                # be reading or freeing the target's memory)
+            if command == Command.PEER_WRITE and not self.compute.in_flight and len(request.data) <= INLINE_PEER_WRITE:
+                # a pushed activation into a worker waiting for it: written here, no thread hop on the
+                # pipeline's critical path (with nothing on the compute thread, nothing else can be
+                # reading or freeing the target's memory)
                 return self.session.handle(command, request)
             return await self.compute.run(self.session.handle, command, request)
         return self.session.handle(command, request)
