@@ -51,9 +51,9 @@ def gemma3():
 
 def run_after_warm_up(model, flash_attn: bool, n_ctx: int = 1024):
     """The warm-up, then llama-completion's shapes through a session (its 2-token warm-up decode, a prompt,
-    single tokens, a token deep into the context, where ggml splits a long cache over threads, and one
-    that attends to the whole cache, whose view numba types as contiguous): the last logits, and the numba
-    functions that compiled new signatures meanwhile."""
+    single tokens, a token deep into the context, where ggml splits a long cache over threads, and one at
+    the cache's last cell): the last logits, and the numba functions that compiled new signatures
+    meanwhile."""
     from orchestrator.client import InProcessClient
     from orchestrator.runner import Pipeline
 
