@@ -128,7 +128,7 @@ def test_pack_q8_layout():
 
 
 def _row_dot_caller(type_, ncols, dot=None):
-    dot = dot or quants.ROW_DOT[type_][0 if ncols == 1 else 1]
+    dot = dot or quants.ROW_DOT[type_][{1: 0, 2: 1, 4: 2}[ncols]]
 
     @numba.njit
     def call(w, off, nb, yq, yd, ys, col):
@@ -147,13 +147,14 @@ def test_row_dot_matches_reference(type_):
     q, d, s = quants.quantize_q8_ref(x, quants.HAS_MIN[type_])
     s = d if s is None else s
     want = matmul._slice_quant(type_, raw, x)  # numpy reference, (rows, cols)
-    one, four = _row_dot_caller(type_, 1), _row_dot_caller(type_, 4)
+    one, two, four = _row_dot_caller(type_, 1), _row_dot_caller(type_, 2), _row_dot_caller(type_, 4)
     flat = raw.reshape(-1)
     for r in range(rows):
-        got = [one(flat, r * raw.shape[1], k // 32, q.ravel(), d.ravel(), s.ravel(), c)[0] for c in range(cols)]
+        args = (flat, r * raw.shape[1], k // 32, q.ravel(), d.ravel(), s.ravel())
+        got = [one(*args, c)[0] for c in range(cols)]
         np.testing.assert_array_equal(np.array(got, np.float32), want[r])
-        np.testing.assert_array_equal(np.array(four(flat, r * raw.shape[1], k // 32, q.ravel(), d.ravel(),
-                                                    s.ravel(), 2), np.float32), want[r, 2:6])
+        np.testing.assert_array_equal(np.array(two(*args, 3), np.float32), want[r, 3:5])
+        np.testing.assert_array_equal(np.array(four(*args, 2), np.float32), want[r, 2:6])
 
 
 @pytest.mark.parametrize("type_", QUANT, ids=lambda t: t.name)
