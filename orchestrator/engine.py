@@ -1,12 +1,13 @@
 """Many sequences over one pipeline at once: llama-server's slots with continuous batching.
 
 The engine runs on a thread of its own (the pipeline's RPC is blocking) and serves Jobs from a bounded
-queue. Each step it gives the idle slots the oldest waiting jobs, then, when the first stage is free,
-starts a batch: the next token of each generating slot and chunks of the prompts still being read, up
-to n_ubatch tokens, so a long prompt is read over several steps while the others keep generating. With
-several stages the slots are shared out over as many batches, which go through the workers one behind
-the other (orchestrator/waves.py), so all workers compute at once. Every slot samples its token from its
-own row of logits with its own sampler chain and seed.
+queue. Each step it gives the idle slots the oldest waiting jobs, then, when the first stage is free
+and fewer batches are in flight than there are stages, starts a batch: the next token of each
+generating slot and chunks of the prompts still being read, up to n_ubatch tokens, so a long prompt is
+read over several steps while the others keep generating. With several stages the slots are shared out
+over as many batches, which go through the workers one behind the other (orchestrator/waves.py), so
+all workers compute at once. Every slot samples its token from its own row of logits with its own
+sampler chain and seed.
 
 The KV cache is shared (orchestrator/kv.py): cells are tagged with the slot's sequence number, and a
 slot uses at most n_ctx / n_parallel of them. A slot

@@ -46,8 +46,11 @@ class Waves:
 
     @property
     def ready(self) -> bool:
-        """The first stage is free for a new batch."""
-        return self.at[0] is None and not self.queued[0]
+        """A new batch may start: the first stage is free, and fewer batches are in flight than there are
+        stages (one more would only wait; the sequences ready now join those whose logits come next, so
+        the batches stay as few and as even as the stages, instead of splitting ever smaller)."""
+        in_flight = sum(f is not None for f in self.at) + sum(len(q) for q in self.queued)
+        return self.at[0] is None and not self.queued[0] and in_flight < self.width
 
     @property
     def busy(self) -> bool:
@@ -61,7 +64,7 @@ class Waves:
     def start(self, batch: Batch, tag: object) -> None:
         pipe = self.pipe
         if not self.ready:
-            raise RuntimeError("the first stage still holds a batch")
+            raise RuntimeError("no batch may start now")
         if pipe.swa is not None and batch.swa_cells is None:
             raise ValueError("this model has sliding-window layers: the batch must place their cells too")
         self.queued[0].append(Flight(batch, tag, pipe.shape(batch), pipe._inputs(batch),

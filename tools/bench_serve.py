@@ -37,6 +37,8 @@ PROMPT = "Here are three simple tips for staying healthy:\n1."
 def start_server(kind: str, model: str, rpc: str, args, log: Path) -> subprocess.Popen:
     port = reference.free_port()
     common = ["-m", model, "--host", reference.LOCALHOST, "--port", str(port), "-c", str(args.ctx), "-np", str(args.parallel)]
+    if args.tensor_split:
+        common += ["--tensor-split", args.tensor_split]
     if kind == "llama-server":
         cmd = [str(reference.binary("llama-server")), *common, "--rpc", rpc, "-ngl", "99", "--no-webui", "-fit", "off",
                "-t", "1"]
@@ -127,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("-np", "--parallel", type=int, default=4)
     ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("-ts", "--tensor-split", default=None, help="both servers' --tensor-split (default: by free memory)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker")
     ap.add_argument("--reps", type=int, default=3, help="rounds per number of clients (medians)")
     ap.add_argument("--worker", default="reference,ours",
