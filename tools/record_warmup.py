@@ -9,8 +9,8 @@ and records each request's frame: weights upload, KV cache clear, GRAPH_COMPUTE 
 2 tokens (ggml routes batches of 8+ and of 2+ differently) and single tokens, one of them deep into the
 context (ggml splits a long cache over threads), GRAPH_RECOMPUTE, GET_TENSOR, with flash attention on
 and off (off adds SOFT_MAX, CPY and F16 products), with one KV head (then a K/V view is contiguous, a
-layout numba compiles for apart), and a small qwen3moe (MUL_MAT_ID, ARGSORT, SUM_ROWS, CLAMP, DIV). Its layers carry the weight types llama.cpp's
-common files use. rpcserver/warmup.py replays the recording.
+layout numba compiles for apart), and a small qwen3moe (MUL_MAT_ID, ARGSORT, SUM_ROWS, CLAMP, DIV). Its
+layers carry the weight types llama.cpp's common files use. rpcserver/warmup.py replays the recording.
 
 Weight data is not kept (a SET_TENSOR over SMALL bytes keeps only its header; the replay writes zeros):
 which kernels run depends on shapes, types and layouts, not on values.
