@@ -148,3 +148,45 @@ def test_invalid_sampling_parameters(model, flags, needle):
 def test_invalid_cache_types(model, flags, needle):
     done = orchestrator("--rpc", "127.0.0.1:1", "-m", model, "-p", "hi", *flags)
     assert_clean_failure(done, needle)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_sigterm_stops_the_local_workers_too(model, command):
+    """`kill` (SIGTERM) ends a run as Ctrl-C does: the local workers it started go with it (they were left
+    running, each holding its port and the model's weights)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    common = ["-m", str(model), "--workers", "1", "-t", "1"]
+    if command == "serve":
+        args = ["serve", *common, "--port", str(reference.free_port())]
+    else:
+        args = [*common, "-p", "Once", "-n", "100000", "--ignore-eos", "-c", "4096", "--temp", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+    try:
+        if command == "serve":
+            if not any(b"is ready" in line for line in proc.stderr):
+                pytest.fail(f"the server exited with {proc.wait()} before it was ready")
+        elif len(proc.stdout.read(40)) < 40:  # the prompt echo and a few generated tokens
+            pytest.fail(f"the orchestrator exited with {proc.wait()} before generating")
+        workers = _children(proc.pid)
+        assert workers and all(_running(w) for w in workers)
+        proc.terminate()
+        proc.communicate(timeout=60)
+        assert not [w for w in workers if _running(w)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
