@@ -15,13 +15,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .ggml import TYPE_IQ4_NL, TYPE_TRAITS, GGMLType
+from .ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 from .jit import JIT
 from .kquant_lanes import (Args, block_lanes, block_scales, chunk_quants, column_sums, column_vector, f32_t, fma_fn,
                            i64c, iq4_quants, isum, pairs, scaled_lanes, spreader, unsigned_quants, weighted_bsums)
 from . import quants
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_q8_k_row, route
-from .llvm import PREFETCH_AHEAD, byte_ptr, hsum8, i8_dot_lanes, i8_t, i32_t, prefetch, splat, switch_on_kind, vec
+from .llvm import PREFETCH_AHEAD, byte_ptr, hsum8, i8_dot_lanes, i8_t, i32_t, prefetch, splat, vec
 from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
 T = GGMLType
@@ -29,14 +29,15 @@ T = GGMLType
 TILE_COLS = 8  # activation rows the TILED route dots with one decoded weight block
 
 
-def _tiled_dot_defn(type_: GGMLType, ncol: int):
-    """Intrinsic definition dot(w, off, nblk, yq, yd, ybs, col) -> ncol float32: the TILED route for the weight row
+def _make_tiled_dot(type_: GGMLType, ncol: int):
+    """Intrinsic dot(w, off, nblk, yq, yd, ybs, col) -> ncol float32: the TILED route for the weight row
     at byte off and activation rows col..col+ncol-1. Per block and row s1 = sum_g S_g <q, y>_g and
     s2 = sum_g M_g bsum_g, r = d*s1, r = fma(-dmin, s2, r), acc = fma(r, d_y, acc); the block's
     quants and scales are decoded once for all ncol activation rows."""
     size = TYPE_TRAITS[type_].type_size
     ret = types.UniTuple(types.float32, ncol)
 
+    @intrinsic
     def tiled(typingctx, w, off, nblk, yq, yd, ybs, col):
         sig = ret(w, types.int64, types.int64, yq, yd, ybs, types.int64)
 
@@ -81,13 +82,14 @@ def _tiled_dot_defn(type_: GGMLType, ncol: int):
     return tiled
 
 
-def _vec_dot_defn(type_: GGMLType):
-    """Intrinsic definition dot(w, off, nblk, yq, yd, ybs, col) -> float32: the weight row at byte off . activation
+def _make_vec_dot(type_: GGMLType):
+    """Intrinsic dot(w, off, nblk, yq, yd, ybs, col) -> float32: the weight row at byte off . activation
     row col (yq int8, yd float32 per block, ybs int32 per 16, all flat), as ggml_vec_dot_<type>_q8_K:
     per block the scales decoded in registers, 8 float lanes acc = fma(d_y*d, lanes, acc) and the
     minimum term each format folds in its own way."""
     size = TYPE_TRAITS[type_].type_size
 
+    @intrinsic
     def vec_dot(typingctx, w, off, nblk, yq, yd, ybs, col):
         sig = types.float32(w, types.int64, types.int64, yq, yd, ybs, types.int64)
 
@@ -191,18 +193,58 @@ def _make_iq4_nl_dot(tinyblas: bool):
     return dot
 
 
+_q2k_tiled, _q3k_tiled, _q4k_tiled, _q5k_tiled, _q6k_tiled, _iq4xs_tiled = (
+    _make_tiled_dot(t, 1) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_tiles, _q3k_tiles, _q4k_tiles, _q5k_tiles, _q6k_tiles, _iq4xs_tiles = (
+    _make_tiled_dot(t, TILE_COLS) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_vec, _q3k_vec, _q4k_vec, _q5k_vec, _q6k_vec, _iq4xs_vec = (_make_vec_dot(t) for t in BIT_TYPES + (T.IQ4_XS,))
 _iq4nl_vec, _iq4nl_tiny = _make_iq4_nl_dot(False), _make_iq4_nl_dot(True)
 iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K.Q for an IQ4_NL K cache
 
 
-def _on_kind(defn):
-    """f(kind, w, off, nblk, yq, yd, ybs, col): defn's dot for the weight type id `kind` (K-quants, IQ4_XS)."""
-    return switch_on_kind({int(t): defn(t) for t in BIT_TYPES + (T.IQ4_XS,)}, int(T.IQ4_XS))
+@numba.njit(inline="always", **JIT)
+def tiled_dot(kind, w, off, nblk, yq, yd, ybs, col):
+    if kind == TYPE_Q2_K:
+        return _q2k_tiled(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q3_K:
+        return _q3k_tiled(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q4_K:
+        return _q4k_tiled(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q5_K:
+        return _q5k_tiled(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q6_K:
+        return _q6k_tiled(w, off, nblk, yq, yd, ybs, col)
+    return _iq4xs_tiled(w, off, nblk, yq, yd, ybs, col)
 
 
-tiled_dot = _on_kind(partial(_tiled_dot_defn, ncol=1))  # the TILED route for one activation row
-tiled_dots = _on_kind(partial(_tiled_dot_defn, ncol=TILE_COLS))  # ... and for TILE_COLS of them
-vec_dot = _on_kind(_vec_dot_defn)  # the VEC route
+@numba.njit(inline="always", **JIT)
+def tiled_dots(kind, w, off, nblk, yq, yd, ybs, col):
+    if kind == TYPE_Q2_K:
+        return _q2k_tiles(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q3_K:
+        return _q3k_tiles(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q4_K:
+        return _q4k_tiles(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q5_K:
+        return _q5k_tiles(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q6_K:
+        return _q6k_tiles(w, off, nblk, yq, yd, ybs, col)
+    return _iq4xs_tiles(w, off, nblk, yq, yd, ybs, col)
+
+
+@numba.njit(inline="always", **JIT)
+def vec_dot(kind, w, off, nblk, yq, yd, ybs, col):
+    if kind == TYPE_Q2_K:
+        return _q2k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q3_K:
+        return _q3k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q4_K:
+        return _q4k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q5_K:
+        return _q5k_vec(w, off, nblk, yq, yd, ybs, col)
+    if kind == TYPE_Q6_K:
+        return _q6k_vec(w, off, nblk, yq, yd, ybs, col)
+    return _iq4xs_vec(w, off, nblk, yq, yd, ybs, col)
 
 
 @numba.njit(inline="always", **JIT)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import numba
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
-from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from .ggml import GGMLType
 
@@ -36,42 +34,6 @@ HAS_AVX2 = _host_has_avx2()
 
 
 PREFETCH_AHEAD = 1024  # bytes; streaming a big weight matrix (the Q8_0 output layer) gains ~30%
-
-
-def switch_on_kind(defns: dict, default: int):
-    """One intrinsic f(kind, a0, ..., a6) over per-type intrinsic definitions sharing a signature
-    (defn(typingctx, a0, ..., a6) -> (signature, codegen)): a switch on the type id `kind` in IR picks
-    the code of defns[kind], and any other id that of defns[default], as an if-chain would."""
-
-    def dispatch(typingctx, kind, a0, a1, a2, a3, a4, a5, a6):
-        built = {k: defn(typingctx, a0, a1, a2, a3, a4, a5, a6) for k, defn in defns.items()}
-        inner = built[default][0]
-        sig = inner.return_type(types.int64, *inner.args)
-
-        def codegen(context, builder, signature, args):
-            kind_, rest = args[0], args[1:]
-            end = builder.append_basic_block("kind.end")
-            blocks = {k: builder.append_basic_block(f"kind.{k}") for k in built if k != default}
-            blocks[default] = builder.append_basic_block(f"kind.{default}")
-            switch = builder.switch(kind_, blocks[default])
-            for k, block in blocks.items():
-                if k != default:
-                    switch.add_case(ir.Constant(kind_.type, k), block)
-            results = []
-            for k, block in blocks.items():
-                builder.position_at_end(block)
-                sub_sig, sub_codegen = built[k]
-                results.append((sub_codegen(context, builder, sub_sig, rest), builder.block))
-                builder.branch(end)
-            builder.position_at_end(end)
-            phi = builder.phi(context.get_value_type(inner.return_type))
-            for value, block in results:
-                phi.add_incoming(value, block)
-            return phi
-
-        return sig, codegen
-
-    return intrinsic(dispatch)
 
 
 def llvm_fn(builder, name, ret, args):

@@ -31,7 +31,7 @@ from .float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum
 from .kquants import KQUANT_TYPES
 from .node import InvalidNode, Node
 from .fmath import np_fma
-from .quants import FLOAT_TYPES, QK, QUANT_TYPES, dot_width, row_dots
+from .quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
 from .registry import OpKernel, nothing, prepared, register
 from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
@@ -168,13 +168,20 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         i11 = 0
-        while i11 < ne11:  # four activation rows per weight row read, then two, then one
-            width = dot_width(ne11 - i11)
+        while i11 + 4 <= ne11:  # four activation rows per weight row read
             for ir in range(lo, hi):
-                v = row_dots(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11, width)
-                for c in range(width):
+                v = row_dot4(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
+                for c in range(4):
                     out[i13, i12, i11 + c, ir] = v[c]
-            i11 += width
+            i11 += 4
+        if i11 + 2 <= ne11:
+            for ir in range(lo, hi):
+                v2 = row_dot2(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
+                out[i13, i12, i11, ir], out[i13, i12, i11 + 1, ir] = v2[0], v2[1]
+            i11 += 2
+        for i in range(i11, ne11):
+            for ir in range(lo, hi):
+                out[i13, i12, i, ir] = row_dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i)
 
 
 @numba.njit(parallel=True, **JIT)

@@ -25,7 +25,7 @@ from .ggml import TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp, GGMLType
 from .jit import JIT
 from .kquants import KQUANT_TYPES, TILED_MIN_ROWS
 from .node import InvalidNode, Node, Tensor
-from .quants import FLOAT_TYPES, QK, QUANT_TYPES, dot_width, row_dots
+from .quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
 from .registry import KERNELS, OpKernel, nothing, prepared, register
 from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK
 
@@ -124,13 +124,21 @@ def _mul_mat_id_quant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts
         a, lo, hi = _slices(task, nchunk, ne01)
         base = off + a * nb02
         s, end = starts[a], starts[a + 1]
-        while s < end:  # the expert's routed rows four at a time, then two, then one
-            width = dot_width(end - s)
+        while s + 4 <= end:
             for ir in range(lo, hi):
-                v = row_dots(kind, w, base + ir * nb01, nblk, yq, yd, ys, s, width)
-                for c in range(width):
+                v = row_dot4(kind, w, base + ir * nb01, nblk, yq, yd, ys, s)
+                for c in range(4):
                     out[pairs[s + c] // n_ids, pairs[s + c] % n_ids, ir] = v[c]
-            s += width
+            s += 4
+        if s + 2 <= end:
+            for ir in range(lo, hi):
+                v2 = row_dot2(kind, w, base + ir * nb01, nblk, yq, yd, ys, s)
+                for c in range(2):
+                    out[pairs[s + c] // n_ids, pairs[s + c] % n_ids, ir] = v2[c]
+            s += 2
+        for c in range(s, end):
+            for ir in range(lo, hi):
+                out[pairs[c] // n_ids, pairs[c] % n_ids, ir] = row_dot1(kind, w, base + ir * nb01, nblk, yq, yd, ys, c)
     return True
 
 

@@ -128,12 +128,11 @@ def test_pack_q8_layout():
 
 
 def _row_dot_caller(type_, ncols, dot=None):
-    dot = dot or {1: quants.row_dot1, 2: quants.row_dot2, 4: quants.row_dot4}[ncols]
-    kind = int(type_)
+    dot = dot or quants.ROW_DOT[type_][{1: 0, 2: 1, 4: 2}[ncols]]
 
     @numba.njit
     def call(w, off, nb, yq, yd, ys, col):
-        return dot(kind, w, off, nb, yq, yd, ys, col)
+        return dot(w, off, nb, yq, yd, ys, col)
 
     return call
 
@@ -152,7 +151,7 @@ def test_row_dot_matches_reference(type_):
     flat = raw.reshape(-1)
     for r in range(rows):
         args = (flat, r * raw.shape[1], k // 32, q.ravel(), d.ravel(), s.ravel())
-        got = [one(*args, c) for c in range(cols)]
+        got = [one(*args, c)[0] for c in range(cols)]
         np.testing.assert_array_equal(np.array(got, np.float32), want[r])
         np.testing.assert_array_equal(np.array(two(*args, 3), np.float32), want[r, 3:5])
         np.testing.assert_array_equal(np.array(four(*args, 2), np.float32), want[r, 2:6])
@@ -167,8 +166,7 @@ def test_portable_lanes_match_avx2_lanes(type_, monkeypatch):
     q, d, s = quants.quantize_q8_ref(random_rows(rng, 3, k), True)
     args = (raw, raw.size // 2, k // 32, q.ravel(), d.ravel(), s.ravel(), 0)
     monkeypatch.setattr(llvm, "HAS_AVX2", False)
-    one_type = llvm.switch_on_kind({int(type_): quants.row_dot_defn(type_, 1)}, int(type_))
-    portable = _row_dot_caller(type_, 1, one_type)(*args)
+    portable = _row_dot_caller(type_, 1, quants._make_row_dot(type_, 1))(*args)
     monkeypatch.undo()
     assert portable == _row_dot_caller(type_, 1)(*args)
 
@@ -221,4 +219,4 @@ def test_row_dot_bit_exact_with_ggml_vec_dot(type_):
             y = ggml_from_float(act, x[c])
             res = np.zeros(1, np.float32)
             vec_dot(k, res.ctypes.data, 0, w.ctypes.data, 0, y.ctypes.data, 0, 1)
-            assert one(raw.reshape(-1), r * raw.shape[1], k // 32, q.ravel(), d.ravel(), s.ravel(), c) == res[0]
+            assert one(raw.reshape(-1), r * raw.shape[1], k // 32, q.ravel(), d.ravel(), s.ravel(), c)[0] == res[0]
