@@ -1,13 +1,14 @@
 """Single nodes side by side: our kernel against libggml's CPU backend on the same tensors, one thread.
 
-    python tools/bench_kernels.py [--types Q4_K,Q6_K,...] [-k 2048] [-n 16384] [--n-kv 256,1024,4096]
+    python tools/bench_kernels.py [--types Q4_K,Q6_K,...] [--shapes 16384x2048,1536x576] [--n-kv 256,1024,4096]
 
-For each weight type, MUL_MAT of an n x k matrix (ggml's own quantizer) with 1, 8 and 64 activation
-rows (decode, ggml's smallest tiled batch, a prompt chunk); then FLASH_ATTN_EXT of one decoded token
-(32 heads over 8 KV heads of 64, F16 cache) at several cache lengths. Both run in this process on the
-same bytes (tests/kernels/ggml_oracle.py builds ggml's node and mirrors it into ours), timed as process
-CPU time with one thread each, so a busy machine disturbs the ratio little; every result is also
-compared bit for bit. Medians of several runs.
+For each weight type and shape (rows x row length), MUL_MAT of that matrix (ggml's own quantizer) with
+1, 8 and 64 activation rows (decode, ggml's smallest tiled batch, a prompt chunk): a large matrix that
+outgrows the caches, and a small model's (SmolLM2's FFN), where the per-row work around the dot products
+counts; then FLASH_ATTN_EXT of one decoded token (32 heads over 8 KV heads of 64, F16 cache) at several
+cache lengths. Both run in this process on the same bytes (tests/kernels/ggml_oracle.py builds ggml's
+node and mirrors it into ours), timed as process CPU time with one thread each, so a busy machine disturbs
+the ratio little; every result is also compared bit for bit. Medians of several runs.
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ def bench_decode_attention(n_kv: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q2_K,Q3_K,IQ4_XS,Q4_0,Q8_0")
-    ap.add_argument("-k", type=int, default=2048, help="weight row length")
-    ap.add_argument("-n", type=int, default=16384, help="weight rows (16384 x 2048 outgrows the caches)")
+    ap.add_argument("--shapes", default="16384x2048,1536x576", help="weight matrices, rows x row length")
     ap.add_argument("--n-kv", default="256,1024,4096")
     ap.add_argument("--cols", default="1,8,64", help="activation rows of each MUL_MAT (a server's decode: 2-4)")
     args = ap.parse_args(argv)
@@ -88,8 +88,10 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     print("| node | libggml ms | ours ms | ours/libggml time | bit-exact |")
     print("|---|---|---|---|---|")
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in filter(None, args.shapes.split(","))]
     for name in filter(None, args.types.split(",")):
-        bench_mul_mat(GGMLType[name], args.k, args.n, rng, [int(c) for c in args.cols.split(",")])
+        for n, k in shapes:
+            bench_mul_mat(GGMLType[name], k, n, rng, [int(c) for c in args.cols.split(",")])
     for n_kv in filter(None, args.n_kv.split(",")):
         bench_decode_attention(int(n_kv))
     return 0
