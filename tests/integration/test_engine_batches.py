@@ -37,8 +37,7 @@ def engine(tmp_path_factory):
         vocab = Vocab.from_gguf(model.reader)
         engine = Engine(pipe, [t for t in range(vocab.n_tokens) if vocab.is_eog(t)], n_parallel=4, max_queue=4)
         engine.start()
-        engine.vocab = vocab
-        yield engine
+        yield engine, vocab
         engine.stop()
     finally:
         pipe.close()
@@ -47,6 +46,7 @@ def engine(tmp_path_factory):
 
 
 def test_requests_arriving_apart_settle_into_one_batch_per_stage(engine):
+    engine, vocab = engine
     assert len(engine.pipe.stages) == 2
     starts = []  # (tokens in the batch, batches already in flight, all four slots generating)
     start = engine.waves.start
@@ -72,7 +72,7 @@ def test_requests_arriving_apart_settle_into_one_batch_per_stage(engine):
                 done.release()
         return on
 
-    prompt = engine.vocab.tokenize("Here are three simple tips for staying healthy:\n1.", add_special=True, parse_special=True)
+    prompt = vocab.tokenize("Here are three simple tips for staying healthy:\n1.", add_special=True, parse_special=True)
     try:
         # one request, a second once the first generates, two more once the second does: the order of
         # arrival that used to leave the four sequences in three batches for good ({0}, {1}, {2, 3})
