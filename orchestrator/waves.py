@@ -49,8 +49,12 @@ class Waves:
         """A new batch may start: the first stage is free, and fewer batches are in flight than there are
         stages (one more would only wait; the sequences ready now join those whose logits come next, so
         the batches stay as few and as even as the stages, instead of splitting ever smaller)."""
-        in_flight = sum(f is not None for f in self.at) + sum(len(q) for q in self.queued)
-        return self.at[0] is None and not self.queued[0] and in_flight < self.width
+        return self.at[0] is None and not self.queued[0] and self.in_flight < self.width
+
+    @property
+    def in_flight(self) -> int:
+        """Batches started and not yet out of the last stage."""
+        return sum(f is not None for f in self.at) + sum(len(q) for q in self.queued)
 
     @property
     def busy(self) -> bool:

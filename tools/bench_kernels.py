@@ -89,9 +89,10 @@ def main(argv=None) -> int:
     print("| node | libggml ms | ours ms | ours/libggml time | bit-exact |")
     print("|---|---|---|---|---|")
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in filter(None, args.shapes.split(","))]
+    cols = [int(c) for c in args.cols.split(",")]
     for name in filter(None, args.types.split(",")):
         for n, k in shapes:
-            bench_mul_mat(GGMLType[name], k, n, rng, [int(c) for c in args.cols.split(",")])
+            bench_mul_mat(GGMLType[name], k, n, rng, cols)
     for n_kv in filter(None, args.n_kv.split(",")):
         bench_decode_attention(int(n_kv))
     return 0

@@ -52,8 +52,8 @@ def test_requests_arriving_apart_settle_into_one_batch_per_stage(engine):
     start = engine.waves.start
 
     def recording(batch, tag):
-        in_flight = sum(f is not None for f in engine.waves.at) + sum(len(q) for q in engine.waves.queued)
-        starts.append((len(batch.tokens), in_flight, all(s.job is not None and s.generating for s in engine.slots)))
+        four = all(s.job is not None and s.generating for s in engine.slots)
+        starts.append((len(batch.tokens), engine.waves.in_flight, four))
         start(batch, tag)
 
     engine.waves.start = recording
