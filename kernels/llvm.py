@@ -59,15 +59,20 @@ def splat(builder, x, n=8):
     return shuffle(builder, v, v, [0] * n)
 
 
-def i8_dot_lanes(builder, w, y):
-    """<32 x i8> weights, <32 x i8> activations -> <8 x i32>; lane l = sum of products 4l..4l+3."""
-    if HAS_AVX2:  # ggml's own sequence: sign trick, maddubs, madd with ones
+def i8_dot_lanes(builder, w, y, unsigned_w=False):
+    """<32 x i8> weights, <32 x i8> activations -> <8 x i32>; lane l = sum of products 4l..4l+3.
+    ggml's AVX2 sequence: maddubs multiplies unsigned by signed bytes into int16 pair sums, madd with
+    ones adds those pairs into the lanes. Signed weights first go through the sign trick (|w|, and y
+    takes w's sign); unsigned_w says they lie in 0..127 already (Q4_1's and Q5_1's nibbles), as ggml's
+    mul_sum_us8_pairs_float takes them."""
+    if HAS_AVX2:
         v32, v16 = vec(i8_t, 32), vec(i16_t, 16)
-        psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+        if not unsigned_w:
+            psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+            w, y = builder.call(psign, [w, w]), builder.call(psign, [y, w])
         maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v32, v32])
         madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(i32_t, 8), [v16, v16])
-        pairs = builder.call(maddubs, [builder.call(psign, [w, w]), builder.call(psign, [y, w])])
-        return builder.call(madd, [pairs, ir.Constant(v16, [1] * 16)])
+        return builder.call(madd, [builder.call(maddubs, [w, y]), ir.Constant(v16, [1] * 16)])
     p = builder.mul(builder.sext(w, vec(i32_t, 32)), builder.sext(y, vec(i32_t, 32)))
     even, odd = list(range(0, 32, 2)), list(range(1, 32, 2))
     p2 = builder.add(shuffle(builder, p, p, even), shuffle(builder, p, p, odd))

@@ -170,7 +170,8 @@ def _make_row_dot(typ: GGMLType, ncols: int):
                     yp = builder.bitcast(elem_ptr(context, builder, yqt, yq_, builder.mul(blk, ir.Constant(i64_t, QK))),
                                          vec(i8_t, 32).as_pointer())
                     dy = builder.load(elem_ptr(context, builder, ydt, yd_, blk))
-                    lanes = builder.sitofp(i8_dot_lanes(builder, wv, builder.load(yp, align=1)), vec(f32_t, 8))
+                    lanes = builder.sitofp(i8_dot_lanes(builder, wv, builder.load(yp, align=1), unsigned_w=m_at is not None),
+                                           vec(f32_t, 8))
                     d = splat(builder, builder.fmul(dx, dy))
                     builder.store(builder.call(fma8, [d, lanes, builder.load(accs[c])]), accs[c])
                     if mx is not None:  # the _1 formats add m * s per block (compiled as an fma)
