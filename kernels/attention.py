@@ -39,7 +39,7 @@ from numba import prange
 from .jit import JIT, row_loop
 from .ggml import TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp, GGMLType
 
-from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible
+from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible_cells
 from .fmath import fma32
 from .formats import dequantize_rows
 from .kquant_dot import iq4_nl_vec_dot
@@ -111,14 +111,14 @@ def _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask,
     mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
     vkq = np.zeros(v.shape[3], F32)
     scores = np.empty(BLOCK_KV, F32)
+    idx = np.empty(BLOCK_KV, np.int64)
     S = F32(0.0)
     M = NEG_INF
     for b0 in range(0, n_kv, BLOCK_KV):
-        b1 = min(b0 + BLOCK_KV, n_kv)
-        for ic in range(b0, b1):
-            if visible(mrow, ic, TYPE_F16, has_mask, slope):
-                scores[ic - b0] = _k_dot(kind, kmem, base + ic * nb1, nblk, yq, yd, ys, r)
-        M, S = accumulate(scores, b0, b1, v2, vkind, mrow, TYPE_F16, has_mask, slope, scale, softcap, f16_v, vkq,
+        n = visible_cells(mrow, b0, min(b0 + BLOCK_KV, n_kv), TYPE_F16, has_mask, slope, idx)
+        for j in range(n):
+            scores[j] = _k_dot(kind, kmem, base + idx[j] * nb1, nblk, yq, yd, ys, r)
+        M, S = accumulate(scores, idx, n, v2, vkind, mrow, TYPE_F16, has_mask, slope, scale, softcap, f16_v, vkq,
                           M, S)
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 

@@ -16,6 +16,7 @@ from .fmath import (bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bi
                     np_f32_to_bf16_bits, np_f32_to_f16_bits)
 from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_I32, TYPE_TRAITS, GGMLType
 from .jit import JIT, row_loop
+from .llvm import prefetch
 from .kv_quants import np_trunc_i32 as np_f32_to_i32
 from .kv_quants import trunc_i32 as f32_to_i32
 from .node import Tensor
@@ -65,6 +66,36 @@ def contiguous_row(typingctx, a, i):
         return impl_ret_borrowed(context, builder, ret, row._getvalue())  # a new reference to a's memory
 
     return ret(a, types.intp), codegen
+
+
+CACHE_LINE = 64
+
+
+@intrinsic
+def _prefetch_byte(typingctx, a, at):
+    """A read hint for the line holding byte `at` of a's memory (never faults: any address is harmless)."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        src = context.make_array(signature.args[0])(context, builder, args[0])
+        prefetch(builder, builder.gep(builder.bitcast(src.data, cgutils.voidptr_t), [args[1]]))
+        return context.get_dummy_value()
+
+    return types.void(a, types.intp), codegen
+
+
+@numba.njit(inline="always", **JIT)
+def prefetch_span(a, at, n):
+    """Asks for bytes [at, at + n) of a's memory to be brought into the cache, line by line."""
+    for off in range(at - at % CACHE_LINE, at + n, CACHE_LINE):
+        _prefetch_byte(a, off)
+
+
+@numba.njit(inline="always", **JIT)
+def prefetch_row(a, i):
+    """prefetch_span of row i of a 2-D view whose rows are contiguous."""
+    prefetch_span(a, i * a.strides[0], a.shape[1] * a.itemsize)
 
 
 @numba.njit(inline="always", **JIT)
