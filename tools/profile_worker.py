@@ -1,6 +1,6 @@
 """Where a worker's time goes per decode step: graph ops timed one by one, inside one process.
 
-    python tools/profile_worker.py [-m MODEL] [-n 32] [--prompt 8] [--fa on|off]
+    python tools/profile_worker.py [-m MODEL] [-n 32] [--prompt 8] [--fa on|off] [-c 4096] [--seqs 1] [--batch N]
 
 The orchestrator's pipeline drives a worker Session in this process (requests still go through the
 shared codec, only the socket is left out), so the numbers are the worker's own: no network, no
@@ -8,6 +8,10 @@ client. After the prompt, each generated token is one GRAPH_RECOMPUTE; the tool 
 time of a whole step and, from a second pass that times every plan step separately, the time per op
 (sum over the step's nodes, with node counts). The per-op sums include the per-node dispatch cost,
 which is what distinguishes a step's wall time from its kernels' time.
+
+With --seqs S the cache holds S sequences, their cells interleaved as the serving engine places them
+(orchestrator/kv.py), and each step carries the next token of --batch of them (default all): a
+server's decode step (`orchestrator serve -np 4` over two workers steps two sequences at a time).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.registry import op_label, sub_op  # noqa: E402
+import numpy as np  # noqa: E402
+
 from orchestrator.client import InProcessClient  # noqa: E402
+from orchestrator.kv import KvCells  # noqa: E402
 from orchestrator.model import ModelFile  # noqa: E402
 from orchestrator.runner import Pipeline  # noqa: E402
 from rpcserver.memory import MemoryBudget  # noqa: E402
@@ -35,23 +42,33 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=8, help="prompt tokens evaluated first")
     ap.add_argument("--fa", choices=["on", "off"], default="on")
+    ap.add_argument("-c", "--ctx", type=int, default=4096, help="KV cache cells")
+    ap.add_argument("--seqs", type=int, default=1, help="sequences in the KV cache")
+    ap.add_argument("--batch", type=int, default=None, help="sequences each step carries (default: all)")
     args = ap.parse_args(argv)
+    batch = args.batch or args.seqs
+    if not 1 <= batch <= args.seqs:
+        ap.error("--batch must be between 1 and --seqs")
 
     model = ModelFile(args.model or reference.model_path())
     session = Session(WorkerConfig(MemoryBudget()))
     client = InProcessClient(session)
-    pipe = Pipeline(model, n_ctx=512, n_batch=512, n_ubatch=512, flash_attn=args.fa == "on")
+    pipe = Pipeline(model, n_ctx=args.ctx, n_batch=512, n_ubatch=512, flash_attn=args.fa == "on")
     pipe.connect([client])
     pipe.place()
     pipe.allocate()
     pipe.upload()
     token = 1
-    pipe.evaluate_prompt([token] * args.prompt)
-    pipe.evaluate_token(token)  # the first decode step compiles its graph; later ones recompute
+    if args.seqs == 1:
+        pipe.evaluate_prompt([token] * args.prompt)
+        step = lambda: pipe.evaluate_token(token)  # noqa: E731
+    else:
+        step = Sequences(pipe, args.seqs, batch, token, args.prompt).step
+    step()  # the first decode step compiles its graph; later ones recompute
     steps = []
     for _ in range(args.n_gen):
         start = time.perf_counter()
-        pipe.evaluate_token(token)
+        step()
         steps.append(time.perf_counter() - start)
 
     plan = session.plan
@@ -62,7 +79,8 @@ def main(argv=None) -> int:
             run()
             per_op[op_label(node.op, sub_op(node))].append(time.perf_counter() - start)
     n_nodes = len(plan.steps)
-    print(f"model {model.path.name}: {n_nodes} computed nodes of {plan.n_nodes} per decode step")
+    print(f"model {model.path.name}: {n_nodes} computed nodes of {plan.n_nodes} per decode step "
+          f"of {batch} token(s), {args.seqs} sequence(s) in the cache")
     print(f"decode step (incl. orchestrator inputs/outputs): median {statistics.median(steps) * 1e3:.2f} ms")
     total = sum(sum(v) for v in per_op.values()) / args.n_gen
     print(f"sum of node times: {total * 1e3:.2f} ms per step\n")
@@ -72,6 +90,36 @@ def main(argv=None) -> int:
         ms = sum(times) / args.n_gen * 1e3
         print(f"{label:24} {count:5d} {ms:8.3f} {ms * 1e3 / count:8.1f}")
     return 0
+
+
+class Sequences:
+    """Several sequences in one cache, as the serving engine keeps them: each reads its prompt, then
+    every step feeds the next token of `batch` of them in turn."""
+
+    def __init__(self, pipe: Pipeline, n_seqs: int, batch: int, token: int, n_prompt: int):
+        self.pipe, self.batch, self.token = pipe, batch, token
+        self.cells = KvCells(pipe.n_ctx)
+        self.n_past = [0] * n_seqs
+        self.turn = 0
+        for seq in range(n_seqs):
+            self._run([seq], n_prompt)
+
+    def step(self) -> None:
+        n = len(self.n_past)
+        seqs = [(self.turn + i) % n for i in range(self.batch)]
+        self.turn = (self.turn + self.batch) % n
+        self._run(seqs, 1)
+
+    def _run(self, seqs: list[int], n_tokens: int) -> None:
+        at = [np.arange(self.n_past[s], self.n_past[s] + n_tokens, dtype=np.int32) for s in seqs]
+        cells = np.concatenate([self.cells.take(s, a) for s, a in zip(seqs, at)])
+        for s in seqs:
+            self.n_past[s] += n_tokens
+        pos = np.concatenate(at)
+        ids = np.repeat(np.array(seqs, np.int32), n_tokens)
+        out = np.arange(n_tokens - 1, n_tokens * len(seqs), n_tokens, dtype=np.int32)
+        n_cells = self.pipe.attended_cells(self.cells.extent())
+        self.pipe.run(self.cells.batch([self.token] * len(pos), ids, pos, cells, out, n_cells))
 
 
 if __name__ == "__main__":
