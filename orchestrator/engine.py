@@ -7,7 +7,8 @@ generating slot and chunks of the prompts still being read, up to n_ubatch token
 read over several steps while the others keep generating. With several stages the slots are shared out
 over as many batches, which go through the workers one behind the other (orchestrator/waves.py), so
 all workers compute at once. Every slot samples its token from its own row of logits with its own
-sampler chain and seed.
+sampler chain and seed; the next batch goes out before the clients hear of the tokens, so the workers
+compute while the server writes to its clients.
 
 The KV cache is shared (orchestrator/kv.py): cells are tagged with the slot's sequence number, and a
 slot uses at most n_ctx / n_parallel of them. A slot
@@ -127,6 +128,7 @@ class Engine:
         self._interrupt.setblocking(False)
         self._interrupter.setblocking(False)
         self._stopping = False
+        self._outbox: list[tuple[Job, str, object]] = []  # what the jobs' clients hear once the step is done
         self._thread: threading.Thread | None = None
 
     # -- the side other threads call -------------------------------------------------------------
@@ -221,8 +223,13 @@ class Engine:
                 self._finish(slot, "cancelled")
         if self.waves.ready:
             self._start_batch()
-        if not self.waves.busy:
-            return
+        if self.waves.busy:
+            self._advance()
+        self._tell()
+
+    def _advance(self) -> None:
+        """Moves the batches in flight on; samples from those that left the last stage and, before their
+        clients hear of the tokens, sends the next batch (the workers compute while the server talks)."""
         for (outs, n_tokens, n_gen), logits, seconds in self.waves.tick(self._interrupt):
             self.metrics.n_decode += 1
             share = seconds / n_tokens
@@ -233,6 +240,16 @@ class Engine:
                 slot.awaiting = False
                 if slot.job is job:  # not cancelled meanwhile
                     self._sample(slot, row)
+        if self._outbox and self.waves.ready:
+            with self._wake:
+                self._admit()
+            self._start_batch()
+
+    def _tell(self) -> None:
+        """Hands the step's tokens and endings to the jobs' emit callbacks."""
+        outbox, self._outbox = self._outbox, []
+        for job, kind, value in outbox:
+            job.emit(kind, value)
 
     def _start_batch(self) -> None:
         """One batch: the next token of generating slots, up to a share of the busy ones (so that each
@@ -288,7 +305,7 @@ class Engine:
         slot.tokens.append(token)
         slot.n_generated += 1
         self.metrics.tokens_predicted += 1
-        job.emit("token", (token, log_probs(logits, token, job.n_probs) if job.n_probs else None))
+        self._outbox.append((job, "token", (token, log_probs(logits, token, job.n_probs) if job.n_probs else None)))
         if (job.n_predict >= 0 and slot.n_generated >= job.n_predict) or len(slot.tokens) > self.n_ctx_slot:
             self._finish(slot, "length")
 
@@ -299,9 +316,10 @@ class Engine:
                         slot.n_generated, 1e3 * (now - first))
         slot.job, slot.sampler = None, None  # before the client hears: its next /metrics sees the slot free
         del slot.tokens[slot.n_cached:]  # what was never fed (the last sampled token, an unread prompt tail)
-        job.emit("done", finish)
+        self._outbox.append((job, "done", finish))
 
     def _fail(self, message: str) -> None:
+        self._tell()
         with self._wake:
             self.failed = message
             jobs = [s.job for s in self.slots if s.job is not None] + list(self.waiting)

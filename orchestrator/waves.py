@@ -66,6 +66,7 @@ class Waves:
         return len(self.at)
 
     def start(self, batch: Batch, tag: object) -> None:
+        """Sends the batch to the first stage (free, as `ready` requires)."""
         pipe = self.pipe
         if not self.ready:
             raise RuntimeError("no batch may start now")
@@ -73,6 +74,7 @@ class Waves:
             raise ValueError("this model has sliding-window layers: the batch must place their cells too")
         self.queued[0].append(Flight(batch, tag, pipe.shape(batch), pipe._inputs(batch),
                                      pipe.model.token_embeddings(batch.tokens), time.perf_counter()))
+        self._launch()
 
     def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
         """Each free stage starts the batch waiting for it; then, once at least one output has come, those
