@@ -4,9 +4,9 @@
 
 For each kind of worker in turn (llama.cpp's ggml-rpc-server, then ours), starts the workers, then, for
 each server in turn (llama-server, ours; same workers, model, -c and -np), streams requests with the
-official openai client: for each number of concurrent clients, --reps rounds (medians), in each of which
-every client sends one completion (the
-same prompt with its number appended, greedy, --ignore-eos, n tokens) and the tool records time to first
+official openai client: for each number of concurrent clients, one warm-up round, then --reps rounds
+(medians), in each of which every client sends one completion (the same prompt with its number
+appended, greedy, --ignore-eos, n tokens) and the tool records time to first
 token, each request's generation rate (tokens after the first over the time after the first) and the
 aggregate rate (all tokens over the wall time of the round). Then the interference case: a short request
 (8 tokens) sent while a long one generates, its time to first token beside the same request's on an idle
@@ -100,7 +100,10 @@ def round_of(url: str, clients: int, n: int) -> dict:
 
 def median_round(url: str, clients: int, n: int, reps: int) -> dict:
     """Each figure of `reps` rounds one after the other: its median (one round lasts a second or two, so a
-    single one is at the mercy of whatever else the machine did meanwhile)."""
+    single one is at the mercy of whatever else the machine did meanwhile). One round first, not counted,
+    as llama-bench's warm-up run: the first batches of each new size and mix build their graphs (our
+    server and workers cache them per connection; a new shape costs ~30 ms once)."""
+    round_of(url, clients, n)
     rounds = [round_of(url, clients, n) for _ in range(reps)]
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("-ts", "--tensor-split", default=None, help="both servers' --tensor-split (default: by free memory)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker")
-    ap.add_argument("--reps", type=int, default=3, help="rounds per number of clients (medians)")
+    ap.add_argument("--reps", type=int, default=5, help="rounds per number of clients (medians)")
     ap.add_argument("--worker", default="reference,ours",
                     help="whose rpc-server both servers run on, in turn: llama.cpp's (reference), ours")
     args = ap.parse_args(argv)
