@@ -63,11 +63,17 @@ def start_server(kind: str, model: str, rpc: str, args, log: Path) -> subprocess
         time.sleep(0.25)
 
 
-def stream(url: str, prompt: str, n: int) -> dict:
-    """One streamed greedy completion: times of the request, first and last token, and the token count."""
+def client(url: str):
+    """An openai client of the server. Made before the clock starts, as an application makes its one
+    client once: making one takes ~20 ms of CPU here (an SSL context even for http), which a round of
+    eight clients would otherwise spend, under one GIL, in its timed part."""
     import openai  # noqa: PLC0415 - a test dependency, needed only here
 
-    api = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0)
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0)
+
+
+def stream(api, prompt: str, n: int) -> dict:
+    """One streamed greedy completion: times of the request, first and last token, and the token count."""
     start = time.perf_counter()
     first, tokens = None, 0
     for chunk in api.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0, stream=True,
@@ -83,8 +89,10 @@ def stream(url: str, prompt: str, n: int) -> dict:
 def round_of(url: str, clients: int, n: int) -> dict:
     results: list[dict] = [None] * clients
 
+    apis = [client(url) for _ in range(clients)]
+
     def one(i):
-        results[i] = stream(url, f"{PROMPT} {i}", n)
+        results[i] = stream(apis[i], f"{PROMPT} {i}", n)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
     start = time.perf_counter()
@@ -112,13 +120,14 @@ def interference(url: str, samples: int = 5) -> tuple[float, float]:
     """TTFT (ms) of a short request on an idle server, and while a long request generates: medians of
     `samples` requests one after the other (the busy ones a little apart, so they meet the long one's
     steps at different points)."""
-    idle = statistics.median(stream(url, f"{PROMPT} short", 8)["ttft"] for _ in range(samples))
-    long = threading.Thread(target=stream, args=(url, f"{PROMPT} long", 400))
+    api = client(url)
+    idle = statistics.median(stream(api, f"{PROMPT} short", 8)["ttft"] for _ in range(samples))
+    long = threading.Thread(target=stream, args=(client(url), f"{PROMPT} long", 400))
     long.start()
     time.sleep(3.0)  # the long one is generating by now (it takes about 6 s)
     busy = []
     for _ in range(samples):
-        busy.append(stream(url, f"{PROMPT} short", 8)["ttft"])
+        busy.append(stream(api, f"{PROMPT} short", 8)["ttft"])
         time.sleep(0.13)
     long.join()
     return 1e3 * idle, 1e3 * statistics.median(busy)
@@ -159,7 +168,7 @@ def measure(worker: str, model: str, clients: list[int], args) -> dict[str, dict
             for kind in ("llama-server", "ours"):
                 server = start_server(kind, model, rpc, args, Path(logs) / f"{kind}.log")
                 try:
-                    stream(server.url, PROMPT, 4)  # warm up
+                    stream(client(server.url), PROMPT, 4)  # warm up
                     rows = {c: median_round(server.url, c, args.n_predict, args.reps) for c in clients}
                     table[kind] = {"rows": rows, "interference": interference(server.url)}
                 finally:
