@@ -87,9 +87,11 @@ def _prefetch_byte(typingctx, a, at):
 
 @numba.njit(inline="always", **JIT)
 def prefetch_span(a, at, n):
-    """Asks for bytes [at, at + n) of a's memory to be brought into the cache, line by line."""
-    for off in range(at - at % CACHE_LINE, at + n, CACHE_LINE):
+    """Asks for bytes [at, at + n) of a's memory (n > 0) to be brought into the cache: one hint every
+    CACHE_LINE bytes and one for the last byte, so every line the span touches, however it is aligned."""
+    for off in range(at, at + n, CACHE_LINE):
         _prefetch_byte(a, off)
+    _prefetch_byte(a, at + n - 1)
 
 
 @numba.njit(inline="always", **JIT)
