@@ -77,13 +77,13 @@ class Waves:
         self._launch()
 
     def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
-        """Each free stage starts the batch waiting for it; then, once at least one output has come, those
-        batches move on and start on the stages they reach if those are free (with `wake`, a socket, the
-        wait also ends when it is readable: the caller has a new batch for a first stage that may be
-        free). Returns (tag, logits of its output rows, seconds since it started) for each batch that
-        left the last stage."""
+        """Once at least one output has come, those batches move on and start on the stages they reach if
+        those are free, and the stages they left start the batches waiting for them (with `wake`, a
+        socket, the wait also ends when it is readable: the caller has a new batch for a first stage
+        that may be free). Every other batch was started when it was queued (start, or a tick's end).
+        Returns (tag, logits of its output rows, seconds since it started) for each batch that left the
+        last stage."""
         stages = self.pipe.stages
-        self._launch()
         computing = [i for i, f in enumerate(self.at) if f is not None]
         done = []
         for j in replies_waiting([stages[i].client for i in computing], wake):
