@@ -37,7 +37,8 @@ import numpy as np
 from numba import prange
 
 from .jit import JIT, row_loop
-from .ggml import TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp, GGMLType
+from .ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp,
+                   GGMLType, FA_FLOAT_KV_TYPES, flash_attn_path)
 
 from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible_cells
 from .fmath import fma32
@@ -55,9 +56,7 @@ F32 = np.float32
 # The split-KV result depends on the thread count of the ggml we imitate: ggml cuts the cache into one
 # slice per thread, and ggml-rpc-server runs -t threads (default hardware_concurrency()/2). The worker's
 # nodes carry its own -t (Target.threads), so the same flags give the same bytes.
-SPLIT_KV_MIN = 512  # n_kv from which ggml splits a single query over threads
-TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path
-TILE_KV = 64  # GGML_FA_TILE_KV
+SPLIT_KV_MIN, TILE_Q, TILE_KV = FA_SPLIT_KV_MIN, FA_TILE_Q, FA_TILE_KV
 
 
 @numba.njit(**JIT)
@@ -283,17 +282,10 @@ class _Parts:
             self.scale = F32(self.scale / self.softcap)
 
     def path(self) -> str:
-        q, k, v = self.q, self.k, self.v
-        if k.type not in FLOAT_KV_TYPES or v.type not in FLOAT_KV_TYPES:  # quantized K or V: per row only
-            return "one_chunk"
-        if k.type == v.type and q.ne[1] == 1 and q.ne[3] == 1 and k.ne[1] >= SPLIT_KV_MIN:
-            return "split"
-        if k.type == v.type and q.ne[1] >= TILE_Q:
-            return "tiled"
-        return "one_chunk"
+        return flash_attn_path(self.k.type, self.v.type, self.q.ne[1], self.q.ne[3], self.k.ne[1])
 
 
-FLOAT_KV_TYPES = (GGMLType.F16, GGMLType.F32)
+FLOAT_KV_TYPES = FA_FLOAT_KV_TYPES
 K_TYPES = FLOAT_KV_TYPES + QUANT_K_TYPES
 V_TYPES = K_TYPES
 

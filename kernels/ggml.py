@@ -193,3 +193,24 @@ ROPE_MODE_NEOX = 2
 ROPE_MODE_MROPE = 8
 ROPE_MODE_VISION = 24
 ROPE_MODE_IMROPE = 40
+
+
+# FLASH_ATTN_EXT: ggml-cpu computes a node by one of three paths whose results differ in the last bits
+# (kernels/attention.py); which one depends only on the node's shape and cache types. The serving engine
+# reads the same rule to keep each sequence on the path it would take alone (orchestrator/batching.py).
+FA_SPLIT_KV_MIN = 512  # n_kv from which ggml splits a single query over threads
+FA_TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path
+FA_TILE_KV = 64  # GGML_FA_TILE_KV
+FA_FLOAT_KV_TYPES = (GGMLType.F16, GGMLType.F32)
+
+
+def flash_attn_path(k_type: GGMLType, v_type: GGMLType, n_q: int, n_seq: int, n_kv: int) -> str:
+    """"one_chunk" (one query row at a time), "split" (one query, the cache cut into one slice per thread)
+    or "tiled" (64 x 64 tiles), as ggml_compute_forward_flash_attn_ext_f16 chooses."""
+    if k_type not in FA_FLOAT_KV_TYPES or v_type not in FA_FLOAT_KV_TYPES:  # quantized K or V: per row only
+        return "one_chunk"
+    if k_type == v_type and n_q == 1 and n_seq == 1 and n_kv >= FA_SPLIT_KV_MIN:
+        return "split"
+    if k_type == v_type and n_q >= FA_TILE_Q:
+        return "tiled"
+    return "one_chunk"
