@@ -10,10 +10,10 @@ all workers compute at once. Every slot samples its token from its own row of lo
 sampler chain and seed; the next batch goes out before the clients hear of the tokens, so the workers
 compute while the server writes to its clients.
 
-The KV cache is shared (orchestrator/kv.py): cells are tagged with the slot's sequence number, and a
-slot uses at most n_ctx / n_parallel of them. A slot
-keeps its cells when its job ends, and the next job given to it keeps the part of them that the new
-prompt shares (cache_prompt). A job that is cancelled (its client went away, a stop string was found)
+Each slot owns n_ctx / n_parallel cells of the KV cache, and batches are cut and grouped for attention
+so that no sequence's numbers depend on the others' (orchestrator/batching.py). A slot keeps its cells
+when its job ends, and the next job given to it keeps the part of them that the new prompt shares
+(cache_prompt). A job that is cancelled (its client went away, a stop string was found)
 leaves its slot at the next step.
 """
 
@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.client import WorkerError
-from orchestrator.kv import KvCells, KvFull
+from orchestrator.batching import Piece, Planner
 from orchestrator.sampling import Sampler, SamplingParams
 from orchestrator.waves import Waves
 
@@ -80,6 +80,8 @@ class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)  # its sequence: prompt, then each sampled token
     n_cached: int = 0  # how many of them are in the KV cache (the rest are fed in the next steps)
+    paths: list[str] = field(default_factory=list)  # the attention path each cached token was computed on
+    want: list[str] = field(default_factory=list)  # the path each prompt token is to be computed on
     job: Job | None = None
     sampler: Sampler | None = None
     n_generated: int = 0
@@ -114,10 +116,11 @@ class Engine:
             raise ValueError("the engine's sliding-window layers share the global cells: build the Pipeline with swa_full")
         self.pipe, self.eog = pipe, sorted(eog_ids)
         self.n_vocab = pipe.model.hparams.n_vocab
-        self.cells = KvCells(pipe.n_ctx)
+        self.planner = Planner(n_parallel, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
+                               cache_types=pipe.cache_types, n_swa=pipe.n_swa)
         self.waves = Waves(pipe)
         self.slots = [Slot(i) for i in range(n_parallel)]
-        self.n_ctx_slot = pipe.n_ctx // n_parallel
+        self.n_ctx_slot = self.planner.size
         self.max_queue = max_queue
         self.waiting: deque[Job] = deque()
         self.metrics = Metrics()
@@ -199,16 +202,18 @@ class Engine:
 
     def _admit(self) -> None:
         """Gives each idle slot a waiting job: the slot whose cached tokens share the longest prefix with
-        the prompt; the cells past that prefix are freed (one token is always computed again, for logits)."""
+        the prompt; of that prefix it keeps what Planner.keep allows (one token is always computed again,
+        for logits). Cells past it are overwritten as the prompt is read; no mask shows them before."""
         while self.waiting:
             idle = [s for s in self.slots if s.job is None and not s.awaiting]
             if not idle:
                 return
             job = self.waiting.popleft()
             slot = max(idle, key=lambda s: (_common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
-            keep = min(_common_prefix(slot.tokens[:slot.n_cached], job.prompt), len(job.prompt) - 1)
-            self.cells.release(slot.index, keep)
+            want = self.planner.prompt_paths(len(job.prompt))
+            keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want)
             slot.tokens, slot.n_cached, slot.cache_n = list(job.prompt), keep, keep
+            slot.want, slot.paths = want, slot.paths[:keep]
             slot.job, slot.n_generated, slot.t_first = job, 0, None
             slot.sampler = Sampler(job.params, self.n_vocab)
             for t in job.prompt:
@@ -253,39 +258,35 @@ class Engine:
 
     def _start_batch(self) -> None:
         """One batch: the next token of generating slots, up to a share of the busy ones (so that each
-        stage can hold a batch), then chunks of the prompts still being read, up to n_ubatch tokens in all
+        stage can hold a batch), then pieces of the prompts still being read, up to n_ubatch tokens in all
         (a new prompt does not wait for a batch of its own: its first token comes sooner)."""
         ready = [s for s in self.slots if s.job is not None and not s.awaiting and s.n_cached < len(s.tokens)]
         share = -(-sum(s.job is not None for s in self.slots) // self.waves.width)
-        tokens, seqs, pos, cells, outs = [], [], [], [], []
+        pieces: list[Piece] = []
         budget = self.pipe.n_ubatch
         for slot in [s for s in ready if s.generating][:share] + [s for s in ready if not s.generating]:
             if budget <= 0:
                 break
-            chunk = slot.tokens[slot.n_cached:slot.n_cached + budget]
-            at = np.arange(slot.n_cached, slot.n_cached + len(chunk), dtype=np.int32)
-            try:
-                cells.append(self.cells.take(slot.index, at))
-            except KvFull:  # its cells cannot grow in order: compute the sequence again from its start
-                self.cells.release(slot.index)
-                slot.n_cached, chunk = 0, slot.tokens[:budget]
-                at = np.arange(len(chunk), dtype=np.int32)
-                cells.append(self.cells.take(slot.index, at))
-            tokens.extend(chunk)
-            seqs.append(np.full(len(chunk), slot.index, np.int32))
-            pos.append(at)
-            slot.n_cached += len(chunk)
-            budget -= len(chunk)
-            if slot.n_cached == len(slot.tokens):
-                outs.append((slot, len(tokens) - 1))
-                slot.awaiting = True
-        if not tokens:
+            start = slot.n_cached
+            if slot.generating:  # the token sampled last
+                n, path = 1, self.planner.path(1, start + 1)
+            else:
+                n = self.planner.piece(start, len(slot.tokens), slot.want, budget)
+                if n == 0:  # its chunk's path needs more room than this batch has left
+                    continue
+                path = slot.want[start]
+            slot.n_cached += n
+            slot.paths[start:] = [path] * n
+            budget -= n
+            done = slot.n_cached == len(slot.tokens)
+            pieces.append(Piece(slot.index, slot.tokens[start:slot.n_cached], start, path, done))
+            slot.awaiting = done
+        if not pieces:
             return
-        n_cells = self.pipe.attended_cells(self.cells.extent())
-        batch = self.cells.batch(tokens, np.concatenate(seqs), np.concatenate(pos), np.concatenate(cells),
-                                 np.array([row for _, row in outs]), n_cells, self.pipe.n_swa)
+        batch, order = self.planner.batch(pieces, {s.index: s.n_cached for s in self.slots if s.job is not None})
+        outs = [(self.slots[p.slot], self.slots[p.slot].job) for p in order if p.output]  # out_ids' order
         n_gen = sum(1 for s, _ in outs if s.generating)
-        self.waves.start(batch, ([(slot, slot.job) for slot, _ in outs], len(tokens), n_gen))
+        self.waves.start(batch, (outs, len(batch.tokens), n_gen))
 
     def _sample(self, slot: Slot, logits: np.ndarray) -> None:
         job = slot.job

@@ -215,6 +215,13 @@ class Graph:
         src = (q, k, v) if mask is None else (q, k, v, mask)
         return self._node(GGMLType.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), GGMLOp.FLASH_ATTN_EXT, src, params, name)
 
+    def concat(self, a: Tensor, b: Tensor, dim: int, name: str = "") -> Tensor:
+        """a and b joined along dim (ggml_concat); every other dim must agree."""
+        if a.type != b.type or any(x != y for i, (x, y) in enumerate(zip(a.ne, b.ne)) if i != dim):
+            raise ValueError(f"concat: '{a.name}' {a.ne} and '{b.name}' {b.ne} differ off dim {dim}")
+        ne = tuple(x + y if i == dim else x for i, (x, y) in enumerate(zip(a.ne, b.ne)))
+        return self._node(a.type, ne, GGMLOp.CONCAT, (a, b), _params("i", dim), name)
+
     def soft_max_ext(self, a: Tensor, mask: Tensor | None, scale: float, max_bias: float = 0.0,
                      name: str = "") -> Tensor:
         src = (a,) if mask is None else (a, mask)

@@ -1,13 +1,9 @@
 """The KV cache's bookkeeping on the orchestrator side, and the batch one decode step carries.
 
-As llama.cpp's unified cache: every cell holds one (sequence, position) or nothing, a token attends the
-cells of its own sequence at positions up to its own, and the attended cells are the used ones padded
-to 256, so short sequences stay cheap however many there are. One rule more than there: a sequence's
-new cells always lie above its existing ones, so its cells are visited in position order whatever the
-others do, and its results do not depend on them (attention skips masked cells, but summing its own
-cells in another order would round differently). Where no free cell lies above, `take` refuses and the
-caller computes the sequence again from its start. The K and V tensors live on the workers; only this
-map is here.
+The CLI's one sequence holds position i in cell i, and attends the used cells padded to 256, as
+llama.cpp; the serving engine gives each slot a run of cells of its own (orchestrator/batching.py). A
+token attends the cells of its own sequence at positions up to its own. The K and V tensors live on
+the workers; only this map is here.
 
 Sliding-window layers (Gemma 3) have a cache of their own, as llama.cpp's iSWA cache: the CLI's one
 sequence places its cells exactly as llama.cpp does (SwaCells: a ring of cells reused once the window has
@@ -22,6 +18,38 @@ from dataclasses import dataclass
 import numpy as np
 
 FREE = -1
+KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
+
+
+def padded_cells(extent: int, size: int) -> int:
+    """The cells a step attends once `extent` cells are in use: padded to KV_PAD, at most the cache."""
+    return min(size, max(KV_PAD, -(-extent // KV_PAD) * KV_PAD))
+
+
+@dataclass
+class Group:
+    """Consecutive rows of a batch that one attention node serves: they attend cells [cell0, cell0 + n_kv);
+    with n_streams > 1, the rows of several slots as llama.cpp's streams: stream s is cells
+    [cell0 + s * stride, + n_kv), with one query row each (`gather`: the group's row each stream takes,
+    `scatter`: the stream each of the group's rows comes back from)."""
+
+    n_rows: int
+    cell0: int
+    visible: np.ndarray  # bool (n_rows, n_kv), or (n_streams, n_kv)
+    swa_visible: np.ndarray | None = None  # the sliding-window layers' mask over the same cells
+    n_streams: int = 1
+    stride: int = 0
+    gather: np.ndarray | None = None  # int32 (n_streams,)
+    scatter: np.ndarray | None = None  # int32 (n_rows,)
+
+    @property
+    def n_kv(self) -> int:
+        return self.visible.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """What the graph's node depends on."""
+        return self.n_rows, self.cell0, self.n_kv, self.n_streams, self.stride
 
 
 @dataclass
@@ -36,6 +64,7 @@ class Batch:
     out_ids: np.ndarray  # int32, the rows of the batch whose logits are wanted, in order
     swa_cells: np.ndarray | None = None  # the sliding-window layers' cells, when the model has such layers
     swa_visible: np.ndarray | None = None  # bool (n_tokens, n_swa_cells), as `visible` for those layers
+    groups: list[Group] | None = None  # the serving engine's attention groups (then `visible` is unused)
 
     @classmethod
     def sequence(cls, tokens: list[int], n_past: int, n_cells: int) -> "Batch":
@@ -47,45 +76,7 @@ class Batch:
 
 
 class KvFull(ValueError):
-    """No free cells above the sequence's last one."""
-
-
-class KvCells:
-    """Which sequence and position each of the cache's cells holds."""
-
-    def __init__(self, size: int):
-        self.seq = np.full(size, FREE, dtype=np.int32)
-        self.pos = np.zeros(size, dtype=np.int32)
-
-    def extent(self) -> int:
-        """One past the highest cell in use (0 when empty)."""
-        used = np.flatnonzero(self.seq != FREE)
-        return int(used[-1]) + 1 if used.size else 0
-
-    def take(self, seq: int, positions: np.ndarray) -> np.ndarray:
-        """The lowest free cells above the sequence's own for `positions` (ascending), now marked as its."""
-        mine = np.flatnonzero(self.seq == seq)
-        above = int(mine[-1]) + 1 if mine.size else 0
-        free = above + np.flatnonzero(self.seq[above:] == FREE)[: len(positions)]
-        if free.size < len(positions):
-            raise KvFull(f"no {len(positions)} free KV cells above cell {above} for sequence {seq}")
-        self.seq[free], self.pos[free] = seq, positions
-        return free.astype(np.int64)
-
-    def release(self, seq: int, from_pos: int = 0) -> None:
-        """Frees the cells of `seq` at positions >= from_pos."""
-        self.seq[(self.seq == seq) & (self.pos >= from_pos)] = FREE
-
-    def batch(self, tokens: list[int], seqs: np.ndarray, pos: np.ndarray, cells: np.ndarray, out_ids: np.ndarray,
-              n_cells: int, n_swa: int = 0) -> Batch:
-        """The batch of tokens already given their cells (take), attending over the first n_cells; with
-        n_swa, the sliding-window layers use the same cells and see the last n_swa positions of them."""
-        seq, cpos = self.seq[:n_cells], self.pos[:n_cells]
-        visible = (seq[None, :] == seqs[:, None]) & (cpos[None, :] <= pos[:, None])
-        batch = Batch(list(tokens), pos.astype(np.int32), cells, visible, out_ids.astype(np.int32))
-        if n_swa:
-            batch.swa_cells, batch.swa_visible = cells, visible & (pos[:, None] - cpos[None, :] < n_swa)
-        return batch
+    """No free cells for a step's tokens."""
 
 
 class SwaCells:

@@ -30,6 +30,18 @@ class Shape:
     n_kv: int
     n_outputs: int
     n_kv_swa: int = 0  # cells the sliding-window layers attend (their cache is another one: llama.cpp's iSWA)
+    # the serving engine's attention groups in row order, one attention node per group and layer
+    # (orchestrator/kv.py Group.shape: rows, first cell, cells, streams, stream stride); empty: one node,
+    # all rows over cells [0, n_kv)
+    groups: tuple[tuple[int, int, int, int, int], ...] = ()
+
+    def attention_groups(self, swa: bool) -> tuple[tuple[int, int, int, int, int], ...]:
+        return self.groups or ((self.n_tokens, 0, self.n_kv_swa if swa else self.n_kv, 1, 0),)
+
+
+def mask_name(sfx: str, group: int) -> str:
+    """The input holding a cache's attention mask for one group of rows."""
+    return "kq_mask" + sfx + (f"_g{group}" if group else "")
 
 
 @dataclass
@@ -95,14 +107,20 @@ class LayerBuilder:
             inputs["pos"] = new_tensor(GGMLType.I32, (n_tokens,), "inp_pos")
             # each cache the stage's layers use (the global one, the sliding-window one): where the batch's
             # K/V go, and the mask over its attended cells
-            for sfx, n_kv in (("", shape.n_kv), ("_swa", shape.n_kv_swa)):
+            for sfx in ("", "_swa"):
                 if not any(self.hp.is_swa(il) == (sfx == "_swa") for il in layers):
                     continue
                 inputs["k_idxs" + sfx] = new_tensor(GGMLType.I64, (n_tokens,), "attn_inp_k_idxs" + sfx)
                 n_v_idxs = n_tokens if self.flash_attn else n_tokens * hp.n_embd_v_gqa
                 inputs["v_idxs" + sfx] = new_tensor(GGMLType.I64, (n_v_idxs,), "attn_inp_v_idxs" + sfx)
                 mask_type = GGMLType.F16 if self.flash_attn else GGMLType.F32
-                inputs["kq_mask" + sfx] = new_tensor(mask_type, (n_kv, n_tokens, 1, 1), "attn_inp_kq_mask" + sfx)
+                for i, (n_rows, _, n_kv, n_streams, _) in enumerate(shape.attention_groups(sfx == "_swa")):
+                    name = mask_name(sfx, i)
+                    ne = (n_kv, 1, 1, n_streams) if n_streams > 1 else (n_kv, n_rows, 1, 1)
+                    inputs[name] = new_tensor(mask_type, ne, "attn_inp_" + name)
+                    if n_streams > 1 and "stream_gather" not in inputs:
+                        inputs["stream_gather"] = new_tensor(GGMLType.I32, (n_streams,), "attn_inp_stream_gather")
+                        inputs["stream_scatter"] = new_tensor(GGMLType.I32, (n_rows,), "attn_inp_stream_scatter")
             for name, n in zip(("k_rot", "v_rot"), self.rotations):
                 if n:
                     inputs[name] = new_tensor(GGMLType.F32, (n, n), f"attn_inp_{name}")
@@ -212,45 +230,68 @@ class LayerBuilder:
 
     def _attention(self, g: Graph, il: int, q: Tensor, k: Tensor, v: Tensor, inputs: dict[str, Tensor],
                    shape: Shape, kq_scale: float | None = None) -> Tensor:
-        """llama.cpp's build_attn with a unified KV cache: store this batch's K/V, attend over n_kv cells
-        (a sliding-window layer: its own cache's cells, inputs and mask)."""
+        """llama.cpp's build_attn with a unified KV cache: store this batch's K/V, then attend, each group of
+        rows over its cells (one group: all rows over n_kv cells); a sliding-window layer uses its own
+        cache's cells, inputs and masks."""
         hp, (k_cache, v_cache) = self.hp, self.kv[il]
         kq_scale = hp.kq_scale if kq_scale is None else kq_scale
         sfx = "_swa" if hp.is_swa(il) else ""
-        n_tokens, n_kv = shape.n_tokens, shape.n_kv_swa if sfx else shape.n_kv
-        kv_size = k_cache.ne[1]
-        kt, vt = k_cache.type, v_cache.type  # -ctk / -ctv (a quantized V needs flash attention)
+        n_tokens, kv_size = shape.n_tokens, k_cache.ne[1]
         if "k_rot" in inputs:
             q, k = self._rotate(g, q, inputs["k_rot"]), self._rotate(g, k, inputs["k_rot"])
         if "v_rot" in inputs:
             v = self._rotate(g, v, inputs["v_rot"])
 
         g.set_rows(k_cache, g.view(k, (hp.n_embd_k_gqa, n_tokens), (k.nb[2],), 0), inputs["k_idxs" + sfx])
-        k_all = g.view(k_cache, (hp.head_dim_k, hp.n_head_kv, n_kv, 1),
-                       (row_size(kt, hp.head_dim_k), row_size(kt, hp.n_embd_k_gqa),
-                        row_size(kt, hp.n_embd_k_gqa * kv_size)), 0)
         if self.flash_attn:
             g.set_rows(v_cache, g.view(v, (hp.n_embd_v_gqa, n_tokens), (v.nb[2],), 0), inputs["v_idxs" + sfx])
-            v_all = g.view(v_cache, (hp.head_dim_v, hp.n_head_kv, n_kv, 1),
-                           (row_size(vt, hp.head_dim_v), row_size(vt, hp.n_embd_v_gqa),
-                            row_size(vt, hp.n_embd_v_gqa * kv_size)), 0)
         else:  # the V cache is transposed: one set_rows row per element
             v_rows = g.reshape(v, hp.n_embd_v_gqa, n_tokens)
             g.set_rows(g.reshape(v_cache, 1, hp.n_embd_v_gqa * kv_size), g.reshape(v_rows, 1, hp.n_embd_v_gqa * n_tokens),
                        inputs["v_idxs" + sfx])
-            v_all = g.view(v_cache, (n_kv, hp.n_head_kv, hp.head_dim_v, 1),
-                           (row_size(vt, kv_size * hp.head_dim_v), row_size(vt, kv_size),
-                            row_size(vt, kv_size * hp.n_embd_v_gqa)), 0)
+        outs, row0 = [], 0
+        for i, (n_rows, cell0, n_kv, n_streams, stride) in enumerate(shape.attention_groups(bool(sfx))):
+            mask = inputs[mask_name(sfx, i)]
+            if n_streams > 1:  # one row per stream, gathered from the batch's rows and scattered back
+                rows = g.get_rows(g.reshape(q, q.ne[0] * q.ne[1], n_tokens), inputs["stream_gather"])
+                qg = g.reshape(rows, q.ne[0], q.ne[1], 1, n_streams)
+                out = self._attend(g, il, qg, cell0, n_kv, mask, kq_scale, n_streams, stride)
+                outs.append(g.get_rows(g.reshape(out, out.ne[0], n_streams), inputs["stream_scatter"]))
+            else:
+                qg = g.view(q, (q.ne[0], q.ne[1], n_rows, 1), (q.nb[1], q.nb[2], q.nb[2] * n_rows), row0 * q.nb[2])
+                outs.append(self._attend(g, il, qg, cell0, n_kv, mask, kq_scale))
+            row0 += n_rows
+        cur = outs[0]
+        for part in outs[1:]:
+            cur = g.concat(cur, part, 1, f"kqv_out-{il}")
+        return self._rotate(g, cur, inputs["v_rot"]) if self.flash_attn and "v_rot" in inputs else cur
 
-        q = g.view(q, q.ne, (q.nb[1], q.nb[2], q.nb[2] * q.ne[2]), 0)
+    def _attend(self, g: Graph, il: int, q: Tensor, cell0: int, n_kv: int, mask: Tensor, kq_scale: float,
+                n_streams: int = 1, stride: int = 0) -> Tensor:
+        """q [head_dim, n_head, rows, streams] over the cache's cells [cell0, cell0 + n_kv), stream s
+        shifted by s * stride cells: [head_dim_v * n_head, rows * streams]."""
+        hp, (k_cache, v_cache) = self.hp, self.kv[il]
+        kv_size = k_cache.ne[1]
+        kt, vt = k_cache.type, v_cache.type
+        k_all = g.view(k_cache, (hp.head_dim_k, hp.n_head_kv, n_kv, n_streams),
+                       (row_size(kt, hp.head_dim_k), row_size(kt, hp.n_embd_k_gqa),
+                        row_size(kt, hp.n_embd_k_gqa * (stride if n_streams > 1 else kv_size))),
+                       cell0 * row_size(kt, hp.n_embd_k_gqa))
+        if self.flash_attn:
+            v_all = g.view(v_cache, (hp.head_dim_v, hp.n_head_kv, n_kv, n_streams),
+                           (row_size(vt, hp.head_dim_v), row_size(vt, hp.n_embd_v_gqa),
+                            row_size(vt, hp.n_embd_v_gqa * (stride if n_streams > 1 else kv_size))),
+                           cell0 * row_size(vt, hp.n_embd_v_gqa))
+        else:  # V transposed: element j of cell c at j * kv_size + c
+            v_all = g.view(v_cache, (n_kv, hp.n_head_kv, hp.head_dim_v, n_streams),
+                           (row_size(vt, kv_size * hp.head_dim_v), row_size(vt, kv_size),
+                            row_size(vt, stride if n_streams > 1 else kv_size * hp.n_embd_v_gqa)), row_size(vt, cell0))
         q = g.permute(q, 0, 2, 1, 3)
         k_all = g.permute(k_all, 0, 2, 1, 3)
         v_all = g.permute(v_all, 0, 2, 1, 3)
-        mask = inputs["kq_mask" + sfx]
         if self.flash_attn:
             cur = g.flash_attn_ext(q, k_all, v_all, mask, kq_scale)
-            cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
-            return self._rotate(g, cur, inputs["v_rot"]) if "v_rot" in inputs else cur
+            return g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         kq = g.mul_mat(k_all, q, f"kq-{il}")
         kq.op_params = GGML_PREC_F32.to_bytes(4, "little")
         kq = g.soft_max_ext(kq, mask, kq_scale, 0.0, f"kq_soft_max-{il}")

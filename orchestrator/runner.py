@@ -22,10 +22,10 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.client import RpcClient, WorkerError, name_the_dead
-from orchestrator.kv import Batch, SwaCells
+from orchestrator.kv import KV_PAD, Batch, SwaCells
 from orchestrator.gemma3_graph import Gemma3Builder
 from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
-from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph
+from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph, mask_name
 from orchestrator.model import ModelFile
 from orchestrator.moe_graph import Qwen3MoeBuilder
 from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
@@ -36,7 +36,6 @@ from rpcserver.protocol import Command
 from kernels.hashing import fnv1a64
 from kernels.ggml import TYPE_TRAITS, GGMLType
 
-KV_PAD = 256  # llama.cpp pads the context and the attended cell count to this
 GRAPH_CACHE = 16  # graphs a stage keeps built
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
 BUILDERS = {"gemma3": Gemma3Builder, "qwen3moe": Qwen3MoeBuilder}  # architecture -> its graph builder (else LayerBuilder's llama layer)
@@ -333,21 +332,31 @@ class Pipeline:
     def _inputs(self, batch: Batch) -> dict[str, np.ndarray]:
         """The per-step inputs every stage shares, from the batch."""
         feed = {"pos": batch.pos, "out_ids": batch.out_ids}
-        feed.update(self._cache_inputs(batch.cells, batch.visible, self.n_ctx, ""))
+        for g in batch.groups or ():
+            if g.n_streams > 1:
+                feed["stream_gather"], feed["stream_scatter"] = g.gather, g.scatter
+        if batch.groups:
+            masks = [g.visible for g in batch.groups]
+            swa_masks = [g.swa_visible for g in batch.groups] if self.swa is not None else []
+        else:
+            masks, swa_masks = [batch.visible], [batch.swa_visible] if self.swa is not None else []
+        feed.update(self._cache_inputs(batch.cells, masks, self.n_ctx, ""))
         if self.swa is not None:
-            feed.update(self._cache_inputs(batch.swa_cells, batch.swa_visible, self.n_ctx_swa, "_swa"))
+            feed.update(self._cache_inputs(batch.swa_cells, swa_masks, self.n_ctx_swa, "_swa"))
         return feed
 
-    def _cache_inputs(self, cells: np.ndarray, visible: np.ndarray, kv_size: int, sfx: str) -> dict[str, np.ndarray]:
-        """Where one cache takes the batch's K and V, and its attention mask."""
+    def _cache_inputs(self, cells: np.ndarray, masks: list[np.ndarray], kv_size: int, sfx: str) -> dict[str, np.ndarray]:
+        """Where one cache takes the batch's K and V, and its attention masks (one per group of rows)."""
         if self.flash_attn:
             v_idxs = cells
         else:  # transposed V cache: element j of a cell's row lives at j * kv_size + cell
             n_embd_v_gqa = self.model.hparams.n_embd_v_gqa
             v_idxs = (np.arange(n_embd_v_gqa, dtype=np.int64)[None, :] * kv_size + cells[:, None]).reshape(-1)
         mask_type = np.float16 if self.flash_attn else np.float32
-        mask = np.where(visible, mask_type(0), mask_type(-np.inf)).astype(mask_type)
-        return {"k_idxs" + sfx: cells, "v_idxs" + sfx: v_idxs, "kq_mask" + sfx: mask}
+        feed = {"k_idxs" + sfx: cells, "v_idxs" + sfx: v_idxs}
+        for i, visible in enumerate(masks):
+            feed[mask_name(sfx, i)] = np.where(visible, mask_type(0), mask_type(-np.inf)).astype(mask_type)
+        return feed
 
     def sequence_batch(self, tokens: list[int], n_past: int) -> Batch:
         """The next tokens of the CLI's one sequence: cell i of the global cache holds position i, the
@@ -376,6 +385,10 @@ class Pipeline:
 
     @staticmethod
     def shape(batch: Batch) -> Shape:
+        if batch.groups:
+            groups = tuple(g.shape for g in batch.groups)
+            n_kv = max(cell0 + (n_streams - 1) * stride + n_kv for _, cell0, n_kv, n_streams, stride in groups)
+            return Shape(len(batch.tokens), n_kv, len(batch.out_ids), n_kv if batch.swa_cells is not None else 0, groups)
         n_kv_swa = batch.swa_visible.shape[1] if batch.swa_visible is not None else 0
         return Shape(len(batch.tokens), batch.visible.shape[1], len(batch.out_ids), n_kv_swa)
 

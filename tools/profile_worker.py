@@ -9,8 +9,8 @@ time of a whole step and, from a second pass that times every plan step separate
 (sum over the step's nodes, with node counts). The per-op sums include the per-node dispatch cost,
 which is what distinguishes a step's wall time from its kernels' time.
 
-With --seqs S the cache holds S sequences, their cells interleaved as the serving engine places them
-(orchestrator/kv.py), and each step carries the next token of --batch of them (default all): a
+With --seqs S the cache holds S sequences, in cells and attention groups as the serving engine has them
+(orchestrator/batching.py), and each step carries the next token of --batch of them (default all): a
 server's decode step (`orchestrator serve -np 4` over two workers steps two sequences at a time).
 """
 
@@ -28,7 +28,7 @@ from kernels.registry import op_label, sub_op  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orchestrator.client import InProcessClient  # noqa: E402
-from orchestrator.kv import KvCells  # noqa: E402
+from orchestrator.batching import Piece, Planner  # noqa: E402
 from orchestrator.model import ModelFile  # noqa: E402
 from orchestrator.runner import Pipeline  # noqa: E402
 from rpcserver.memory import MemoryBudget  # noqa: E402
@@ -93,12 +93,14 @@ def main(argv=None) -> int:
 
 
 class Sequences:
-    """Several sequences in one cache, as the serving engine keeps them: each reads its prompt, then
-    every step feeds the next token of `batch` of them in turn."""
+    """Several sequences in one cache, as the serving engine keeps and groups them
+    (orchestrator/batching.py): each reads its prompt, then every step feeds the next token of `batch`
+    of them in turn."""
 
     def __init__(self, pipe: Pipeline, n_seqs: int, batch: int, token: int, n_prompt: int):
         self.pipe, self.batch, self.token = pipe, batch, token
-        self.cells = KvCells(pipe.n_ctx)
+        self.planner = Planner(n_seqs, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
+                               cache_types=pipe.cache_types, n_swa=pipe.n_swa)
         self.n_past = [0] * n_seqs
         self.turn = 0
         for seq in range(n_seqs):
@@ -111,15 +113,12 @@ class Sequences:
         self._run(seqs, 1)
 
     def _run(self, seqs: list[int], n_tokens: int) -> None:
-        at = [np.arange(self.n_past[s], self.n_past[s] + n_tokens, dtype=np.int32) for s in seqs]
-        cells = np.concatenate([self.cells.take(s, a) for s, a in zip(seqs, at)])
+        pieces = []
         for s in seqs:
-            self.n_past[s] += n_tokens
-        pos = np.concatenate(at)
-        ids = np.repeat(np.array(seqs, np.int32), n_tokens)
-        out = np.arange(n_tokens - 1, n_tokens * len(seqs), n_tokens, dtype=np.int32)
-        n_cells = self.pipe.attended_cells(self.cells.extent())
-        self.pipe.run(self.cells.batch([self.token] * len(pos), ids, pos, cells, out, n_cells))
+            end = self.n_past[s] + n_tokens
+            pieces.append(Piece(s, [self.token] * n_tokens, self.n_past[s], self.planner.path(n_tokens, end), True))
+            self.n_past[s] = end
+        self.pipe.run(self.planner.batch(pieces)[0])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ interop test tests/interop/test_orchestrator_gemma3.py shows with a cache smalle
 import numpy as np
 import pytest
 
-from orchestrator.kv import FREE, KvCells, KvFull, SwaCells
+from orchestrator.kv import FREE, KvFull, SwaCells
 
 pytestmark = pytest.mark.unit
 
@@ -73,15 +73,3 @@ def test_a_step_computed_again_replaces_its_positions():
     again = cells.place(0, np.array([65], np.int32))  # the ring broke after position 64: 65 once more
     assert again.tolist() == first[2].tolist()
     assert (cells.seq != FREE).sum() == 66
-
-
-def test_the_engines_sliding_layers_share_its_cells_and_mask_the_window():
-    kv = KvCells(1024)
-    cells = kv.take(0, np.arange(600, dtype=np.int32))
-    batch = kv.batch(list(range(600)), np.zeros(600, np.int32), np.arange(600, dtype=np.int32), cells,
-                     np.array([599]), 768, n_swa=N_SWA)
-    assert batch.swa_cells is batch.cells
-    assert batch.swa_visible.sum(axis=1).tolist() == [min(p + 1, N_SWA) for p in range(600)]
-    assert not (batch.swa_visible & ~batch.visible).any()
-    assert kv.batch([1], np.zeros(1, np.int32), np.array([600], np.int32), kv.take(0, np.array([600])),
-                    np.array([0]), 768).swa_visible is None
