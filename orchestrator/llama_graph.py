@@ -82,6 +82,8 @@ def hadamard(n: int) -> np.ndarray:
 class LayerBuilder:
     """Builds one stage's graph over weights and caches that already live on its worker."""
 
+    output_rows_apart = False  # the logits one row at a time (runner.Pipeline.place: on llama.cpp's workers)
+
     def __init__(self, hp: HParams, weights: dict[str, Tensor], kv: dict[int, tuple[Tensor, Tensor]],
                  flash_attn: bool):
         self.hp, self.w, self.kv, self.flash_attn = hp, weights, kv, flash_attn
@@ -140,7 +142,7 @@ class LayerBuilder:
             cur = self._layer(g, il, cur, inputs, shape)
         if hp.n_layer in blocks:
             cur = self._norm(g, cur, self.w["output_norm.weight"], "result_norm")
-            cur = g.mul_mat(self._output_weight(), cur, "result_output")
+            cur = self._output(g, cur)
             if (bias := self.w.get("output.bias")) is not None:  # qwen2 may carry one
                 cur = g.add(cur, bias, "result_output_b")
             if cap := hp.final_logit_softcap:
@@ -154,6 +156,18 @@ class LayerBuilder:
             t.flags |= FLAG_INPUT
         cur.flags |= FLAG_OUTPUT
         return StageGraph(g, inputs, cur, constants)
+
+    def _output(self, g: Graph, x: Tensor) -> Tensor:
+        """The logits of x's rows; with output_rows_apart, one product per row, joined."""
+        w = self._output_weight()
+        if not self.output_rows_apart or x.ne[1] <= 1:
+            return g.mul_mat(w, x, "result_output")
+        rows = [g.mul_mat(w, g.view(x, (x.ne[0], 1), (x.nb[1],), i * x.nb[1]), f"result_output-{i}")
+                for i in range(x.ne[1])]
+        out = rows[0]
+        for row in rows[1:]:
+            out = g.concat(out, row, 1, "result_output")
+        return out
 
     def _output_weight(self) -> Tensor:
         output = self.w.get("output.weight")

@@ -292,6 +292,11 @@ class Pipeline:
         placed = [(c, r, free) for c, r, (free, _) in zip(self.clients, ranges, memory) if r]
         self.stages = [Stage(c, r, self.model, self.n_ctx, self.flash_attn, self.cache_types, self.n_ctx_swa)
                        for c, r, _ in placed]
+        # llama.cpp's CPU backend multiplies a Q8_0 matrix by two or more rows (tinyBLAS) at several times
+        # the cost of one (the 49152 x 576 output matrix of SmolLM2: 6.4 ms for two rows, 1.6 for one):
+        # on its workers, the logits of a step's several sequences are one product per row
+        last = self.stages[-1]
+        last.builder.output_rows_apart = self.features.get(last.endpoint) == 0
         worst = Shape(self.n_ubatch, self.n_ctx, 1, self.n_ctx_swa)
         self.plans = [StagePlan(s.endpoint, s.blocks, free, s.weight_bytes, s.kv_bytes, s.compute_bytes(worst))
                       for s, (_, _, free) in zip(self.stages, placed)]
