@@ -13,7 +13,7 @@ from functools import partial
 import numba
 import numpy as np
 
-from .jit import JIT
+from .jit import JIT, row_loop
 from .ggml import (TYPE_BF16, TYPE_F16, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_TRAITS, GGMLOp,
                    GGMLType)
 
@@ -23,6 +23,7 @@ from .node import InvalidNode, Node
 from .fmath import bf16_to_f32, f16_to_f32
 from .quants import LOAD_WEIGHT, QK, QUANT_TYPES
 from .registry import OpKernel, prepared, register
+from .storage import parallel_worthwhile
 
 PLAIN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32)
 SOURCE_TYPES = PLAIN_TYPES + QUANT_TYPES + KQUANT_TYPES
@@ -52,11 +53,21 @@ def check(node: Node) -> None:
 
 def _indices(node: Node) -> np.ndarray:
     """The (ne12, ne11, ne10) row indices, refused unless every one names a row of src0."""
-    src0, src1 = node.src[:2]
-    idx = src1.array()[0]
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= src0.ne[1]):
-        raise InvalidNode(f"GET_ROWS: row index out of range [0, {src0.ne[1]})")
+    return _checked(node.src[1].array()[0], node.src[0].ne[1])
+
+
+def _checked(idx: np.ndarray, n_rows: int) -> np.ndarray:
+    if not _in_range(idx, n_rows):
+        raise InvalidNode(f"GET_ROWS: row index out of range [0, {n_rows})")
     return idx
+
+
+@numba.njit(**JIT)
+def _in_range(idx, n):
+    for i in idx.flat:
+        if i < 0 or i >= n:
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +136,7 @@ def _get_rows_kquant(kind, has_min, block_bytes, qb, mem, off, nb01, nb02, nb03,
         kquants.dequantize_decoded(has_min, nblk, qb, q, s, m, d, dmin, out[i12, i11, i10])
 
 
-@numba.njit(parallel=True, **JIT)
+@row_loop
 def _get_rows_plain(kind, src, idx, out):
     """src: (ne03, ne02, ne01, ne00) view, F16/BF16 as their uint16 bits; any other kind copies as is."""
     ne12, ne11, ne10 = idx.shape
@@ -158,8 +169,11 @@ def prepare(node: Node):
     else:
         src = src0.array()
         half = src0.type in (GGMLType.F16, GGMLType.BF16)
-        gather = partial(_get_rows_plain, int(src0.type), src.view(np.uint16) if half else src)
-    return lambda: gather(_indices(node), out)  # the indices come with each run's inputs
+        plain = partial(_get_rows_plain, int(src0.type), src.view(np.uint16) if half else src)
+        threads = parallel_worthwhile(out.size)  # a few rows (the serving engine's streams): no threads
+        gather = lambda idx, out: plain(idx, out, threads)  # noqa: E731
+    idx, n_rows = node.src[1].array()[0], src0.ne[1]  # a view: the indices come with each run's inputs
+    return lambda: gather(_checked(idx, n_rows), out)
 
 
 forward = prepared(prepare)
