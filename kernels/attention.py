@@ -40,7 +40,8 @@ from .jit import JIT, row_loop
 from .ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp,
                    GGMLType, FA_FLOAT_KV_TYPES, flash_attn_path)
 
-from .attention_rows import BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_one_chunk, visible_cells
+from .attention_rows import (BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_index_streams_inner,
+                             row_one_chunk, visible_cells)
 from .fmath import fma32
 from .formats import dequantize_rows
 from .kquant_dot import iq4_nl_vec_dot
@@ -63,7 +64,7 @@ SPLIT_KV_MIN, TILE_Q, TILE_KV = FA_SPLIT_KV_MIN, FA_TILE_Q, FA_TILE_KV
 def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, f16_v,
                    out, lanes):
     n_seq, n_head, n_q, _ = q.shape
-    iq3, iq2, iq1 = row_index(r, n_q, n_head)
+    iq3, iq2, iq1 = row_index_streams_inner(r, n_q, n_head, n_seq)
     slope = alibi_slope(max_bias, n_head, iq2)
     k2 = k[iq3 // (n_seq // k.shape[0]), iq2 // (n_head // k.shape[1])]
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]

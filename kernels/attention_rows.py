@@ -209,3 +209,11 @@ def finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2):
 @numba.njit(inline="always", **JIT)
 def row_index(r, n_q, n_head):
     return r // (n_head * n_q), (r // n_q) % n_head, r % n_q
+
+
+@numba.njit(inline="always", **JIT)
+def row_index_streams_inner(r, n_q, n_head, n_seq):
+    """row_index's (iq3, iq2, iq1) of a loop that takes the sequences innermost: each thread's share of
+    the rows then holds every sequence's, also when some sequences (the serving engine's idle streams)
+    have nothing to attend. Each row is computed on its own, so the order changes no result."""
+    return r % n_seq, r // (n_seq * n_q), (r // n_seq) % n_q
