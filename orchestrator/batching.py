@@ -127,7 +127,7 @@ class Planner:
         batch), each other piece in a node of its own over its slot's cells."""
         extents = {p.slot: p.start + p.n for p in pieces} | (extents or {})
         single = sorted((p for p in pieces if p.n == 1 and p.path == ROWS), key=lambda p: p.slot)
-        if self.n_slots == 1:
+        if len(extents) == 1:  # one slot busy: its own cells, and no gathering (the next steps are its too)
             single = []
         rest = [p for p in pieces if p not in single]
         groups = [self._stream_group(single, extents)] if single else []
