@@ -8,17 +8,20 @@ keeps V's sum in F16, tiles in F32), by enough to change a greedy text: four 35-
 are 140 queries, tiled, where each alone is read row by row (measured with SmolLM2: the first token's
 log-probability moved by up to 0.15, the text changed, on llama.cpp's workers as on ours; llama-server
 with its unified cache does the same). So the engine
-- gives each slot cells of its own (SlotLayout; llama.cpp's non-unified cache, one stream per slot, as
-  llama-server -np N has): position p of slot s lives in cell s * size + p, where it would lie alone, so
-  the tiled and split paths, whose sums depend on where the cells lie, see what they would see alone;
+- gives each slot cells of its own (Planner.base; llama.cpp's non-unified cache, one stream per slot,
+  as llama-server -np N has): position p of slot s lives in cell s * size + p, where it would lie alone,
+  so the tiled and split paths, whose sums depend on where the cells lie, see what they would see alone;
 - reads every prompt in the chunks a fresh request's would be read in (llama-server cuts it into
   n_ubatch pieces from its start), and a piece of a chunk only where that keeps the chunk's path
-  (Planner.piece); a cached token is reused only if it was computed on the path the new prompt gives it;
-- groups rows so that each node takes its rows' path: rows read row by row share nodes (fewer than 64
-  rows each, never one row over 512 cells); a tiled piece or a split token gets a node of its own over
-  its slot's cells.
-The matrix products stay batched: the batch size changes only the order of their float sums (see
-kernels.kquants.route), which moves logits by ~1e-6, not by the F16 rounding at stake here.
+  (Planner.piece); a cached token is reused only if it was computed on the path the new prompt gives it
+  (Planner.keep);
+- groups rows so that each node takes its rows' path (Planner.batch): single rows read row by row (the
+  generating slots' tokens) share one node that reads every slot's cells as a stream; any other piece
+  gets a node of its own over its slot's cells.
+Without flash attention the same rules keep the products with K and V on the route they take alone.
+The weights' products stay batched. With Q4_0, Q4_1 or Q8_0 weights their rows do not depend on the
+batch at all; with K-quants ggml's route changes with the batch's size (kernels.kquants.route), which
+moved log-probabilities by ~2e-4 (Gemma 3 270M Q4_K_M), far below the 0.15 at stake here.
 """
 
 from __future__ import annotations

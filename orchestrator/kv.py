@@ -31,7 +31,8 @@ class Group:
     """Consecutive rows of a batch that one attention node serves: they attend cells [cell0, cell0 + n_kv);
     with n_streams > 1, the rows of several slots as llama.cpp's streams: stream s is cells
     [cell0 + s * stride, + n_kv), with one query row each (`gather`: the group's row each stream takes,
-    `scatter`: the stream each of the group's rows comes back from)."""
+    `scatter`: the stream each of the group's rows comes back from; such a group comes first in its
+    batch, so its rows are the batch's)."""
 
     n_rows: int
     cell0: int
