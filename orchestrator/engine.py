@@ -132,6 +132,7 @@ class Engine:
         self._interrupter.setblocking(False)
         self._stopping = False
         self._outbox: list[tuple[Job, str, object]] = []  # what the jobs' clients hear once the step is done
+        self._deferred = False  # a prompt piece waited for room: the next batch reads prompts first
         self._thread: threading.Thread | None = None
 
     # -- the side other threads call -------------------------------------------------------------
@@ -259,12 +260,15 @@ class Engine:
     def _start_batch(self) -> None:
         """One batch: the next token of generating slots, up to a share of the busy ones (so that each
         stage can hold a batch), then pieces of the prompts still being read, up to n_ubatch tokens in all
-        (a new prompt does not wait for a batch of its own: its first token comes sooner)."""
+        (a new prompt does not wait for a batch of its own: its first token comes sooner). A prompt piece
+        that found too little room left goes first in the next batch."""
         ready = [s for s in self.slots if s.job is not None and not s.awaiting and s.n_cached < len(s.tokens)]
         share = -(-sum(s.job is not None for s in self.slots) // self.waves.width)
+        generating, reading = [s for s in ready if s.generating][:share], [s for s in ready if not s.generating]
         pieces: list[Piece] = []
         budget = self.pipe.n_ubatch
-        for slot in [s for s in ready if s.generating][:share] + [s for s in ready if not s.generating]:
+        deferred, self._deferred = self._deferred, False
+        for slot in reading + generating if deferred else generating + reading:
             if budget <= 0:
                 break
             start = slot.n_cached
@@ -273,6 +277,7 @@ class Engine:
             else:
                 n = self.planner.piece(start, len(slot.tokens), slot.want, budget)
                 if n == 0:  # its chunk's path needs more room than this batch has left
+                    self._deferred = True
                     continue
                 path = slot.want[start]
             slot.n_cached += n

@@ -97,3 +97,44 @@ def test_requests_arriving_apart_settle_into_one_batch_per_stage(engine):
     steady = together[4:]
     assert len(steady) > 20
     assert steady == [2] * len(steady), [n for n, _, _ in starts]
+
+
+def test_a_prompt_that_needs_a_whole_small_ubatch_is_not_starved_by_generating_slots(engine):
+    """With -ub 64 a 64-token chunk is read tiled only whole (orchestrator/batching.py), and the generating
+    slots' tokens leave less room than that in every batch: the deferred prompt goes first in the next
+    one, instead of waiting until every generation has ended."""
+    big, vocab = engine
+    pipe = Pipeline(big.pipe.model, n_ctx=1024, n_batch=64, n_ubatch=64, swa_full=True, flash_attn=True)
+    pipe.connect([s.client.endpoint for s in big.pipe.stages])
+    pipe.place()
+    pipe.allocate()
+    list(pipe.link(push=True))
+    pipe.upload()
+    small = Engine(pipe, big.eog, n_parallel=4, max_queue=4)
+    small.start()
+    events = []
+    first_token = threading.Event()
+    done = threading.Semaphore(0)
+
+    def emit(name):
+        def on(kind, value):
+            if kind == "token" and name == "long":
+                first_token.set()
+            if kind in ("done", "error"):
+                events.append((name, kind))
+                done.release()
+        return on
+
+    try:
+        story = vocab.tokenize("Story:", add_special=True, parse_special=True)
+        for i in range(2):
+            small.submit(Job(story + [28 + i], SamplingParams(temp=0), 120, emit(f"gen{i}"), ignore_eos=True))
+        long = vocab.tokenize(" ".join(f"Item {i} is a cat." for i in range(30)), add_special=True, parse_special=True)
+        assert len(long) > 128
+        small.submit(Job(long, SamplingParams(temp=0), 1, emit("long")))
+        assert first_token.wait(300)
+        for _ in range(3):
+            assert done.acquire(timeout=300)
+    finally:
+        small.stop()
+    assert events[0] == ("long", "done"), events  # answered while both still generate
