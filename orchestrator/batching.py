@@ -133,7 +133,7 @@ class Planner:
         single = sorted((p for p in pieces if p.n == 1 and p.path == ROWS), key=lambda p: p.slot)
         if len(extents) == 1:  # one slot busy: its own cells, and no gathering (the next steps are its too)
             single = []
-        rest = [p for p in pieces if p not in single]
+        rest = [p for p in pieces if all(p is not q for q in single)]
         groups = [self._stream_group(single, extents)] if single else []
         groups += [self._view_group([p], self.base(p.slot), self.base(p.slot) + self.n_kv(p.start + p.n)) for p in rest]
         return self._assemble(single + rest, groups)

@@ -270,7 +270,7 @@ class LayerBuilder:
                 rows = g.get_rows(g.reshape(q, q.ne[0] * q.ne[1], n_tokens), inputs["stream_gather"])
                 qg = g.reshape(rows, q.ne[0], q.ne[1], 1, n_streams)
                 out = self._attend(g, il, qg, cell0, n_kv, mask, kq_scale, n_streams, stride)
-                outs.append(g.get_rows(g.reshape(out, out.ne[0], n_streams), inputs["stream_scatter"]))
+                outs.append(g.get_rows(out, inputs["stream_scatter"]))
             else:
                 qg = g.view(q, (q.ne[0], q.ne[1], n_rows, 1), (q.nb[1], q.nb[2], q.nb[2] * n_rows), row0 * q.nb[2])
                 outs.append(self._attend(g, il, qg, cell0, n_kv, mask, kq_scale))

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.client import RpcClient, WorkerError, name_the_dead
-from orchestrator.kv import KV_PAD, Batch, SwaCells
+from orchestrator.kv import KV_PAD, Batch, SwaCells, padded_cells
 from orchestrator.gemma3_graph import Gemma3Builder
 from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
 from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph, mask_name
@@ -332,7 +332,7 @@ class Pipeline:
 
     def attended_cells(self, used: int) -> int:
         """The KV cells a step attends once `used` cells are filled: padded to KV_PAD, as llama.cpp."""
-        return min(self.n_ctx, max(KV_PAD, round_up(used, KV_PAD)))
+        return padded_cells(used, self.n_ctx)
 
     def _inputs(self, batch: Batch) -> dict[str, np.ndarray]:
         """The per-step inputs every stage shares, from the batch."""
