@@ -11,7 +11,9 @@ token, each request's generation rate (tokens after the first over the time afte
 aggregate rate (all tokens over the wall time of the round). Then the interference case: a short request
 (8 tokens) sent while a long one generates, its time to first token beside the same request's on an idle
 server (medians of five). Prints, per kind of worker, one table of both servers and the ratios ours /
-llama-server.
+llama-server, and one of the CPU time per generated token of the workers, the server and this process's
+clients, with the aggregate that would allow on this machine's cores if they never idled: what bounds
+the ratio of many clients to one.
 """
 
 from __future__ import annotations
@@ -101,19 +103,32 @@ def round_of(url: str, clients: int, n: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
     return {"ttft_ms": 1e3 * statistics.median(r["ttft"] for r in results),
             "rate": statistics.median(r["rate"] for r in results),
-            "aggregate": sum(r["tokens"] for r in results) / wall}
+            "aggregate": tokens / wall, "tokens": tokens}
 
 
-def median_round(url: str, clients: int, n: int, reps: int) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median_round(url: str, clients: int, n: int, reps: int, pids: dict[str, list[int]]) -> dict:
     """Each figure of `reps` rounds one after the other: its median (one round lasts a second or two, so a
     single one is at the mercy of whatever else the machine did meanwhile). One round first, not counted,
     as llama-bench's warm-up run: the first batches of each new size and mix build their graphs (our
-    server and workers cache them per connection; a new shape costs ~30 ms once)."""
+    server and workers cache them per connection; a new shape costs ~30 ms once).
+    Also the CPU time per generated token over the counted rounds, of the workers and the server (`pids`)
+    and of this process (the openai clients), in ms: how much of the machine one token takes."""
     round_of(url, clients, n)
+    before = {who: sum(map(cpu_seconds, ps)) for who, ps in pids.items()} | {"clients": sum(os.times()[:2])}
     rounds = [round_of(url, clients, n) for _ in range(reps)]
-    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    after = {who: sum(map(cpu_seconds, ps)) for who, ps in pids.items()} | {"clients": sum(os.times()[:2])}
+    tokens = sum(r.pop("tokens") for r in rounds)
+    row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    return row | {f"cpu_{who}": 1e3 * (after[who] - before[who]) / tokens for who in before}
 
 
 def interference(url: str, samples: int = 5) -> tuple[float, float]:
@@ -169,7 +184,8 @@ def measure(worker: str, model: str, clients: list[int], args) -> dict[str, dict
                 server = start_server(kind, model, rpc, args, Path(logs) / f"{kind}.log")
                 try:
                     stream(client(server.url), PROMPT, 4)  # warm up
-                    rows = {c: median_round(server.url, c, args.n_predict, args.reps) for c in clients}
+                    pids = {"workers": [w.proc.pid for w in workers], "server": [server.pid]}
+                    rows = {c: median_round(server.url, c, args.n_predict, args.reps, pids) for c in clients}
                     table[kind] = {"rows": rows, "interference": interference(server.url)}
                 finally:
                     server.terminate()
@@ -195,6 +211,17 @@ def print_table(worker: str, table: dict[str, dict], model: str, clients: list[i
         print(f"| {c} | {ref[c]['ttft_ms']:.0f} | {ours[c]['ttft_ms']:.0f} | {ref[c]['rate']:.1f} | {ours[c]['rate']:.1f} "
               f"| {ref[c]['aggregate']:.1f} | {ours[c]['aggregate']:.1f} | {ours[c]['aggregate'] / ref[c]['aggregate']:.2f} "
               f"| {ours[c]['aggregate'] / ours[clients[0]]['aggregate']:.2f} |")
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nCPU time per generated token (ms; workers, server, the benchmark's openai clients) and the aggregate "
+          f"it allows on {cores} cores if they were always busy:\n")
+    print("| clients | llama-server CPU ms | llama-server ceiling tok/s | ours CPU ms | ours ceiling tok/s |")
+    print("|---|---|---|---|---|")
+    for c in clients:
+        cells = []
+        for row in (ref[c], ours[c]):
+            parts = [row["cpu_workers"], row["cpu_server"], row["cpu_clients"]]
+            cells += [" + ".join(f"{x:.2f}" for x in parts), f"{1e3 * cores / sum(parts):.0f}"]
+        print(f"| {c} | " + " | ".join(cells) + " |")
     print("\nTTFT of an 8-token request, idle -> while a 400-token request generates (ms, medians of 5):")
     for kind in table:
         idle, busy = table[kind]["interference"]
