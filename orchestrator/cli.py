@@ -11,7 +11,9 @@ stdout; the placement, progress and timings go to stderr.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -68,6 +70,8 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
 @click.option("--repeat-last-n", default=64, help="last n tokens to penalize (0 = disabled, -1 = ctx size)")
 @click.option("-s", "--seed", default=-1, help="RNG seed (-1 = random)")
 @click.option("--ignore-eos", is_flag=True, help="ignore end of stream tokens and continue generating")
+@click.option("-l", "--logit-bias", multiple=True, callback=lambda ctx, param, value: [parse_logit_bias(v) for v in value],
+              metavar="TOKEN_ID(+/-)BIAS", help="add BIAS to a token's logit, e.g. 15043+1 or 15043-inf (repeatable)")
 @click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
 @click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
               help="flash attention (auto = on)")
@@ -135,8 +139,20 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     return prompt
 
 
+def parse_logit_bias(text: str) -> tuple[int, float]:
+    """llama.cpp's --logit-bias TOKEN_ID(+/-)BIAS: "15043+1", "15043-inf"."""
+    match = re.fullmatch(r"\s*([+-]?\d+)\s*([+-])(.+)", text)
+    try:
+        bias = float(match.group(3)) if match else math.nan
+    except ValueError:
+        bias = math.nan
+    if math.isnan(bias):
+        raise click.BadParameter(f"{text!r}: expected TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf")
+    return int(match.group(1)), -bias if match.group(2) == "-" else bias
+
+
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
-             temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, tensor_split, flash_attn,
+             temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, logit_bias, tensor_split, flash_attn,
              cache_type_k, cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
@@ -175,7 +191,7 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
         raise CliError(f"prompt is too long ({len(tokens)} tokens, max {n_ctx - 4})")
     params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=n_ctx if repeat_last_n == -1 else repeat_last_n,
-                            seed=LLAMA_DEFAULT_SEED if seed < 0 else seed)
+                            seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=tuple(logit_bias))
     try:
         params.validate()
     except ValueError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -54,14 +55,65 @@ def _number(body: dict, key: str, default, kind=float, low=-math.inf, high=math.
     return kind(value)
 
 
-def sampling(body: dict) -> SamplingParams:
+_TOKEN_ID = re.compile(r"\s*[+-]?\d+|")  # a key strtol reads whole: a number, or nothing (0)
+
+
+def logit_bias(body: dict, vocab) -> tuple[tuple[int, float], ...]:
+    """llama-server's "logit_bias": [[token id or text, bias or false], ...] or OpenAI's {"token id or
+    text": bias or false}; false bans the token(s). A text stands for each of its tokens; an id outside
+    the vocabulary is ignored, as there."""
+    given = body.get("logit_bias")
+    if given is None:
+        return ()
+    if isinstance(given, dict):
+        pairs = list(given.items())
+    elif isinstance(given, list) and all(isinstance(e, list) and len(e) == 2 for e in given):
+        pairs = [tuple(e) for e in given]
+    else:
+        raise ApiError(400, "'logit_bias' must be an object {token: bias} or a list of [token, bias] pairs")
+    out = []
+    for key, value in pairs:
+        if value is False:
+            bias = -math.inf
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            bias = float(value)
+        else:
+            raise ApiError(400, f"'logit_bias' of {key!r}: the bias must be a number or false, not {value!r}")
+        if isinstance(key, str) and _TOKEN_ID.fullmatch(key) and isinstance(given, dict):
+            key = int(key or 0)
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise ApiError(400, f"'logit_bias': {key!r} is neither a token id nor a text")
+        if isinstance(key, str):
+            out += [(t, bias) for t in vocab.tokenize(key, add_special=False, parse_special=False)]
+        elif 0 <= key < vocab.n_tokens:
+            out.append((key, bias))
+    return tuple(out)
+
+
+UNSUPPORTED = {  # request fields llama-server honours and this server cannot: refused, not ignored
+    "grammar": "grammar-constrained sampling", "json_schema": "grammar-constrained sampling",
+    "tools": "tool calls", "functions": "tool calls",
+}
+
+
+def refuse_unsupported(body: dict) -> None:
+    for key, what in UNSUPPORTED.items():
+        if body.get(key):
+            raise ApiError(400, f"'{key}' is not supported: this server has no {what}")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported: this server has "
+                            "no grammar-constrained sampling")
+
+
+def sampling(body: dict, vocab) -> SamplingParams:
     seed = _number(body, "seed", -1, int, -(1 << 63), (1 << 64) - 1)
     params = SamplingParams(
         temp=_number(body, "temperature", 0.8), top_k=_number(body, "top_k", 40, int, 0),
         top_p=_number(body, "top_p", 0.95, float, 0.0, 1.0), min_p=_number(body, "min_p", 0.05, float, 0.0, 1.0),
         repeat_penalty=_number(body, "repeat_penalty", 1.0), repeat_last_n=_number(body, "repeat_last_n", 64, int, 0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0), presence_penalty=_number(body, "presence_penalty", 0.0),
-        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed)
+        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=logit_bias(body, vocab))
     try:
         params.validate()
     except ValueError as exc:
@@ -69,8 +121,9 @@ def sampling(body: dict) -> SamplingParams:
     return params
 
 
-def completion(body, tokens: list[int], *, chat: bool) -> Completion:
-    """The request's options (the prompt is already tokens)."""
+def completion(body, tokens: list[int], vocab, *, chat: bool) -> Completion:
+    """The request's options (the prompt is already tokens; `vocab` reads logit_bias's texts)."""
+    refuse_unsupported(body)
     if _number(body, "n", 1, int) != 1:
         raise ApiError(400, "only one completion choice is allowed ('n' must be 1)")
     n_predict = -1
@@ -94,7 +147,7 @@ def completion(body, tokens: list[int], *, chat: bool) -> Completion:
         wanted = body.get("logprobs") is not None and top > 0
     top = _number(body, "n_probs", top, int, 0, 20)
     wanted = wanted or top > 0
-    return Completion(tokens, sampling(body), n_predict, [s for s in stop if s], stream,
+    return Completion(tokens, sampling(body, vocab), n_predict, [s for s in stop if s], stream,
                       bool(options.get("include_usage")), bool(body.get("ignore_eos", False)), chat,
                       max(top, 1) if wanted else 0, top)
 

@@ -158,7 +158,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as exc:
         raise api.ApiError(400, str(exc)) from None
     tokens = s.vocab.tokenize(text, add_special=True, parse_special=True)
-    return await complete(request, api.completion(body, tokens, chat=True))
+    return await complete(request, api.completion(body, tokens, s.vocab, chat=True))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -177,7 +177,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tokens = checked_tokens(s, prompt)
     else:
         raise api.ApiError(400, "'prompt' must be a string or a non-empty list of token ids")
-    return await complete(request, api.completion(body, tokens, chat=False))
+    return await complete(request, api.completion(body, tokens, s.vocab, chat=False))
 
 
 async def complete(request: web.Request, c: api.Completion) -> web.StreamResponse:

@@ -3,9 +3,9 @@
 The chain mirrors common_sampler_init (common/sampling.cpp) with the defaults of
 common_params_sampling (common/common.h):
 
-    penalties -> [dry] -> [top-n-sigma] -> top-k -> [typical] -> top-p -> min-p -> [xtc] -> temp -> dist
+    [logit-bias] -> penalties -> [dry] -> [top-n-sigma] -> top-k -> [typical] -> top-p -> min-p -> [xtc] -> temp -> dist
 
-The bracketed samplers are no-ops at their defaults and are not offered. Modules:
+The bracketed samplers are no-ops at their defaults; of them only logit-bias is offered. Modules:
 
 * `chain`: SamplingParams and Sampler, the chain one sequence samples with;
 * `samplers`: the candidate array and one class per sampler, with llama.cpp's float32 arithmetic;

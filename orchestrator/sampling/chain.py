@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.cxx import F32, uniform_canonical
-from orchestrator.sampling.samplers import Candidates, Dist, MinP, Penalties, Temperature, TopK, TopP
+from orchestrator.sampling.samplers import Candidates, Dist, LogitBias, MinP, Penalties, Temperature, TopK, TopP
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # "pick a random seed", as in include/llama.h
 
@@ -26,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int = LLAMA_DEFAULT_SEED
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) in order; -inf bans a token
 
     def validate(self) -> None:
         """The checks common_sampler_init makes before building the chain."""
@@ -59,6 +60,7 @@ class Sampler:
         params.validate()
         self.params = params
         self.n_vocab = n_vocab
+        self._bias = LogitBias(params.logit_bias) if params.logit_bias else None
         self._penalties = None
         if params.repeat_last_n != 0 and not (F32(params.repeat_penalty) == 1.0 and F32(params.frequency_penalty) == 0.0
                                               and F32(params.presence_penalty) == 0.0):
@@ -89,6 +91,8 @@ class Sampler:
         if logits.shape != (self.n_vocab,):
             raise ValueError(f"expected {self.n_vocab} logits, got shape {logits.shape}")
         c = Candidates(logits)
+        if self._bias is not None:
+            self._bias.apply(c)
         if self._penalties is not None:
             self._penalties.apply(c)
         for sampler in self._filters:
@@ -99,6 +103,10 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         if self._greedy:  # the chain would keep the highest logit alone: when that one is unique, take it
             logits = np.asarray(logits)
+            if self._bias is not None and logits.shape == (self.n_vocab,):
+                c = Candidates(logits)
+                self._bias.apply(c)
+                logits = c.logits
             top = int(np.argmax(logits))
             if logits.shape == (self.n_vocab,) and np.count_nonzero(logits == logits[top]) == 1:
                 uniform_canonical(self._dist.rng)  # the draw the chain's dist makes, so the streams stay equal

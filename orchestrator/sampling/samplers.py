@@ -55,6 +55,22 @@ def softmax_impl(c: Candidates) -> None:
         c.p = p / total
 
 
+class LogitBias:
+    """llama_sampler_logit_bias: each (token, bias) entry added to its token's logit in turn (a token given
+    twice gets both), before every other sampler; a token outside the candidates is left alone."""
+
+    def __init__(self, entries):
+        self.entries = [(int(t), F32(b)) for t, b in entries]
+
+    def apply(self, c: Candidates) -> None:
+        for token, bias in self.entries:
+            # The chain starts from the vocabulary in id order (an id is its position), as llama.cpp's
+            # fast path assumes; otherwise the id is looked for, as there.
+            at = token if 0 <= token < len(c) and c.ids[token] == token else np.flatnonzero(c.ids == token)
+            with np.errstate(invalid="ignore", over="ignore"):
+                c.logits[at] = c.logits[at] + bias
+
+
 class Penalties:
     """llama_sampler_penalties: repeat/frequency/presence penalties over the last `last_n` tokens."""
 

@@ -29,6 +29,10 @@ class ChainParams(ctypes.Structure):
     _fields_ = [("no_perf", ctypes.c_bool)]
 
 
+class LogitBiasEntry(ctypes.Structure):
+    _fields_ = [("token", ctypes.c_int32), ("bias", ctypes.c_float)]
+
+
 TOKEN_DTYPE = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 SAMPLER = ctypes.c_void_p
 F, I32, U32, SIZE = ctypes.c_float, ctypes.c_int32, ctypes.c_uint32, ctypes.c_size_t
@@ -36,6 +40,7 @@ SIGNATURES = {
     "llama_sampler_chain_default_params": (ChainParams, []),
     "llama_sampler_chain_init": (SAMPLER, [ChainParams]),
     "llama_sampler_chain_add": (None, [SAMPLER, SAMPLER]),
+    "llama_sampler_init_logit_bias": (SAMPLER, [I32, I32, ctypes.POINTER(LogitBiasEntry)]),
     "llama_sampler_init_penalties": (SAMPLER, [I32, I32, F, F, F]),
     "llama_sampler_init_dry": (SAMPLER, [ctypes.c_void_p, F, F, I32, I32, ctypes.POINTER(ctypes.c_char_p), SIZE]),
     "llama_sampler_init_top_n_sigma": (SAMPLER, [F]),
@@ -68,7 +73,9 @@ class ReferenceChain:
         self.lib = lib
         self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         breakers = (ctypes.c_char_p * 4)(b"\n", b":", b"\"", b"*")
+        self.bias = (LogitBiasEntry * max(1, len(params.logit_bias)))(*params.logit_bias)
         for sampler in (
+            lib.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), self.bias),
             lib.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty,
                                              params.frequency_penalty, params.presence_penalty),
             lib.llama_sampler_init_dry(None, 0.0, 1.75, 2, 64, breakers, 4),  # disabled: never reads vocab
@@ -156,6 +163,10 @@ PARAMS = {
     "unfiltered": SamplingParams(seed=3, top_k=0, top_p=1.0, min_p=0.0, temp=1.0),
     "greedy": SamplingParams(seed=0, temp=0.0),
     "hot-top-1": SamplingParams(seed=2, temp=1.7, top_k=1),
+    # a ban, a token given twice, ids past a small vocabulary, the favourite of "few-values" raised
+    "biased": SamplingParams(seed=21, logit_bias=((3, float("-inf")), (40, 2.5), (40, 1.25), (77, -1.0),
+                                                  (5000, 8.0), (49151, 0.5))),
+    "biased-greedy": SamplingParams(seed=4, temp=0.0, logit_bias=((9, 6.0), (10, float("-inf")), (9, -0.75))),
     "seed-zero-everything": SamplingParams(seed=0, top_k=128, top_p=0.5, min_p=0.2, temp=0.6,
                                            repeat_penalty=0.8, repeat_last_n=64),
 }
@@ -213,3 +224,25 @@ def test_long_sequence_same_tokens(libllama, seed):
         assert got == want
     finally:
         ref.close()
+
+
+@pytest.mark.parametrize("kind", ["normal", "peaked", "few-values"])
+def test_greedy_shortcut_applies_the_logit_bias(libllama, kind):
+    """sample()'s greedy shortcut (argmax, no candidate array) sees the biased logits: a ban of the
+    favourite and a lift of an outsider decide the token as libllama's chain does."""
+    rng = np.random.default_rng(zlib.crc32(kind.encode()))
+    got, want = [], []
+    for _ in range(20):
+        logits = GENERATORS[kind](rng)
+        order = np.argsort(-logits, kind="stable")
+        bias = ((int(order[0]), float("-inf")), (int(order[5]), float(logits[order[0]] - logits[order[5]]) / 2),
+                (int(order[5]), 0.25))
+        params = SamplingParams(seed=1, temp=0.0, logit_bias=bias)
+        ref = ReferenceChain(libllama, params, len(logits))
+        try:
+            ids, selected = ref.candidates(logits)
+            want.append(int(ids[selected]))
+        finally:
+            ref.close()
+        got.append(Sampler(params, len(logits)).sample(logits))
+    assert got == want
