@@ -50,6 +50,51 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
         raise CliError(f"invalid --tensor-split '{text}': expected numbers like 3,1") from None
 
 
+def sampling_options(command):
+    """llama.cpp's sampling flags: the CLI's chain, and `serve`'s defaults for what a request leaves out."""
+    for option in reversed([
+        click.option("--temp", default=0.8, help="temperature (<= 0: greedy)"),
+        click.option("--top-k", default=40, help="top-k sampling (0 = disabled)"),
+        click.option("--top-p", default=0.95, help="top-p sampling (1.0 = disabled)"),
+        click.option("--min-p", default=0.05, help="min-p sampling (0.0 = disabled)"),
+        click.option("--repeat-penalty", default=1.0, help="penalize repeated tokens (1.0 = disabled)"),
+        click.option("--repeat-last-n", default=64, help="last n tokens to penalize (0 = disabled, -1 = ctx size)"),
+        click.option("--presence-penalty", default=0.0, help="repeat alpha presence penalty (0.0 = disabled)"),
+        click.option("--frequency-penalty", default=0.0, help="repeat alpha frequency penalty (0.0 = disabled)"),
+        click.option("-s", "--seed", default=-1, help="RNG seed (-1 = random)"),
+        click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", default="auto",
+                     help="layers on the workers: always all of them (llama.cpp's -ngl 99, 'all' and 'auto' are "
+                          "accepted; fewer is refused)"),
+    ]):
+        command = option(command)
+    return command
+
+
+def sampling_params(*, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
+                    seed, n_ctx: int, logit_bias=()):
+    """The SamplingParams of those flags (repeat_last_n -1: the context size)."""
+    from orchestrator.sampling import LLAMA_DEFAULT_SEED, SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                            repeat_last_n=n_ctx if repeat_last_n == -1 else repeat_last_n,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=tuple(logit_bias))
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise CliError(f"invalid sampling parameters: {exc}") from None
+    return params
+
+
+def check_gpu_layers(value: str, n_layer: int) -> None:
+    """-ngl as llama.cpp reads it, for command lines written for it: every layer and the output head run on
+    the workers here, which -ngl N does only for N > n_layer."""
+    if value in ("auto", "all") or (value.lstrip("-").isdigit() and not 0 <= int(value) <= n_layer):  # -1: auto
+        return
+    raise CliError(f"-ngl {value}: every one of the model's {n_layer} layers and its output run on the workers "
+                   f"(nothing runs on this machine); use -ngl {n_layer + 1} or more, 'all' or 'auto'")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--rpc", "rpc", default=None, help="comma-separated worker host:port list (default: start local workers)")
 @click.option("-m", "--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -62,13 +107,7 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
 @click.option("-c", "--ctx-size", default=0, help="context size (0 = from the model)")
 @click.option("-b", "--batch-size", default=2048, type=click.IntRange(min=1), help="logical batch size")
 @click.option("-ub", "--ubatch-size", default=512, type=click.IntRange(min=1), help="physical batch size")
-@click.option("--temp", default=0.8, help="temperature (<= 0: greedy)")
-@click.option("--top-k", default=40, help="top-k sampling (0 = disabled)")
-@click.option("--top-p", default=0.95, help="top-p sampling (1.0 = disabled)")
-@click.option("--min-p", default=0.05, help="min-p sampling (0.0 = disabled)")
-@click.option("--repeat-penalty", default=1.0, help="penalize repeated tokens (1.0 = disabled)")
-@click.option("--repeat-last-n", default=64, help="last n tokens to penalize (0 = disabled, -1 = ctx size)")
-@click.option("-s", "--seed", default=-1, help="RNG seed (-1 = random)")
+@sampling_options
 @click.option("--ignore-eos", is_flag=True, help="ignore end of stream tokens and continue generating")
 @click.option("-l", "--logit-bias", multiple=True, callback=lambda ctx, param, value: [parse_logit_bias(v) for v in value],
               metavar="TOKEN_ID(+/-)BIAS", help="add BIAS to a token's logit, e.g. 15043+1 or 15043-inf (repeatable)")
@@ -152,7 +191,8 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
 
 
 def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
-             temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, ignore_eos, logit_bias, tensor_split, flash_attn,
+             temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed,
+             gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn,
              cache_type_k, cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
     import numpy as np  # noqa: PLC0415
 
@@ -161,7 +201,7 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     from orchestrator.model import ModelFile  # noqa: PLC0415
     from orchestrator.ring import Ring  # noqa: PLC0415
     from orchestrator.runner import Pipeline, cache_type, context_size  # noqa: PLC0415
-    from orchestrator.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplingParams  # noqa: PLC0415
+    from orchestrator.sampling import Sampler  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
 
     t_start = time.perf_counter()
@@ -189,13 +229,10 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     n_ctx = context_size(ctx_size, hp.n_ctx_train)
     if len(tokens) > n_ctx - 4:
         raise CliError(f"prompt is too long ({len(tokens)} tokens, max {n_ctx - 4})")
-    params = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                            repeat_last_n=n_ctx if repeat_last_n == -1 else repeat_last_n,
-                            seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=tuple(logit_bias))
-    try:
-        params.validate()
-    except ValueError as exc:
-        raise CliError(f"invalid sampling parameters: {exc}") from None
+    check_gpu_layers(gpu_layers, hp.n_layer)
+    params = sampling_params(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                             repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, seed=seed, n_ctx=n_ctx, logit_bias=logit_bias)
 
     try:
         pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",

@@ -106,14 +106,19 @@ def refuse_unsupported(body: dict) -> None:
                             "no grammar-constrained sampling")
 
 
-def sampling(body: dict, vocab) -> SamplingParams:
-    seed = _number(body, "seed", -1, int, -(1 << 63), (1 << 64) - 1)
+def sampling(body: dict, server) -> SamplingParams:
+    """The request's sampling options; what it leaves out comes from the server's flags (`server.defaults`)."""
+    d = server.defaults
+    seed = _number(body, "seed", d.seed, int, -(1 << 63), (1 << 64) - 1)
+    last_n = _number(body, "repeat_last_n", d.repeat_last_n, int, -1)
     params = SamplingParams(
-        temp=_number(body, "temperature", 0.8), top_k=_number(body, "top_k", 40, int, 0),
-        top_p=_number(body, "top_p", 0.95, float, 0.0, 1.0), min_p=_number(body, "min_p", 0.05, float, 0.0, 1.0),
-        repeat_penalty=_number(body, "repeat_penalty", 1.0), repeat_last_n=_number(body, "repeat_last_n", 64, int, 0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0), presence_penalty=_number(body, "presence_penalty", 0.0),
-        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=logit_bias(body, vocab))
+        temp=_number(body, "temperature", d.temp), top_k=_number(body, "top_k", d.top_k, int, 0),
+        top_p=_number(body, "top_p", d.top_p, float, 0.0, 1.0), min_p=_number(body, "min_p", d.min_p, float, 0.0, 1.0),
+        repeat_penalty=_number(body, "repeat_penalty", d.repeat_penalty),
+        repeat_last_n=server.n_ctx if last_n == -1 else last_n,
+        frequency_penalty=_number(body, "frequency_penalty", d.frequency_penalty),
+        presence_penalty=_number(body, "presence_penalty", d.presence_penalty),
+        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=logit_bias(body, server.vocab))
     try:
         params.validate()
     except ValueError as exc:
@@ -121,12 +126,13 @@ def sampling(body: dict, vocab) -> SamplingParams:
     return params
 
 
-def completion(body, tokens: list[int], vocab, *, chat: bool) -> Completion:
-    """The request's options (the prompt is already tokens; `vocab` reads logit_bias's texts)."""
+def completion(body, tokens: list[int], server, *, chat: bool) -> Completion:
+    """The request's options (the prompt is already tokens). `server`: its vocabulary (for logit_bias's
+    texts) and defaults (`defaults`: SamplingParams, `n_predict`, `n_ctx`)."""
     refuse_unsupported(body)
     if _number(body, "n", 1, int) != 1:
         raise ApiError(400, "only one completion choice is allowed ('n' must be 1)")
-    n_predict = -1
+    n_predict = server.n_predict
     for key in ("n_predict", "max_tokens", "max_completion_tokens"):
         if body.get(key) is not None:
             n_predict = _number(body, key, -1, int, -1)
@@ -147,7 +153,7 @@ def completion(body, tokens: list[int], vocab, *, chat: bool) -> Completion:
         wanted = body.get("logprobs") is not None and top > 0
     top = _number(body, "n_probs", top, int, 0, 20)
     wanted = wanted or top > 0
-    return Completion(tokens, sampling(body, vocab), n_predict, [s for s in stop if s], stream,
+    return Completion(tokens, sampling(body, server), n_predict, [s for s in stop if s], stream,
                       bool(options.get("include_usage")), bool(body.get("ignore_eos", False)), chat,
                       max(top, 1) if wanted else 0, top)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import click
 
-from orchestrator.cli import CliError, default_model, log, log_placement, parse_tensor_split, upload_with_progress_bar
+from orchestrator.cli import (CliError, check_gpu_layers, default_model, log, log_placement, parse_tensor_split,
+                              sampling_options, sampling_params, upload_with_progress_bar)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -31,6 +32,9 @@ from orchestrator.cli import CliError, default_model, log, log_placement, parse_
               help="physical batch size: the most tokens one step computes")
 @click.option("--queue", "max_queue", default=16, type=click.IntRange(min=0),
               help="requests that may wait for a slot; beyond them the server answers 503 at once")
+@click.option("-n", "--n-predict", default=-1, type=click.IntRange(min=-1),
+              help="tokens a request generates when it does not say (-1 = until end of text or its slot is full)")
+@sampling_options
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="require this key (Authorization: Bearer)")
 @click.option("--metrics", is_flag=True, help="enable the Prometheus /metrics endpoint")
 @click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
@@ -70,22 +74,26 @@ def run(*, rpc, workers, threads, **options) -> None:
 
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
-          api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push) -> None:
+          n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
+          **sampling) -> None:
     from orchestrator.engine import Engine  # noqa: PLC0415
     from orchestrator.model import ModelFile  # noqa: PLC0415
-    from orchestrator.runner import Pipeline, cache_type  # noqa: PLC0415
+    from orchestrator.runner import Pipeline, cache_type, context_size  # noqa: PLC0415
     from orchestrator.server import Service, serve as serve_http  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
 
     model = ModelFile(model_path or default_model())
     vocab = Vocab.from_gguf(model.reader)
-    service = Service(model, vocab, api_key=api_key, metrics=metrics)
+    check_gpu_layers(gpu_layers, model.hparams.n_layer)
+    n_ctx = context_size(ctx_size, model.hparams.n_ctx_train)
+    defaults = sampling_params(**sampling, n_ctx=n_ctx)  # llama-server's: for what a request leaves out
+    service = Service(model, vocab, api_key=api_key, metrics=metrics, defaults=defaults, n_predict=n_predict, n_ctx=n_ctx)
     split = parse_tensor_split(tensor_split)
 
     def load() -> Engine:
         # swa_full: the engine's sliding-window layers share the global layers' cells (orchestrator/kv.py)
         try:
-            pipe = Pipeline(model, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size,
+            pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size,
                             flash_attn=flash_attn != "off", cache_type_k=cache_type(cache_type_k),
                             cache_type_v=cache_type(cache_type_v), swa_full=True)
         except ValueError as exc:

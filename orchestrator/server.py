@@ -19,6 +19,7 @@ from orchestrator import openai_api as api
 from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError, apply_chat_template
 from orchestrator.client import WorkerError
 from orchestrator.engine import Busy, Engine, Job
+from orchestrator.sampling import SamplingParams
 from orchestrator.tokenizer import TokenizerError
 
 PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}  # llama-server's endpoints open without a key
@@ -28,8 +29,11 @@ RETRY_AFTER_S = 1
 class Service:
     """The model, its vocabulary and (once loaded) the engine, as the handlers see them."""
 
-    def __init__(self, model, vocab, *, api_key: str | None, metrics: bool):
+    def __init__(self, model, vocab, *, api_key: str | None, metrics: bool, defaults: SamplingParams | None = None,
+                 n_predict: int = -1, n_ctx: int = 0):
         self.model, self.vocab = model, vocab
+        # what a request leaves out: the server's sampling flags, -n, and -c for repeat_last_n -1
+        self.defaults, self.n_predict, self.n_ctx = defaults or SamplingParams(), n_predict, n_ctx
         self.name = model.path.name
         self.api_key, self.metrics_enabled = api_key, metrics
         self.engine: Engine | None = None
@@ -158,7 +162,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ChatTemplateError as exc:
         raise api.ApiError(400, str(exc)) from None
     tokens = s.vocab.tokenize(text, add_special=True, parse_special=True)
-    return await complete(request, api.completion(body, tokens, s.vocab, chat=True))
+    return await complete(request, api.completion(body, tokens, s, chat=True))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -177,7 +181,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tokens = checked_tokens(s, prompt)
     else:
         raise api.ApiError(400, "'prompt' must be a string or a non-empty list of token ids")
-    return await complete(request, api.completion(body, tokens, s.vocab, chat=False))
+    return await complete(request, api.completion(body, tokens, s, chat=False))
 
 
 async def complete(request: web.Request, c: api.Completion) -> web.StreamResponse:

@@ -143,6 +143,13 @@ def test_invalid_sampling_parameters(model, flags, needle):
     assert_clean_failure(done, "invalid sampling parameters", needle)
 
 
+def test_fewer_gpu_layers_than_the_model_has_are_refused(model):
+    """-ngl 99 (a llama.cpp command line's habit) is accepted elsewhere; -ngl 5 would keep layers on this
+    machine, which runs none: refused before any worker is reached."""
+    done = orchestrator("--rpc", "127.0.0.1:1", "-m", model, "-p", "hi", "-ngl", 5)
+    assert_clean_failure(done, "-ngl 5", "30 layers", "-ngl 31 or more")
+
+
 @pytest.mark.parametrize("flags,needle", [(["-ctv", "q8_0", "-fa", "off"], "V cache quantization requires flash_attn"),
                                           (["-ctk", "q3_k"], "unsupported cache type 'q3_k'")])
 def test_invalid_cache_types(model, flags, needle):

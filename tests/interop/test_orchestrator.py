@@ -55,7 +55,7 @@ def test_logit_bias_like_llama_completion(model_path, worker_pair, cpu_text):
     one token given twice."""
     plain = cpu_text(["-m", model_path, "-p", PROMPTS["fact"], "-n", 16, "--temp", 0])
     args = ["-m", model_path, "-p", PROMPTS["fact"], "-n", 16, "--temp", 0, "-l", "7042-inf", "-l", "3575+2.5",
-            "--logit-bias", "3575-0.75"]
+            "--logit-bias", "3575-0.75", "-ngl", 99]
     expected = cpu_text(args)
     assert expected != plain, "the biases changed nothing: the test cannot see them"
     done = run_orchestrator(["--rpc", ",".join(w.address for w in worker_pair), *args], worker_pair)

@@ -46,7 +46,7 @@ def oracle(bin_dir, model_path, workers, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(model_path, workers, tmp_path_factory):
     server = started(OrchestratorServer(model_path, tmp_path_factory.mktemp("serve") / "ours.log", [workers[1].address],
-                                        ["--api-key", KEY, "--metrics"], n_ctx=2048, n_parallel=4))
+                                        ["--api-key", KEY, "--metrics", "-ngl", 99], n_ctx=2048, n_parallel=4))
     yield server
     server.stop()
 
@@ -144,6 +144,35 @@ def test_quantized_kv_cache_gives_llama_servers_text(bin_dir, model_path, worker
         ours.stop()
     assert expected != with_f16_cache, "the quantized cache changed nothing: the test cannot see it"
     assert got == expected, text_diff(expected, got, "llama-server", "orchestrator serve")
+
+
+def test_the_servers_sampling_flags_are_each_requests_defaults(bin_dir, model_path, workers, tmp_path):
+    """--temp/--top-k/--repeat-penalty/-s/-n on the command line: a request that leaves them out samples
+    with them, as llama-server's; a request's own options (max_tokens above the server's -n too) win."""
+    flags = ["--temp", 0.9, "--top-k", 20, "--repeat-penalty", 1.2, "--repeat-last-n", 32, "-s", 77, "-n", 10]
+    bodies = [{"prompt": PROMPTS["list"]}, {"prompt": PROMPTS["list"], "max_tokens": 50},
+              {"prompt": PROMPTS["list"], "temperature": 0, "max_tokens": 6}]
+    own = start_workers(("reference",), tmp_path)
+    try:
+        server = started(LlamaServer(bin_dir, model_path, tmp_path / "llama-server.log", ["--rpc", own[0].address,
+                                     "-ngl", 99, *flags], n_ctx=2048, n_parallel=2))
+        try:
+            expected = [call(server, "/v1/completions", body)[2] for body in bodies]
+        finally:
+            server.stop()
+    finally:
+        stop_workers(own)
+    server = started(OrchestratorServer(model_path, tmp_path / "ours.log", [workers[2].address], flags, n_ctx=2048,
+                                        n_parallel=2))
+    try:
+        got = [call(server, "/v1/completions", body)[2] for body in bodies]
+    finally:
+        server.stop()
+    assert [e["usage"]["completion_tokens"] for e in expected] == [10, 50, 6]
+    for body, e, g in zip(bodies, expected, got):
+        assert g["choices"][0]["text"] == e["choices"][0]["text"], (body, text_diff(e["choices"][0]["text"],
+                                                                                    g["choices"][0]["text"]))
+        assert g["usage"]["completion_tokens"] == e["usage"]["completion_tokens"], body
 
 
 def test_stop_strings_cut_the_text_as_llama_servers(ours, oracle):
