@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.client import WorkerError
+from orchestrator.cxx import expf, logf, std_partial_sort
 from orchestrator.batching import Piece, Planner
 from orchestrator.sampling import Sampler, SamplingParams
 from orchestrator.waves import Waves
@@ -47,6 +48,7 @@ class Finish:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    slot: int = -1  # the slot that served the job
 
     def timings(self) -> dict:
         def per(ms: float, n: int) -> tuple[float, float]:
@@ -319,7 +321,7 @@ class Engine:
         job, now = slot.job, time.perf_counter()
         first = slot.t_first if slot.t_first is not None else now
         finish = Finish(reason, len(job.prompt) - slot.cache_n, slot.cache_n, 1e3 * (first - slot.t_start),
-                        slot.n_generated, 1e3 * (now - first))
+                        slot.n_generated, 1e3 * (now - first), slot.index)
         slot.job, slot.sampler = None, None  # before the client hears: its next /metrics sees the slot free
         del slot.tokens[slot.n_cached:]  # what was never fed (the last sampled token, an unread prompt tail)
         self._outbox.append((job, "done", finish))
@@ -337,11 +339,20 @@ class Engine:
 
 
 def log_probs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The token's log-probability and the n most likely tokens with theirs (ties: lower id first)."""
-    x = np.asarray(logits, dtype=np.float64)
-    lse = x.max() + np.log(np.exp(x - x.max()).sum())
-    top = np.lexsort((np.arange(x.size), -x))[:n]
-    return float(x[token] - lse), [(int(t), float(x[t] - lse)) for t in top]
+    """The token's log-probability and the n most likely tokens with theirs, in float32 as llama-server
+    computes them (get_token_probabilities): std::partial_sort of the first n by logit, expf of each logit
+    less the highest summed one after the other in the order that leaves (a different order moves the
+    result by up to ~1e-4), each divided by the sum, logf (of 0: -FLT_MAX, the lowest float, as there:
+    JSON has no -inf)."""
+    x = np.asarray(logits, dtype=np.float32)
+    order = list(range(x.size))
+    std_partial_sort(order, x, 0, n, x.size, rest_keys=x[n:])
+    high = x[order[0]]
+    total = np.add.accumulate(expf(x[order] - high), dtype=np.float32)[-1]
+    ids = np.array([token, *order[:n]], dtype=np.int64)
+    p = expf(x[ids] - high) / total
+    lp = [float(logf(v)) if v > 0 else float(np.finfo(np.float32).min) for v in p]
+    return lp[0], [(int(t), v) for t, v in zip(ids[1:], lp[1:])]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

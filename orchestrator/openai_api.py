@@ -14,6 +14,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from orchestrator.sampling import LLAMA_DEFAULT_SEED, SamplingParams
 
 
@@ -40,6 +42,8 @@ class Completion:
     chat: bool
     n_probs: int = 0  # > 0: report log-probabilities (the token's and top_logprobs of the most likely)
     top_logprobs: int = 0
+    native: bool = False  # llama-server's own POST /completion, not OpenAI's shapes
+    prompt_text: str = ""  # echoed by /completion
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -175,16 +179,17 @@ class TextStream:
     def __init__(self, vocab, stop: list[str]):
         self.vocab, self.stop = vocab, stop
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text, self.sent, self.stopped = "", 0, False
+        self.text, self.sent, self.stopped, self.word = "", 0, False, ""
 
     def push(self, token: int) -> str:
         """Adds a token; returns the text now safe to send."""
         if self.stopped:
             return ""
         self.text += self.decoder.decode(self.vocab.token_to_piece(token))
-        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0]
         if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
+            at, self.word = min(hits, key=lambda hit: hit[0])
+            self.text, self.stopped = self.text[:at], True
             return self._take(len(self.text))
         held = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
         return self._take(len(self.text) - held)
@@ -236,3 +241,45 @@ def usage_chunk(c: Completion, model: str, finish) -> dict:
     return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": "chat.completion.chunk" if c.chat else
             "text_completion", "created": c.created, "model": model, "choices": [],
             "usage": usage(c, finish.predicted_n), "timings": finish.timings()}
+
+
+# -- llama-server's own POST /completion ---------------------------------------------------------------------
+
+
+def generation_settings(c: Completion) -> dict:
+    """The request's sampling as llama-server reports it (float32 values, as its floats are)."""
+    p = c.params
+
+    def f32(x: float) -> float:
+        return float(np.float32(x))
+
+    return {"seed": p.seed, "temperature": f32(p.temp), "top_k": p.top_k, "top_p": f32(p.top_p), "min_p": f32(p.min_p),
+            "repeat_last_n": p.repeat_last_n, "repeat_penalty": f32(p.repeat_penalty),
+            "presence_penalty": f32(p.presence_penalty), "frequency_penalty": f32(p.frequency_penalty),
+            "stop": c.stop, "max_tokens": c.n_predict, "n_predict": c.n_predict, "ignore_eos": c.ignore_eos,
+            "stream": c.stream, "n_probs": c.top_logprobs,
+            "logit_bias": [[t, False if b == -math.inf else b] for t, b in p.logit_bias],  # JSON has no -inf
+            "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}
+
+
+def native_chunk(c: Completion, text: str, token: int, n_predicted: int, logprobs: dict | None) -> dict:
+    """One streamed token of /completion."""
+    out = {"index": 0, "content": text, "tokens": [token], "stop": False, "id_slot": -1,
+           "tokens_predicted": n_predicted, "tokens_evaluated": len(c.tokens)}
+    if logprobs is not None:
+        out["completion_probabilities"] = [logprobs]
+    return out
+
+
+def native_final(c: Completion, model: str, text: str, finish, word: str | None, logprobs: list[dict]) -> dict:
+    """/completion's answer, or its stream's last event (text "" and no probabilities there). `word`: the
+    stop string that ended it, if one did."""
+    stop_type = "word" if word else ("eos" if finish.reason == "stop" else "limit")
+    out = {"index": 0, "content": text, "tokens": [], "id_slot": finish.slot, "stop": True, "model": model,
+           "tokens_predicted": finish.predicted_n, "tokens_evaluated": len(c.tokens),
+           "generation_settings": generation_settings(c), "prompt": c.prompt_text, "has_new_line": "\n" in text,
+           "truncated": False, "stop_type": stop_type, "stopping_word": word or "",
+           "tokens_cached": len(c.tokens) + max(finish.predicted_n - 1, 0), "timings": finish.timings()}
+    if c.n_probs and not c.stream:
+        out["completion_probabilities"] = logprobs
+    return out

@@ -10,6 +10,7 @@ frees its slot at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -99,6 +100,18 @@ async def models(request: web.Request) -> web.Response:
                                                           "owned_by": "llamacpp", "meta": meta}]})
 
 
+async def props(request: web.Request) -> web.Response:
+    """llama-server's GET /props: what clients read to set themselves up (context, slots, template)."""
+    s: Service = request.app["service"]
+    engine = s.ready()
+    defaults = api.generation_settings(api.completion({}, [], s, chat=False))
+    return web.json_response({
+        "default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": defaults},  # a slot's, as -np N there
+        "total_slots": len(engine.slots), "model_alias": s.name, "model_path": str(s.model.path),
+        "modalities": {"vision": False, "video": False, "audio": False}, "chat_template": s.template,
+        "bos_token": s.piece(s.vocab.bos), "eos_token": s.piece(s.vocab.eos), "build_info": "orchestrator"})
+
+
 async def metrics(request: web.Request) -> web.Response:
     s: Service = request.app["service"]
     if not s.metrics_enabled:
@@ -169,6 +182,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
     s: Service = request.app["service"]
     s.ready()
     body = await json_body(request)
+    return await complete(request, api.completion(body, prompt_tokens(s, body), s, chat=False))
+
+
+async def completion_native(request: web.Request) -> web.StreamResponse:
+    """llama-server's own POST /completion: its field names, answer and stream events (no [DONE])."""
+    s: Service = request.app["service"]
+    s.ready()
+    body = await json_body(request)
+    c = api.completion(body, prompt_tokens(s, body), s, chat=False)
+    c.native = True
+    prompt = body.get("prompt")
+    c.prompt_text = prompt if isinstance(prompt, str) else \
+        b"".join(s.vocab.token_to_piece(t) for t in c.tokens).decode("utf-8", "replace")
+    return await complete(request, c)
+
+
+def prompt_tokens(s: Service, body: dict) -> list[int]:
+    """A completion's "prompt": a string (tokenized with the special tokens it names) or token ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -181,7 +212,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tokens = checked_tokens(s, prompt)
     else:
         raise api.ApiError(400, "'prompt' must be a string or a non-empty list of token ids")
-    return await complete(request, api.completion(body, tokens, s, chat=False))
+    return tokens
 
 
 async def complete(request: web.Request, c: api.Completion) -> web.StreamResponse:
@@ -217,7 +248,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             await stream.prepare(request)
             if c.chat:
                 await send(stream, api.chunk(c, s.name, None, role=True))
-        collected, logprobs, stopped = [], [], False
+        collected, logprobs, stopped, n_out = [], [], False, 0
         while True:
             kind, value = await events.get()
             if kind == "error":
@@ -232,19 +263,35 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             if text.stopped:
                 continue  # tokens already in flight when the job was cancelled
             token, probs = value
+            n_out += 1
             delta = text.push(token)
             entry = api.logprob_entry(s.vocab, c, token, probs) if probs is not None else None
             if text.stopped:
                 stopped = True
                 engine.cancel(job)
-            if stream is not None and (delta or entry is not None):
+            if stream is not None and c.native:
+                await send(stream, api.native_chunk(c, delta, token, n_out, entry))
+            elif stream is not None and (delta or entry is not None):
                 await send(stream, api.chunk(c, s.name, delta, logprobs=entry))
             collected.append(delta)
             if entry is not None:
                 logprobs.append(entry)
         finish = value
+        if stopped:  # tokens computed after the stop string's (in flight when it came) do not count
+            finish = dataclasses.replace(finish, predicted_n=n_out)
         collected.append(text.finish())
         reason = "stop" if stopped or finish.reason == "stop" else "length"
+        if stopped and stream is None:  # as llama-server: the stop string's tokens' probabilities dropped
+            n_word = len(s.vocab.tokenize(text.word, add_special=False, parse_special=False))
+            del logprobs[max(0, len(logprobs) - n_word):]
+        if c.native:
+            word = text.word if stopped else None
+            if stream is None:
+                return web.json_response(api.native_final(c, s.name, "".join(collected), finish, word, logprobs))
+            if collected[-1]:
+                await send(stream, api.native_chunk(c, collected[-1], token, n_out, None))
+            await send(stream, api.native_final(c, s.name, "", finish, word, logprobs))
+            return stream
         if stream is None:
             return web.json_response(api.response(c, s.name, "".join(collected), reason, finish, logprobs))
         if collected[-1]:
@@ -273,8 +320,10 @@ def make_app(service: Service) -> web.Application:
     app.router.add_get("/models", models)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/props", props)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/completion", completion_native)
     app.router.add_post("/completions", completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/chat/completions", chat_completions)

@@ -200,6 +200,50 @@ def test_tokenize_and_detokenize_agree_with_llama_server(ours, oracle):
         assert call(ours, "/detokenize", {"tokens": got["tokens"]})[2]["content"] == expected
 
 
+def events(server, path: str, body: dict) -> list[dict]:
+    """The JSON events of a server-sent event stream, read to its end."""
+    status, _, text = call(server, path, body)
+    assert status == 200 and isinstance(text, str), text
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line[6:] != "[DONE]"]
+
+
+def test_native_completion_endpoint_and_props_answer_as_llama_servers(ours, oracle):
+    """llama-server's own POST /completion (n_predict, n_probs, stop_type, its stream of token events with no
+    [DONE]) and GET /props, field by field against llama-server on the same kind of worker."""
+    body = {"prompt": PROMPTS["fact"], "n_predict": 8, "temperature": 0, "stop": ["."], "n_probs": 2}
+    expected, got = call(oracle, "/completion", body)[2], call(ours, "/completion", body)[2]
+    same = ("content", "stop", "tokens_predicted", "tokens_evaluated", "prompt", "has_new_line", "stop_type",
+            "stopping_word", "tokens_cached")
+    assert {k: got[k] for k in same} == {k: expected[k] for k in same}
+    assert expected["stop_type"] == "word" and len(expected["completion_probabilities"]) == 1  # "." left out
+    for e, g in zip(expected["completion_probabilities"], got["completion_probabilities"], strict=True):
+        assert [e["id"]] + [t["id"] for t in e["top_logprobs"]] == [g["id"]] + [t["id"] for t in g["top_logprobs"]]
+        assert e["logprob"] == g["logprob"]  # float32 softmax summed in llama-server's order
+        assert [t["logprob"] for t in e["top_logprobs"]] == [t["logprob"] for t in g["top_logprobs"]]
+    assert got["generation_settings"]["top_p"] == expected["generation_settings"]["top_p"]  # float32, as there
+    assert got["timings"]["predicted_n"] == expected["timings"]["predicted_n"]
+    # log-probabilities in OpenAI's shape too, summed in llama-server's order (a sorted or pairwise sum
+    # moves them by up to ~1e-4)
+    body = {"prompt": "Quietly, the orchestra tuned their instruments before", "max_tokens": 6, "temperature": 0,
+            "logprobs": 3}
+    expected, got = (call(server, "/v1/completions", body)[2]["choices"][0]["logprobs"] for server in (oracle, ours))
+    assert got == expected
+
+    tokens = call(oracle, "/tokenize", {"content": PROMPTS["list"]})[2]["tokens"]
+    body = {"prompt": tokens, "n_predict": 6, "temperature": 0, "stream": True}
+    expected, got = events(oracle, "/completion", body), events(ours, "/completion", body)
+    assert "".join(e["content"] for e in got) == "".join(e["content"] for e in expected)
+    assert [t for e in got for t in e["tokens"]] == [t for e in expected for t in e["tokens"]]
+    assert [e["stop"] for e in got].count(True) == 1 and got[-1]["stop"]
+    for key in ("tokens_predicted", "tokens_evaluated", "stop_type", "prompt"):
+        assert got[-1][key] == expected[-1][key], key
+
+    expected, got = call(oracle, "/props")[2], call(ours, "/props")[2]
+    for key in ("total_slots", "chat_template", "bos_token", "eos_token"):
+        assert got[key] == expected[key], key
+    assert got["default_generation_settings"]["n_ctx"] == expected["default_generation_settings"]["n_ctx"]
+
+
 # -- the openai client --------------------------------------------------------------------------------------
 
 
