@@ -184,6 +184,10 @@ def test_stop_strings_cut_the_text_as_llama_servers(ours, oracle):
                                                       "stop": [stop, "never appears"]})
     assert status == 200 and reply["choices"][0]["text"] == expected, reply
     assert reply["choices"][0]["finish_reason"] == "stop"
+    oracles = call(oracle, "/v1/completions", {"prompt": PROMPTS["list"], "temperature": 0, "max_tokens": N,
+                                               "stop": [stop, "never appears"]})[2]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # up to the stop string's last token
+    assert {k: reply["usage"][k] for k in counts} == {k: oracles["usage"][k] for k in counts}
     streamed = client(ours).completions.create(model="any", prompt=PROMPTS["list"], temperature=0, max_tokens=N,
                                               stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected
