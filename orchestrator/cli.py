@@ -62,12 +62,15 @@ def sampling_options(command):
         click.option("--presence-penalty", default=0.0, help="repeat alpha presence penalty (0.0 = disabled)"),
         click.option("--frequency-penalty", default=0.0, help="repeat alpha frequency penalty (0.0 = disabled)"),
         click.option("-s", "--seed", default=-1, help="RNG seed (-1 = random)"),
-        click.option("-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", default="auto",
-                     help="layers on the workers: always all of them (llama.cpp's -ngl 99, 'all' and 'auto' are "
-                          "accepted; fewer is refused)"),
     ]):
         command = option(command)
     return command
+
+
+gpu_layers_option = click.option(
+    "-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", default="auto",
+    help="layers on the workers: always all of them (llama.cpp's -ngl 99, 'all' and 'auto' are accepted; fewer "
+         "is refused)")
 
 
 def sampling_params(*, temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
@@ -108,6 +111,7 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
 @click.option("-b", "--batch-size", default=2048, type=click.IntRange(min=1), help="logical batch size")
 @click.option("-ub", "--ubatch-size", default=512, type=click.IntRange(min=1), help="physical batch size")
 @sampling_options
+@gpu_layers_option
 @click.option("--ignore-eos", is_flag=True, help="ignore end of stream tokens and continue generating")
 @click.option("-l", "--logit-bias", multiple=True, callback=lambda ctx, param, value: [parse_logit_bias(v) for v in value],
               metavar="TOKEN_ID(+/-)BIAS", help="add BIAS to a token's logit, e.g. 15043+1 or 15043-inf (repeatable)")

@@ -29,9 +29,9 @@ from typing import Callable
 
 import numpy as np
 
+from orchestrator.batching import Piece, Planner
 from orchestrator.client import WorkerError
 from orchestrator.cxx import expf, logf, std_partial_sort
-from orchestrator.batching import Piece, Planner
 from orchestrator.sampling import Sampler, SamplingParams
 from orchestrator.waves import Waves
 

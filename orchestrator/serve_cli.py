@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from orchestrator.cli import (CliError, check_gpu_layers, default_model, log, log_placement, parse_tensor_split,
-                              sampling_options, sampling_params, upload_with_progress_bar)
+from orchestrator.cli import (CliError, check_gpu_layers, default_model, gpu_layers_option, log, log_placement,
+                              parse_tensor_split, sampling_options, sampling_params, upload_with_progress_bar)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -35,6 +35,7 @@ from orchestrator.cli import (CliError, check_gpu_layers, default_model, log, lo
 @click.option("-n", "--n-predict", default=-1, type=click.IntRange(min=-1),
               help="tokens a request generates when it does not say (-1 = until end of text or its slot is full)")
 @sampling_options
+@gpu_layers_option
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="require this key (Authorization: Bearer)")
 @click.option("--metrics", is_flag=True, help="enable the Prometheus /metrics endpoint")
 @click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
