@@ -57,18 +57,17 @@ def softmax_impl(c: Candidates) -> None:
 
 class LogitBias:
     """llama_sampler_logit_bias: each (token, bias) entry added to its token's logit in turn (a token given
-    twice gets both), before every other sampler; a token outside the candidates is left alone."""
+    twice gets both), before every other sampler; a token outside the vocabulary is left alone."""
 
     def __init__(self, entries):
-        self.entries = [(int(t), F32(b)) for t, b in entries]
+        self.tokens = np.array([t for t, _ in entries], dtype=np.int64)
+        self.biases = np.array([b for _, b in entries], dtype=F32)
 
     def apply(self, c: Candidates) -> None:
-        for token, bias in self.entries:
-            # The chain starts from the vocabulary in id order (an id is its position), as llama.cpp's
-            # fast path assumes; otherwise the id is looked for, as there.
-            at = token if 0 <= token < len(c) and c.ids[token] == token else np.flatnonzero(c.ids == token)
-            with np.errstate(invalid="ignore", over="ignore"):
-                c.logits[at] = c.logits[at] + bias
+        # First in the chain: the candidates are the vocabulary in id order, an id is its position.
+        keep = (self.tokens >= 0) & (self.tokens < len(c))
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.add.at(c.logits, self.tokens[keep], self.biases[keep])  # unbuffered: entry after entry
 
 
 class Penalties:
