@@ -52,10 +52,10 @@ def test_seeded_sampling_like_llama_completion(model_path, worker_pair, cpu_text
 
 def test_logit_bias_like_llama_completion(model_path, worker_pair, cpu_text):
     """-l/--logit-bias as llama-completion reads it: 7042 (" Paris") banned, 3575 (" capital") lifted,
-    one token given twice."""
+    one token given twice; with presence and frequency penalties."""
     plain = cpu_text(["-m", model_path, "-p", PROMPTS["fact"], "-n", 16, "--temp", 0])
     args = ["-m", model_path, "-p", PROMPTS["fact"], "-n", 16, "--temp", 0, "-l", "7042-inf", "-l", "3575+2.5",
-            "--logit-bias", "3575-0.75", "-ngl", 99]
+            "--logit-bias", "3575-0.75", "-ngl", 99, "--presence-penalty", 0.6, "--frequency-penalty", 0.4]
     expected = cpu_text(args)
     assert expected != plain, "the biases changed nothing: the test cannot see them"
     done = run_orchestrator(["--rpc", ",".join(w.address for w in worker_pair), *args], worker_pair)

@@ -163,6 +163,7 @@ PARAMS = {
     "unfiltered": SamplingParams(seed=3, top_k=0, top_p=1.0, min_p=0.0, temp=1.0),
     "greedy": SamplingParams(seed=0, temp=0.0),
     "hot-top-1": SamplingParams(seed=2, temp=1.7, top_k=1),
+    "presence-frequency": SamplingParams(seed=13, repeat_last_n=16, frequency_penalty=0.4, presence_penalty=0.7),
     # a ban, a token given twice, ids past a small vocabulary, the favourite of "few-values" raised
     "biased": SamplingParams(seed=21, logit_bias=((3, float("-inf")), (40, 2.5), (40, 1.25), (77, -1.0),
                                                   (5000, 8.0), (49151, 0.5))),
