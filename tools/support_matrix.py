@@ -1,8 +1,8 @@
-"""The worker's support matrix (op x types), generated from the kernel table and kept in the README.
+"""The worker's support matrix (op x types), generated from the kernel table and kept in docs/worker.md.
 
     python tools/support_matrix.py            # print the table
-    python tools/support_matrix.py --write    # replace the table between the README's markers
-    python tools/support_matrix.py --check    # exit 1 if the README's table is stale
+    python tools/support_matrix.py --write    # replace the table between the markers in docs/worker.md
+    python tools/support_matrix.py --check    # exit 1 if the table in docs/worker.md is stale
 
 Nothing here knows what a kernel supports: every registered kernel's own `check(node)` is asked about
 small synthetic nodes, one per combination of types in its slots (weights, activations, indices,
@@ -25,7 +25,7 @@ from kernels import InvalidNode, Node, Tensor, load_all  # noqa: E402
 from kernels.registry import KERNELS, op_label  # noqa: E402
 from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "worker.md"
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 
 T = GGMLType
@@ -261,29 +261,29 @@ def _labels(labels: list[str]) -> str:
 def readme_with(text: str, matrix: str) -> str:
     start, stop = text.find(BEGIN), text.find(END)
     if start < 0 or stop < start:
-        raise SystemExit(f"support_matrix: {README} has no {BEGIN} ... {END} markers")
+        raise SystemExit(f"support_matrix: {DOC} has no {BEGIN} ... {END} markers")
     return text[: start + len(BEGIN)] + "\n" + matrix + "\n" + text[stop:]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="update the table in README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's table is stale")
+    mode.add_argument("--write", action="store_true", help="update the table in docs/worker.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the table in docs/worker.md is stale")
     args = parser.parse_args(argv)
     matrix = table()
     if not (args.write or args.check):
         print(matrix)
         return 0
-    text = README.read_text(encoding="utf-8")
+    text = DOC.read_text(encoding="utf-8")
     updated = readme_with(text, matrix)
     if args.check:
         if updated != text:
-            print(f"{README.name}: the support matrix is stale; run python tools/support_matrix.py --write",
+            print(f"{DOC.name}: the support matrix is stale; run python tools/support_matrix.py --write",
                   file=sys.stderr)
             return 1
         return 0
-    README.write_text(updated, encoding="utf-8")
+    DOC.write_text(updated, encoding="utf-8")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The README's support matrix is generated from the kernel table and must not go stale or overstate."""
+"""The support matrix in docs/worker.md is generated from the kernel table and must not go stale or overstate."""
 from __future__ import annotations
 
 import itertools
@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOL = REPO_ROOT / "tools" / "support_matrix.py"
 
 
-def test_readme_matrix_is_current():
+def test_documented_matrix_is_current():
     done = subprocess.run([sys.executable, str(TOOL), "--check"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr + done.stdout
 
