@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_SIZES
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from fuzzing import at_least
 from rpcserver import framing, protocol as p
 from rpcserver.memory import MemoryBudget
 from rpcserver.protocol import Command, ProtocolError
@@ -27,11 +28,6 @@ small = st.integers(0, 70)
 # has in an older layout taken from llama.cpp's ggml-common.h (block_q8_1: two halves and 32 quants;
 # block_q2_0: one half and 64 2-bit quants)
 BLOCKS = {int(t): v for t, v in GGML_QUANT_SIZES.items()} | {9: (32, 36), 42: (64, 18)}
-
-
-def at_least(n: int) -> int:
-    """n examples, or the settings profile's count when it asks for more (tools/fuzz.py's long runs)."""
-    return max(n, settings().max_examples)
 
 
 def span(t: p.RpcTensor) -> int:
