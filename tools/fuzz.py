@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", type=int, default=5000, help="examples per test and round (default 5000)")
     ap.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (default: until the time is up)")
     ap.add_argument("--seed", type=int, help="the first round's seed (default: random)")
-    ap.add_argument("tests", nargs="*", default=list(FUZZ_TESTS), help=f"test files or ids (default: {' '.join(FUZZ_TESTS)})")
+    ap.add_argument("tests", nargs="*", default=list(FUZZ_TESTS),
+                    help=f"test files or ids (default: {' '.join(FUZZ_TESTS)})")
     args = ap.parse_args(argv)
 
     deadline = time.monotonic() + args.minutes * 60

@@ -168,3 +168,16 @@ def test_set_tensor_received_in_place_never_touches_memory_outside_the_named_ten
         start = t.data - base
         assert written[0] == start + offset and written[-1] < start + span(t)
         assert bytes(buf.mem[written]) == payload
+
+
+def test_buffer_addresses_stay_below_2_64():
+    """BUFFER_GET_BASE packs an address the worker chose as it allocated: an ALLOC_BUFFER whose address
+    range would pass 2^64 answers 0,0 as one that does not fit, and the worker goes on."""
+    s = Session(WorkerConfig(MemoryBudget(1 << 20)))
+    s.config.budget._next_address = 2**64 - 3 * 4096  # as after ~2^64 bytes allocated and freed
+    first = p.AllocBufferResponse.decode(s.handle(Command.ALLOC_BUFFER, p.AllocBufferRequest(0, 4096)))
+    base = p.U64Response.decode(s.handle(Command.BUFFER_GET_BASE, p.BufferRequest(first.remote_ptr))).value
+    assert first.remote_size == 4096 and base + 4096 <= 2**64
+    refused = p.AllocBufferResponse.decode(s.handle(Command.ALLOC_BUFFER, p.AllocBufferRequest(0, 4096)))
+    assert (refused.remote_ptr, refused.remote_size) == (0, 0)
+    assert p.DeviceCountResponse.decode(s.handle(Command.DEVICE_COUNT, p.Empty())).device_count == 1
