@@ -20,7 +20,7 @@ _NO_CLOCK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", _BASE, **_NO_CLOCK)
 settings.register_profile("ci", _BASE, derandomize=True, print_blob=True, **_NO_CLOCK)
 settings.register_profile("fuzz", _BASE, print_blob=True,
-                          max_examples=int(os.environ.get("PYRPC_FUZZ_EXAMPLES", "20000")), **_NO_CLOCK)
+                          max_examples=int(os.environ.get("PYRPC_FUZZ_EXAMPLES", "5000")), **_NO_CLOCK)
 _IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _IN_CI else "dev"))
 
