@@ -328,12 +328,14 @@ def check_flash_attn_ext(node: Node) -> None:
             raise InvalidNode(f"FLASH_ATTN_EXT: rows of {name} must be contiguous")
     if k.ne[0] != q.ne[0] or v.ne[1] != k.ne[1]:
         raise InvalidNode(f"FLASH_ATTN_EXT: q {q.ne}, k {k.ne}, v {v.ne} do not fit together")
-    if q.ne[3] != k.ne[3] or q.ne[3] != v.ne[3] or q.ne[2] % k.ne[2] or q.ne[2] % v.ne[2]:
+    if (q.ne[3] != k.ne[3] or q.ne[3] != v.ne[3] or k.ne[2] <= 0 or v.ne[2] <= 0
+            or q.ne[2] % k.ne[2] or q.ne[2] % v.ne[2]):
         raise InvalidNode(f"FLASH_ATTN_EXT: heads of q {q.ne} do not broadcast over k {k.ne} / v {v.ne}")
     if mask is not None:
         if mask.type != GGMLType.F16 or mask.nb[0] != 2:
             raise InvalidNode("FLASH_ATTN_EXT: mask must be F16 with contiguous rows")
-        if mask.ne[0] < k.ne[1] or mask.ne[1] < q.ne[1] or q.ne[2] % mask.ne[2] or q.ne[3] % mask.ne[3]:
+        if (mask.ne[0] < k.ne[1] or mask.ne[1] < q.ne[1] or mask.ne[2] <= 0 or mask.ne[3] <= 0
+                or q.ne[2] % mask.ne[2] or q.ne[3] % mask.ne[3]):
             raise InvalidNode(f"FLASH_ATTN_EXT: mask {mask.ne} does not cover q {q.ne} x n_kv {k.ne[1]}")
     elif p.max_bias > 0:
         raise InvalidNode("FLASH_ATTN_EXT: max_bias (ALiBi) needs a mask")

@@ -93,7 +93,7 @@ def check_soft_max(node: Node) -> None:
             raise InvalidNode("SOFT_MAX: mask must be F32 or F16 with contiguous rows")
         if mask.ne[0] != src.ne[0] or mask.ne[1] < src.ne[1]:
             raise InvalidNode(f"SOFT_MAX: mask {mask.ne} does not cover rows of {src.ne}")
-        if src.ne[2] % mask.ne[2] or src.ne[3] % mask.ne[3]:
+        if mask.ne[2] <= 0 or mask.ne[3] <= 0 or src.ne[2] % mask.ne[2] or src.ne[3] % mask.ne[3]:
             raise InvalidNode(f"SOFT_MAX: mask {mask.ne} does not broadcast to {src.ne}")
     elif max_bias > 0.0:
         raise InvalidNode("SOFT_MAX: max_bias (ALiBi) needs a mask")

@@ -10,6 +10,9 @@ A wire tensor record becomes memory in one checked step, as ggml-rpc's deseriali
 `BufferTable.locate` checks its type, its buffer and its byte range once, and `BufferTable.tensor` turns
 it into the kernels' Tensor. Whatever a request may not touch raises RequestError, the one error the
 session turns into a closed connection.
+
+Sizes computed from wire fields (`wire_nbytes`) are exact and must fit the u64 the wire carries
+(protocol_spec.md §3): ggml's size_t arithmetic would wrap a larger one into a small number.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kernels.ggml import TYPE_OF_NUMBER, TypeTraits, nbytes, type_traits
 from .protocol import RpcTensor
 
 ALIGNMENT = 32  # as ggml's CPU buffers (TENSOR_ALIGNMENT)
+WIRE_MAX = (1 << 64) - 1  # the largest size or address a u64 field of the protocol carries
 _ADDRESS_SPACE_START = 0x1000_0000
 _PAGE = 4096
 
@@ -52,6 +56,16 @@ def checked_type(rec: RpcTensor) -> TypeTraits:
         raise RequestError(f"tensor {tensor_label(rec)}: ne[0]={rec.ne[0]} is not a multiple of the block "
                            f"size {traits.block_size}")
     return traits
+
+
+def wire_nbytes(rec: RpcTensor) -> int:
+    """ggml_nbytes of a record of a live type, exactly; RequestError when no u64 can hold it (ne and nb
+    are u32, so their products reach about 2^66; ggml's size_t would wrap, protocol_spec.md §3)."""
+    size = nbytes(TYPE_OF_NUMBER[rec.type], rec.ne, rec.nb)
+    if size > WIRE_MAX:
+        raise RequestError(f"tensor {tensor_label(rec)} (ne={rec.ne}, nb={rec.nb}) spans {size} bytes, "
+                           f"more than a 64-bit size holds")
+    return size
 
 
 def system_memory() -> tuple[int, int]:
@@ -93,12 +107,12 @@ class MemoryBudget:
                 fits = size <= self.limit - self.used
             else:
                 fits = size <= system_memory()[0]
-            if not fits:
+            # leave a gap of at least one page so no two buffers' address ranges touch
+            base, end = self._next_address, self._next_address + (size + 2 * _PAGE - 1) // _PAGE * _PAGE
+            if not fits or end > WIRE_MAX:  # (a 64-bit address space used up: no address to give)
                 return None
             self.used += size
-            base = self._next_address
-            # leave a gap of at least one page so no two buffers' address ranges touch
-            self._next_address += (size + 2 * _PAGE - 1) // _PAGE * _PAGE
+            self._next_address = end
             return next(self._handles), base
 
     def release(self, size: int) -> None:
@@ -187,7 +201,7 @@ class BufferTable:
 
     def _span(self, tensor: RpcTensor) -> tuple[Buffer, int, int]:
         buf = self.get(tensor.buffer)
-        size = nbytes(TYPE_OF_NUMBER[tensor.type], tensor.ne, tensor.nb)
+        size = wire_nbytes(tensor)
         offset = tensor.data - buf.base
         if not (0 <= offset <= buf.size and size <= buf.size - offset):
             raise RequestError(

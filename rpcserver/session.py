@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from . import protocol as p
-from kernels.ggml import GGMLType, nbytes, type_traits
+from kernels.ggml import type_traits
 from .graph import Plan, build_plan, run_plan
 from kernels.hashing import fnv1a64
 from kernels.target import AVX2, Target
-from .memory import ALIGNMENT, BufferTable, MemoryBudget, RequestError
+from .memory import ALIGNMENT, BufferTable, MemoryBudget, RequestError, wire_nbytes
 from .peers import LOOP_COMMANDS, TokenTable
 from .protocol import Command, ProtocolError
 
@@ -115,7 +115,8 @@ class Session:
         traits = type_traits(t.type)  # the type only: a size is asked for before any block rule applies
         if traits is None or traits.block_size == 0:
             raise RequestError(f"invalid tensor type {t.type}")
-        return p.U64Response(nbytes(GGMLType(t.type), t.ne, t.nb)).encode()
+        # exact, or refused when no u64 holds it (llama.cpp's worker answers it modulo 2^64)
+        return p.U64Response(wire_nbytes(t)).encode()
 
     # -- buffers ---------------------------------------------------------------------------------
 

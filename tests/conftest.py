@@ -2,11 +2,27 @@ import os
 import pathlib
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 # The pinned reference is llama.cpp built with GGML_NATIVE=OFF (AVX2): every worker the tests start, the
 # orchestrator's local ones included, computes as that build whatever this host's CPU is (rpc-server
 # --isa reads PYRPC_ISA). tests/interop/test_avx512.py passes --isa avx512 for the AVX-512 build.
 os.environ["PYRPC_ISA"] = "avx2"
+
+# Hypothesis profiles. Locally the search is random (a new seed each run, failures replayed from
+# .hypothesis/); with CI=true it is derandomized: the examples derive from each test's own source, so CI
+# passes or fails on the code, never on the draw, and a failure prints its @reproduce_failure blob.
+# Nothing time-based may fail a test in either (the machine is shared). tools/fuzz.py runs the long
+# random search ("fuzz": PYRPC_FUZZ_EXAMPLES per test, a seed of its own). HYPOTHESIS_PROFILE overrides.
+# (hypothesis loads a "ci" profile of its own when it sees a CI variable: ours start from its defaults)
+_BASE = settings.get_profile("default")
+_NO_CLOCK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", _BASE, **_NO_CLOCK)
+settings.register_profile("ci", _BASE, derandomize=True, print_blob=True, **_NO_CLOCK)
+settings.register_profile("fuzz", _BASE, print_blob=True,
+                          max_examples=int(os.environ.get("PYRPC_FUZZ_EXAMPLES", "5000")), **_NO_CLOCK)
+_IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _IN_CI else "dev"))
 
 _TIER_BY_DIR = {"unit": "unit", "kernels": "kernels", "integration": "integration", "interop": "interop"}
 

@@ -110,6 +110,27 @@ def test_set_and_get_outside_the_buffer(connect, how):
     assert_closed(c)
 
 
+U32 = 2**32 - 1
+
+
+@pytest.mark.parametrize("ne, nb", [((1, 1, U32, 29), (0, 301, U32, 536270968)),  # 2^64 + 2^31 bytes
+                                    ((1, 3, U32, 2), (0, U32, U32, U32 - 1))])  # 2^64 + 2 bytes as F32
+def test_a_size_past_64_bits_is_refused_with_one_log_line(worker, connect, ne, nb):
+    """ggml_nbytes of these records does not fit a u64 (llama.cpp's worker answers it modulo 2^64): the
+    request is refused as any bad one, one line naming command and reason, no traceback."""
+    log_start = worker.log_path.stat().st_size
+    c = connect()
+    t = p.RpcTensor(id=0x77, type=int(GGMLType.F32), ne=ne, nb=nb)
+    c.send(Command.GET_ALLOC_SIZE, p.GetAllocSizeRequest(0, t, ()))
+    assert_closed(c)
+    with open(worker.log_path, "rb") as f:  # the worker logs the refusal before it closes the connection
+        f.seek(log_start)
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    assert "Traceback" not in "\n".join(lines), lines
+    refusals = [line for line in lines if "GET_ALLOC_SIZE" in line]
+    assert len(refusals) == 1 and "64-bit" in refusals[0] and "closing the connection" in refusals[0], lines
+
+
 def test_memset_outside_the_tensor(connect):
     c = connect()
     g = GraphBuilder(c, size=4096)

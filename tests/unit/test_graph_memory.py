@@ -14,7 +14,8 @@ import itertools
 import numpy as np
 import pytest
 
-from kernels.registry import KERNELS
+from kernels import InvalidNode, Node, Tensor
+from kernels.registry import KERNELS, lookup
 from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
 from rpcserver.graph import build_plan, run_plan
 from rpcserver.memory import RequestError
@@ -126,8 +127,6 @@ def test_a_none_node_in_another_servers_buffer_is_accepted():
 
 def test_perplexity_default_batch_last_layer():
     """The node llama-perplexity -b 2048 sent: MUL of an empty (576, 0) activation by a (576, 1) norm."""
-    from kernels import Tensor
-
     wire = Wire()
     a = wire.tensor(Tensor.new(GGMLType.F32, (576, 0)), ne=(576, 0, 1, 1))
     w = wire.tensor(Tensor.new(GGMLType.F32, (576, 1)))
@@ -148,3 +147,22 @@ def test_a_tensor_with_more_elements_than_the_connections_memory_is_refused(op, 
     victim.nb = (victim.nb[0], 0, 0, 0)
     with pytest.raises(RequestError, match="more elements than all"):
         wire.plan(dst)
+
+
+@pytest.mark.parametrize("op,sub", KERNEL_KEYS, ids=lambda v: str(v))
+def test_a_source_with_an_empty_dimension_is_checked_not_divided_by(op, sub):
+    """A source may be empty (some ne[i] = 0, its strides anything) under a result that is not: each
+    kernel's check accepts or refuses it (InvalidNode, which the graph turns into a refusal) and never
+    divides by its sizes (SOFT_MAX's and FLASH_ATTN_EXT's broadcast checks took a modulo by a mask's
+    or K's head count: ZeroDivisionError, a traceback in the worker's log)."""
+    node = _probe_node(op, sub)
+    for i, s in enumerate(node.src):
+        for dim in range(4) if s is not None else ():
+            ne = s.ne[:dim] + (0,) + s.ne[dim + 1:]
+            src = list(node.src)
+            src[i] = Tensor.trusted(s.type, ne, (s.nb[0],) + (2**32 - 1,) * 3, s.mem, 0, s.name)
+            emptied = Node(node.op, node.dst, src, node.params, node.name, node.target)
+            try:
+                lookup(emptied).check(emptied)
+            except InvalidNode:
+                pass

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fuzzing import at_least
 from rpcserver import framing, protocol as p
 from rpcserver.framing import FrameReader
 from rpcserver.protocol import Command, ProtocolError
@@ -277,7 +278,7 @@ def test_place_refusing_the_destination_fails_the_reader_for_good():
     assert (arena.mem == 0xEE).all()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=at_least(300), deadline=None)
 @given(stream=st.binary(max_size=1200), offset=st.integers(0, 80), extra=st.binary(max_size=40))
 def test_fuzz_set_tensor_streams_with_place_frame_or_raise_and_stay_in_the_arena(stream, offset, extra):
     arena = Arena(size=64)
@@ -299,7 +300,7 @@ def test_fuzz_set_tensor_streams_with_place_frame_or_raise_and_stay_in_the_arena
 
 
 @pytest.mark.parametrize("command", list(Command))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=at_least(60), deadline=None)
 @given(payload=st.binary(max_size=700))
 def test_fuzz_any_payload_decodes_or_raises_protocol_error(command, payload):
     try:
@@ -308,7 +309,7 @@ def test_fuzz_any_payload_decodes_or_raises_protocol_error(command, payload):
         pass
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=at_least(300), deadline=None)
 @given(stream=st.binary(max_size=2000))
 def test_fuzz_any_stream_frames_or_raises_protocol_error(stream):
     r = reader()
