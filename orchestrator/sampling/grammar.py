@@ -53,7 +53,8 @@ class CompiledGrammar:
                 types.append(int(kind))
                 values.append(value)
         self.types, self.values = types, values
-        self.index: VocabIndex | None = vocab_index(vocab) if vocab is not None else None
+        self.vocab = vocab
+        self._index: VocabIndex | None = None
         self._states: list[tuple[tuple[int, ...], ...]] = []
         self._state_ids: dict[tuple, int] = {}
         self._moves: dict[tuple[int, int], int] = {}
@@ -64,6 +65,13 @@ class CompiledGrammar:
             for s in self._advance(() if self._is_end(alt) else (alt,)):
                 stacks[s] = None
         self.initial = self.state(stacks)
+
+    @property
+    def index(self) -> VocabIndex:
+        """The vocabulary's decoded pieces and trie, built on first use (a few seconds, once per vocab)."""
+        if self._index is None:
+            self._index = vocab_index(self.vocab)
+        return self._index
 
     # -- rule positions -----------------------------------------------------------------------------
 
@@ -287,7 +295,6 @@ class GrammarSampler:
                  trigger_tokens=()):
         self.grammar = compile_grammar(gbnf, vocab, root)
         self.vocab = vocab
-        self.index = self.grammar.index
         self.lazy = lazy
         self.trigger_patterns = [TriggerPattern(p) for p in trigger_patterns]
         self.trigger_tokens = [int(t) for t in trigger_tokens]
@@ -305,6 +312,10 @@ class GrammarSampler:
         other.__dict__.update(self.__dict__)
         other.trigger_positions = list(self.trigger_positions)
         return other
+
+    @property
+    def index(self) -> VocabIndex:
+        return self.grammar.index
 
     @property
     def can_end(self) -> bool:

@@ -456,3 +456,30 @@ def json_schema_to_grammar(schema: dict) -> str:
     builder = GrammarBuilder()
     builder.visit(node, "")
     return builder.format()
+
+
+# The JSON rules of llama.cpp's PEG parser builder (common/peg-parser.cpp, p.json()), which a chat
+# template's response-format grammar carries along.
+PEG_JSON_RULES = {
+    "json-array": '"[" space ("]" | json-value (space "," space json-value)* space "]")',
+    "json-bool": '"true" | "false"',
+    "json-null": '"null"',
+    "json-number": '"-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? (("e" | "E") [+-]? [0-9]+)?',
+    "json-object": '"{" space ("}" | json-string space ":" space json-value (space "," space json-string space ":" '
+                   'space json-value)* space "}")',
+    "json-string": '"\\"" ( [^"\\\\] | "\\\\" ( ["\\\\/ bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\\""',
+    "json-value": "json-object | json-array | json-string | json-number | json-bool | json-null",
+}
+
+
+def response_format_grammar(schema: dict) -> str:
+    """The grammar llama-server (--jinja, a template without reasoning) builds for a chat request's JSON
+    schema: the schema's value, fenced as ```json ... ``` or bare, after optional space. llama-server's
+    root starts with the generation prompt, which it feeds to the grammar before sampling; here the
+    root starts after it, which leaves the same tokens allowed at every step."""
+    builder = GrammarBuilder()
+    for name, rule in PEG_JSON_RULES.items():
+        builder.add_rule(name, rule)
+    value = builder.add_rule("response-format", builder.add_schema("response-format-schema", schema))
+    builder.add_rule("root", f'space space ("```json" space {value} space "```" | space {value} space)')
+    return builder.format()
