@@ -151,8 +151,10 @@ class Sampler:
         token = self._sample_unconstrained(logits)
         if self.grammar is None or self.grammar.allows(token):
             return token
-        c = self.candidates(logits, grammar=True)
-        return int(c.ids[c.selected])
+        masked = np.array(logits, dtype=F32)  # the grammar first, then the whole chain again
+        if masked.shape == (self.n_vocab,):
+            masked[~self.grammar.allowed_mask()] = -np.inf
+        return self._sample_unconstrained(masked)
 
     def _sample_unconstrained(self, logits: np.ndarray) -> int:
         if self._greedy:  # the chain would keep the highest logit alone: when that one is unique, take it
