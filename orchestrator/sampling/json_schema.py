@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import re
 
-from orchestrator.sampling.schema_patterns import PatternConverter, UnsupportedPattern, InvalidPattern
+from orchestrator.sampling.schema_patterns import (INT_MAX, InvalidPattern, PatternConverter, UnsupportedPattern,
+                                                   build_repetition)
 from orchestrator.sampling.schema_tree import INT64_MAX, INT64_MIN, Node, SchemaError, read_schema
 
-INT_MAX = 0x7FFFFFFF
 SPACE_RULE = '| " " | "\\n"{1,2} [ \\t]{0,20}'
 
 PRIMITIVE_RULES = {  # name: (body, dependencies)
@@ -54,22 +54,6 @@ def format_literal(text: str) -> str:
 def json_dump(value) -> str:
     """nlohmann's dump(): compact, UTF-8 kept, keys in their order."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def build_repetition(item: str, low: int, high: int, separator: str = "") -> str:
-    has_max = high != INT_MAX
-    if high == 0:
-        return ""
-    if low == 0 and high == 1:
-        return item + "?"
-    if not separator:
-        if low == 1 and not has_max:
-            return item + "+"
-        if low == 0 and not has_max:
-            return item + "*"
-        return f"{item}{{{low},{high if has_max else ''}}}"
-    result = item + " " + build_repetition(f"({separator} {item})", low - 1 if low else 0, high - 1 if has_max else high)
-    return f"({result})?" if low == 0 else result
 
 
 def build_min_max_int(low: int, high: int, out: list, decimals_left: int = 16, top_level: bool = True) -> None:

@@ -7,6 +7,7 @@ same syntax, `{m,n}` expanded by build_repetition. A regex feature GBNF lacks ra
 from __future__ import annotations
 
 MAX_PATTERN_DEPTH = 100
+INT_MAX = 0x7FFFFFFF  # std::numeric_limits<int>::max(): no upper bound
 _NON_LITERAL = set("|.()[]{}*+?^$")
 _ESCAPED_IN_REGEX_ONLY = set("^$.[]()|{}*+?")
 _HEXDIGITS = set("0123456789abcdefABCDEF")
@@ -18,6 +19,22 @@ class UnsupportedPattern(ValueError):
 
 class InvalidPattern(ValueError):
     pass
+
+
+def build_repetition(item: str, low: int, high: int, separator: str = "") -> str:
+    has_max = high != INT_MAX
+    if high == 0:
+        return ""
+    if low == 0 and high == 1:
+        return item + "?"
+    if not separator:
+        if low == 1 and not has_max:
+            return item + "+"
+        if low == 0 and not has_max:
+            return item + "*"
+        return f"{item}{{{low},{high if has_max else ''}}}"
+    result = item + " " + build_repetition(f"({separator} {item})", low - 1 if low else 0, high - 1 if has_max else high)
+    return f"({result})?" if low == 0 else result
 
 
 def gbnf_escape_length(pattern: str, pos: int) -> int:
@@ -55,8 +72,6 @@ class PatternConverter:
         self.builder, self.dotall = builder, dotall
 
     def to_rule(self, pattern: str, name: str) -> str:
-        from orchestrator.sampling.json_schema import INT_MAX, build_repetition
-
         if len(pattern) < 2 or pattern[0] != "^" or pattern[-1] != "$":
             raise UnsupportedPattern("not anchored with '^' and '$'")
         sub = pattern[1:-1]

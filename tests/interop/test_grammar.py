@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,13 +151,15 @@ def _oracle_main(bin_dir: str, model: str) -> None:
     json.dump(results, sys.stdout)
 
 
-def run_oracle(bin_dir: Path, model: Path, request: list[dict]) -> list:
+def run_oracle(bin_dir: Path, model: Path, request: list[dict], stderr: list | None = None) -> list:
     program = "\n".join(["import ctypes, json, sys", "from pathlib import Path", inspect.getsource(_ModelParams),
                          inspect.getsource(_oracle_main), "_oracle_main(sys.argv[1], sys.argv[2])"])
     done = subprocess.run([sys.executable, "-c", program, str(bin_dir), str(model)], capture_output=True,
                           input=json.dumps(request).encode(), env=reference.llama_env(), timeout=ORACLE_TIMEOUT)
     if done.returncode != 0:
         raise AssertionError(f"libllama oracle failed ({done.returncode}):\n{done.stderr.decode(errors='replace')[-3000:]}")
+    if stderr is not None:
+        stderr.append(done.stderr.decode(errors="replace"))
     return json.loads(done.stdout)
 
 
@@ -202,8 +205,14 @@ def test_allowed_tokens_match_libllama_along_each_path(bin_dir, model_path, voca
 
 
 def test_bad_grammars_are_refused_by_both(bin_dir, model_path, vocab):
-    results = run_oracle(bin_dir, model_path, [{"grammar": g, "forced": [], "steps": 0, "seed": 0} for g in BAD])
+    """Refused by both, and a syntax error with libllama's message (it prints them to stderr; left
+    recursion and a missing root go to its log instead)."""
+    stderr: list[str] = []
+    results = run_oracle(bin_dir, model_path, [{"grammar": g, "forced": [], "steps": 0, "seed": 0} for g in BAD], stderr)
+    printed = iter(re.findall(r"error parsing grammar: (.*)", stderr[0]))
     for grammar, result in zip(BAD, results):
         assert result is None, f"libllama took {grammar!r}"
-        with pytest.raises(GrammarError):
+        with pytest.raises(GrammarError) as caught:
             GrammarSampler(grammar, vocab)
+        if "left recursion" not in str(caught.value) and "symbol" not in str(caught.value):
+            assert str(caught.value).split("\n")[0] == next(printed), grammar
