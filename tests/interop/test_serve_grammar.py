@@ -1,4 +1,4 @@
-"""Grammar-constrained requests: `orchestrator serve` gives llama-server's greedy text.
+"""Grammar-constrained requests: `orchestrator serve` gives llama-server's greedy and seeded text.
 
 Each server drives one of llama.cpp's ggml-rpc-server workers (SmolLM2). The requests constrain the
 text by a GBNF `grammar`, a `json_schema` and a chat `response_format`, so most of their tokens are
@@ -36,6 +36,10 @@ REQUESTS = [  # (path, body)
         "name": "cat", "schema": {"type": "object", "properties": {"name": {"type": "string"},
                                                                    "legs": {"type": "integer"}}}}}}),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}),
+    # seeded draws: a refused draw is drawn again from the masked chain, a second number from the same RNG
+    ("/v1/completions", {"prompt": "Three fruits:\n", "grammar": LIST, "temperature": 0.9, "seed": 7}),
+    ("/v1/completions", {"prompt": "Here is a person:", "json_schema": PERSON, "temperature": 1.2, "seed": 11,
+                         "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
 ]
 BAD = [("/v1/completions", {"prompt": "x", "grammar": "root ::= foo"}),
        ("/v1/completions", {"prompt": "x", "json_schema": {"type": "frobnicate"}}),
@@ -78,9 +82,9 @@ def text_of(path: str, reply: dict) -> str:
 
 
 @pytest.mark.parametrize("index", range(len(REQUESTS)))
-def test_constrained_greedy_text_as_llama_server(servers, index):
+def test_constrained_text_as_llama_server(servers, index):
     path, body = REQUESTS[index]
-    body = {**body, "temperature": 0, "max_tokens": 48, "n_predict": 48}
+    body = {"temperature": 0, "max_tokens": 48, "n_predict": 48, **body}
     results = []
     for server in servers:
         status, reply = post(server, path, body)
