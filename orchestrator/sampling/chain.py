@@ -34,6 +34,10 @@ class SamplingParams:
     # generated text), "pattern_full" (a regex the whole text must match), "token" (a token id)
     grammar_triggers: list[tuple[str, str | int]] = field(default_factory=list)
     preserved_tokens: list[str] = field(default_factory=list)  # kept for the chat layer; no effect on sampling
+    # common_grammar_type: "user" (a request's own grammar), "output_format" (from a JSON schema), "tool_calls"
+    # (a chat template's); the last two are fed the generation prompt's tokens first, unless lazy
+    grammar_type: str = "user"
+    generation_prompt: str = ""  # what the chat template put after the last message (e.g. "<|im_start|>assistant\n")
 
     def validate(self) -> None:
         """The checks common_sampler_init makes before building the chain."""
@@ -81,6 +85,17 @@ class SamplingParams:
         return self.temp <= 0 and not penalized
 
 
+def prefill_tokens(vocab, generation_prompt: str) -> list[int]:
+    """common_sampler_init's prefill: the generation prompt's tokens (special tokens parsed), less a first
+    token that is a space the prompt does not start with (some tokenizers add one)."""
+    if not generation_prompt:
+        return []
+    tokens = vocab.tokenize(generation_prompt, add_special=False, parse_special=True)
+    if tokens and vocab.token_to_piece(tokens[0], special=True)[:1].isspace() and not generation_prompt[0].isspace():
+        tokens = tokens[1:]
+    return tokens
+
+
 TRIGGER_KINDS = ("word", "pattern", "pattern_full", "token")  # common_grammar_trigger_type, in its order
 
 
@@ -103,6 +118,9 @@ class Sampler:
         self.params = params
         self.n_vocab = n_vocab
         self.grammar = params.grammar_sampler(vocab) if params.grammar else None
+        if self.grammar is not None and not params.grammar_lazy and params.grammar_type != "user":
+            for token in prefill_tokens(vocab, params.generation_prompt):
+                self.grammar.accept(token)
         self._bias = LogitBias(params.logit_bias) if params.logit_bias else None
         self._penalties = None
         if params.repeat_last_n != 0 and not (F32(params.repeat_penalty) == 1.0 and F32(params.frequency_penalty) == 0.0
