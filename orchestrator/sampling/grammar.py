@@ -34,7 +34,7 @@ NO_PARTIAL = (0, 0)  # llama_partial_utf8 {value, n_remain}: nothing pending
 class CompiledGrammar:
     """A parsed grammar over one vocabulary, with its remembered states, moves and token masks."""
 
-    MAX_MASKS = 512
+    MAX_MASKS = 1024  # remembered token masks per grammar, bit-packed
 
     def __init__(self, gbnf: str, vocab, root: str = "root"):
         tokenize = None
@@ -226,12 +226,14 @@ class CompiledGrammar:
     def mask(self, sid: int, partial: tuple[int, int]) -> np.ndarray:
         """The tokens allowed in state sid (with the previous token's pending UTF-8), as a bool per token."""
         key = (sid, partial)
-        m = self._masks.get(key)
-        if m is None:
+        packed = self._masks.get(key)
+        if packed is None:
             if len(self._masks) >= self.MAX_MASKS:
                 self._masks.pop(next(iter(self._masks)))
-            m = self._masks[key] = self.index.allowed(self, sid, partial)
-        return m
+            mask = self.index.allowed(self, sid, partial)
+            self._masks[key] = np.packbits(mask)  # 6 KiB instead of 48 for a 49k vocabulary
+            return mask
+        return np.unpackbits(packed, count=self.index.n_tokens).view(bool)
 
 
 @lru_cache(maxsize=32)
