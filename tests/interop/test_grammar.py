@@ -216,3 +216,132 @@ def test_bad_grammars_are_refused_by_both(bin_dir, model_path, vocab):
             GrammarSampler(grammar, vocab)
         if "left recursion" not in str(caught.value) and "symbol" not in str(caught.value):
             assert str(caught.value).split("\n")[0] == next(printed), grammar
+
+
+# --- the chain: common_sampler_sample's draw, check and masked redraw -------------------------------------------
+
+CHAIN_CASES = [  # (grammar, lazy patterns, temp, top_k, seed, text pushed by a logit bonus first)
+    (JSON, None, 0.8, 40, 3, '{"a'),
+    (JSON, None, 1.5, 0, 5, ""),
+    (ARITHMETIC, None, 0.0, 40, 9, "x"),
+    (TOOL, [r"[\s\S]*?(<tool_call>)[\s\S]*"], 1.0, 40, 4, "Sure. <tool_call>"),
+]
+
+
+def _chain_oracle_main(bin_dir: str, model: str) -> None:
+    import numpy as np
+    request = json.load(sys.stdin)
+    lib = ctypes.CDLL(str(Path(bin_dir) / "libllama.so"))
+    log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_: None)
+    lib.llama_log_set(log_callback, None)
+    lib.llama_model_default_params.restype = _ModelParams
+    lib.llama_model_load_from_file.argtypes = [ctypes.c_char_p, _ModelParams]
+    lib.llama_model_load_from_file.restype = ctypes.c_void_p
+    vp, F, I32, SIZE = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32, ctypes.c_size_t
+
+    class TokenData(ctypes.Structure):
+        _fields_ = [("id", ctypes.c_int32), ("logit", ctypes.c_float), ("p", ctypes.c_float)]
+
+    class TokenDataArray(ctypes.Structure):
+        _fields_ = [("data", ctypes.POINTER(TokenData)), ("size", ctypes.c_size_t),
+                    ("selected", ctypes.c_int64), ("sorted", ctypes.c_bool)]
+
+    class ChainParams(ctypes.Structure):
+        _fields_ = [("no_perf", ctypes.c_bool)]
+
+    for name, restype, argtypes in [
+            ("llama_model_get_vocab", vp, [vp]), ("llama_vocab_n_tokens", I32, [vp]),
+            ("llama_sampler_init_grammar", vp, [vp, ctypes.c_char_p, ctypes.c_char_p]),
+            ("llama_sampler_init_grammar_lazy_patterns", vp, [vp, ctypes.c_char_p, ctypes.c_char_p,
+                                                             ctypes.POINTER(ctypes.c_char_p), SIZE, ctypes.c_void_p, SIZE]),
+            ("llama_sampler_chain_default_params", ChainParams, []), ("llama_sampler_chain_init", vp, [ChainParams]),
+            ("llama_sampler_chain_add", None, [vp, vp]), ("llama_sampler_init_penalties", vp, [I32, I32, F, F, F]),
+            ("llama_sampler_init_top_k", vp, [I32]), ("llama_sampler_init_top_p", vp, [F, SIZE]),
+            ("llama_sampler_init_min_p", vp, [F, SIZE]), ("llama_sampler_init_temp_ext", vp, [F, F, F]),
+            ("llama_sampler_init_dist", vp, [ctypes.c_uint32]),
+            ("llama_sampler_apply", None, [vp, ctypes.POINTER(TokenDataArray)]),
+            ("llama_sampler_accept", None, [vp, I32]), ("llama_sampler_free", None, [vp])]:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    lib.llama_backend_init()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    vocab = lib.llama_model_get_vocab(lib.llama_model_load_from_file(model.encode(), params))
+    n = lib.llama_vocab_n_tokens(vocab)
+    dtype = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+    out = []
+    for case in request:
+        if case["patterns"] is not None:
+            pats = [p.encode() for p in case["patterns"]]
+            grmr = lib.llama_sampler_init_grammar_lazy_patterns(vocab, case["grammar"].encode(), b"root",
+                                                                (ctypes.c_char_p * len(pats))(*pats), len(pats), None, 0)
+        else:
+            grmr = lib.llama_sampler_init_grammar(vocab, case["grammar"].encode(), b"root")
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        for smpl in (lib.llama_sampler_init_penalties(n, 64, 1.0, 0.0, 0.0), lib.llama_sampler_init_top_k(case["top_k"]),
+                     lib.llama_sampler_init_top_p(0.95, 0), lib.llama_sampler_init_min_p(0.05, 0),
+                     lib.llama_sampler_init_temp_ext(case["temp"], 0.0, 1.0), lib.llama_sampler_init_dist(case["seed"])):
+            lib.llama_sampler_chain_add(chain, smpl)
+        rng = np.random.default_rng(case["seed"])
+        tokens = []
+        for step in range(case["steps"]):
+            logits = (3 * rng.standard_normal(n)).astype(np.float32)
+            if step < len(case["pushed"]):
+                logits[case["pushed"][step]] += 40
+
+            def fresh():
+                data = np.zeros(n, dtype=dtype)
+                data["id"], data["logit"] = np.arange(n), logits
+                return data, TokenDataArray(data.ctypes.data_as(ctypes.POINTER(TokenData)), n, -1, False)
+
+            data, cur = fresh()
+            lib.llama_sampler_apply(chain, ctypes.byref(cur))
+            token = int(data["id"][cur.selected])
+            one = np.array([(token, 1.0, 0.0)], dtype=dtype)
+            single = TokenDataArray(one.ctypes.data_as(ctypes.POINTER(TokenData)), 1, -1, False)
+            lib.llama_sampler_apply(grmr, ctypes.byref(single))
+            if not np.isfinite(one["logit"][0]):
+                data, cur = fresh()
+                lib.llama_sampler_apply(grmr, ctypes.byref(cur))
+                if not np.isfinite(data["logit"]).any():
+                    break
+                lib.llama_sampler_apply(chain, ctypes.byref(cur))
+                token = int(data["id"][cur.selected])
+            tokens.append(token)
+            lib.llama_sampler_accept(grmr, token)
+            lib.llama_sampler_accept(chain, token)
+        out.append(tokens)
+        lib.llama_sampler_free(grmr)
+        lib.llama_sampler_free(chain)
+    json.dump(out, sys.stdout)
+
+
+def test_chain_draws_as_common_sampler_with_libllama(bin_dir, model_path, vocab):
+    """Seeded draws through top-k/top-p/min-p/temperature with a grammar (and a lazy one) pick the same
+    tokens as libllama's chain run the way common_sampler_sample runs it."""
+    from orchestrator.sampling import Sampler, SamplingParams
+
+    request = [{"grammar": g, "patterns": pats, "temp": temp, "top_k": k, "seed": seed, "steps": 40,
+                "pushed": vocab.tokenize(text, add_special=False, parse_special=True)}
+               for g, pats, temp, k, seed, text in CHAIN_CASES]
+    program = "\n".join(["import ctypes, json, sys", "from pathlib import Path", inspect.getsource(_ModelParams),
+                         inspect.getsource(_chain_oracle_main), "_chain_oracle_main(sys.argv[1], sys.argv[2])"])
+    done = subprocess.run([sys.executable, "-c", program, str(bin_dir), str(model_path)], capture_output=True,
+                          input=json.dumps(request).encode(), env=reference.llama_env(), timeout=ORACLE_TIMEOUT)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    for case, expected in zip(request, json.loads(done.stdout)):
+        assert len(expected) > 10, f"libllama stopped early: {case['grammar'][:40]!r}"
+        params = SamplingParams(temp=case["temp"], top_k=case["top_k"], seed=case["seed"], grammar=case["grammar"],
+                                grammar_lazy=case["patterns"] is not None,
+                                grammar_triggers=[("pattern", p) for p in case["patterns"] or []])
+        sampler = Sampler(params, vocab.n_tokens, vocab)
+        rng = np.random.default_rng(case["seed"])
+        got = []
+        for step in range(len(expected)):
+            logits = (3 * rng.standard_normal(vocab.n_tokens)).astype(np.float32)
+            if step < len(case["pushed"]):
+                logits[case["pushed"][step]] += 40
+            token = sampler.sample(logits)
+            got.append(token)
+            sampler.accept(token)
+        assert got == expected, (case["grammar"][:40], vocab.token_to_piece(got[0]) if got else None)
