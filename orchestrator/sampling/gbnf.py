@@ -343,7 +343,10 @@ def parse_gbnf(text: str | bytes, tokenize=None) -> tuple[list[list[tuple[int, i
     src = text.encode() if isinstance(text, str) else bytes(text)
     src = src.split(b"\0", 1)[0]
     parser = _Parser(src, tokenize)
-    parser.parse()
+    try:
+        parser.parse()
+    except RecursionError:
+        raise GrammarError("the grammar nests groups too deeply") from None
     if not parser.rules:
         raise GrammarError("empty grammar")
     return parser.rules, dict(sorted(parser.symbol_ids.items()))
@@ -384,5 +387,9 @@ def check_left_recursion(rules: list) -> None:
     n = len(rules)
     visited, in_progress, may_be_empty = [False] * n, [False] * n, [False] * n
     for i in range(n):
-        if not visited[i] and _may_be_empty_and_left_recursive(rules, i, visited, in_progress, may_be_empty):
+        try:
+            left_recursive = not visited[i] and _may_be_empty_and_left_recursive(rules, i, visited, in_progress, may_be_empty)
+        except RecursionError:
+            raise GrammarError("the grammar's rules start with each other too deeply") from None
+        if left_recursive:
             raise GrammarError(f"unsupported grammar, left recursion detected for nonterminal at index {i}")

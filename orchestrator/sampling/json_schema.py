@@ -435,10 +435,12 @@ def json_schema_to_grammar(schema: dict) -> str:
     schema cannot be converted."""
     try:
         node = read_schema(schema)
+        builder = GrammarBuilder()
+        builder.visit(node, "")
     except SchemaError as exc:
         raise SchemaError(f"JSON schema conversion failed:\n{exc}") from None
-    builder = GrammarBuilder()
-    builder.visit(node, "")
+    except RecursionError:
+        raise SchemaError("JSON schema conversion failed:\nthe schema nests too deeply") from None
     return builder.format()
 
 

@@ -62,3 +62,24 @@ def test_decode_marks_invalid_sequences():
     assert decode_utf8(b"\x80abc", (0, 0)) == ([], (0, -1))  # a continuation byte first
     assert decode_utf8(b"a", (0b1110, 1)) == ([], (0, -1))  # a pending sequence not continued
     assert decode_utf8(b"ab\0cd", (0, 0)) == ([97, 98], (98, 0))  # a NUL ends the piece
+
+
+def test_deep_nesting_is_a_grammar_error_not_a_crash():
+    from orchestrator.sampling.json_schema import json_schema_to_grammar
+    from orchestrator.sampling.schema_tree import SchemaError
+
+    try:
+        parse_gbnf("root ::= " + "(" * 5000 + '"a"' + ")" * 5000)
+    except GrammarError as exc:
+        assert "deep" in str(exc)
+    else:
+        raise AssertionError("5000 nested groups parsed")
+    schema = {"type": "string"}
+    for _ in range(3000):
+        schema = {"type": "array", "items": schema}
+    try:
+        json_schema_to_grammar(schema)
+    except SchemaError as exc:
+        assert "deep" in str(exc)
+    else:
+        raise AssertionError("a 3000-deep schema converted")
