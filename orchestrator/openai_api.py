@@ -258,28 +258,71 @@ class TextStream:
         return delta
 
 
+_FENCE = "```json"
+_HELD_TAIL = re.compile(r"[ \t\n]*`{0,3}\Z")  # what could still be the space and fence after the JSON
+
+
+class JsonReplyStream:
+    """A TextStream for a chat reply constrained to a JSON schema: the content is the JSON alone, as
+    llama-server's chat parser takes it out of the grammar's text (the space before it, a ```json fence
+    around it, and once it is complete the space after it are not content). Streamed, the start is
+    held back until it is clear whether a fence opens, and a tail that could be the closing one."""
+
+    def __init__(self, inner: TextStream):
+        self.inner = inner
+        self.pending, self.started, self.fenced, self.sent = "", False, False, ""
+
+    def __getattr__(self, name):  # word, stopped: the inner stream's
+        return getattr(self.inner, name)
+
+    def push(self, token: int) -> str:
+        return self._feed(self.inner.push(token))
+
+    def finish(self) -> str:
+        self._feed(self.inner.finish())
+        tail = self.pending
+        if self.fenced and tail.rstrip().endswith("```"):
+            tail = tail.rstrip()[:-3]
+        try:
+            json.loads(self.sent + tail)
+        except ValueError:
+            pass
+        else:
+            tail = tail.rstrip(" \t\n")
+        self.pending = ""
+        self.sent += tail
+        return tail
+
+    def _feed(self, delta: str) -> str:
+        self.pending += delta
+        if not self.started:
+            body = self.pending.lstrip(" \t\n")
+            if not self.fenced and body and _FENCE.startswith(body):
+                return ""  # perhaps the opening fence
+            if not self.fenced and body.startswith(_FENCE):
+                self.fenced, body = True, body[len(_FENCE):]
+                body = body.lstrip(" \t\n")
+            if not body:
+                self.pending = ""
+                return ""
+            self.started, self.pending = True, body
+        held = _HELD_TAIL.search(self.pending).start()
+        out, self.pending = self.pending[:held], self.pending[held:]
+        self.sent += out
+        return out
+
+
+def text_stream(vocab, c: Completion):
+    """The stream that turns a request's tokens into its text."""
+    stream = TextStream(vocab, c.stop)
+    return JsonReplyStream(stream) if c.json_reply else stream
+
+
 def usage(c: Completion, n_generated: int) -> dict:
     return {"prompt_tokens": len(c.tokens), "completion_tokens": n_generated, "total_tokens": len(c.tokens) + n_generated}
 
 
-def json_content(text: str) -> str:
-    """The JSON of a response-format reply, as llama-server's chat parser takes it out: the space before
-    it, a ```json fence around it and, once it is complete, the space after it are not content."""
-    body = text.lstrip(" \t\n")
-    if body.startswith("```json"):
-        body = body[len("```json"):].lstrip(" \t\n")
-        if body.rstrip().endswith("```"):
-            body = body.rstrip()[:-3]
-    try:
-        json.loads(body)
-    except ValueError:
-        return body
-    return body.rstrip(" \t\n")
-
-
 def response(c: Completion, model: str, text: str, reason: str, finish, logprobs: list[dict] | None) -> dict:
-    if c.json_reply:
-        text = json_content(text)
     head = {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "created": c.created, "model": model}
     probs = {"content": logprobs} if c.n_probs else None
     if c.chat:

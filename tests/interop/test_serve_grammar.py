@@ -95,6 +95,30 @@ def test_constrained_text_as_llama_server(servers, index):
     assert got == expected, text_diff(expected, got, "llama-server", "orchestrator serve")
 
 
+def streamed(server, path: str, body: dict) -> str:
+    """The content of a streamed chat reply, its deltas put together."""
+    request = urllib.request.Request(server.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", []):
+                    text.append(choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+@pytest.mark.parametrize("index", [4, 5])
+def test_streamed_json_reply_as_llama_server(servers, index):
+    """A streamed response-format reply reassembles to llama-server's: the JSON without its fence."""
+    path, body = REQUESTS[index]
+    body = {"temperature": 0, "max_tokens": 48, **body}
+    expected, got = (streamed(server, path, body) for server in servers)
+    assert expected.startswith("{")
+    assert got == expected, text_diff(expected, got, "llama-server", "orchestrator serve")
+
+
 @pytest.mark.parametrize("index", range(len(BAD)))
 def test_bad_grammars_refused_by_both(servers, index):
     path, body = BAD[index]
