@@ -33,6 +33,7 @@ from orchestrator.batching import Piece, Planner
 from orchestrator.client import WorkerError
 from orchestrator.cxx import expf, logf, std_partial_sort
 from orchestrator.sampling import Sampler, SamplingParams
+from orchestrator.sampling.gbnf import GrammarError
 from orchestrator.waves import Waves
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,11 @@ class Busy(Exception):
 
 
 class Engine:
-    def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int):
+    def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int, vocab=None):
         if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
             raise ValueError("the engine's sliding-window layers share the global cells: build the Pipeline with swa_full")
         self.pipe, self.eog = pipe, sorted(eog_ids)
+        self.vocab = vocab  # for grammar-constrained requests
         self.n_vocab = pipe.model.hparams.n_vocab
         self.planner = Planner(n_parallel, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
                                cache_types=pipe.cache_types, n_swa=pipe.n_swa)
@@ -218,9 +220,9 @@ class Engine:
             slot.tokens, slot.n_cached, slot.cache_n = list(job.prompt), keep, keep
             slot.want, slot.paths = want, slot.paths[:keep]
             slot.job, slot.n_generated, slot.t_first = job, 0, None
-            slot.sampler = Sampler(job.params, self.n_vocab)
+            slot.sampler = Sampler(job.params, self.n_vocab, self.vocab)
             for t in job.prompt:
-                slot.sampler.accept(t)
+                slot.sampler.accept(t, is_generated=False)
             slot.t_start = time.perf_counter()
 
     def _step(self) -> None:
@@ -300,8 +302,14 @@ class Engine:
         if job.ignore_eos:
             logits = np.array(logits, dtype=np.float32)
             logits[self.eog] = -np.inf
-        token = slot.sampler.sample(logits)
-        slot.sampler.accept(token)
+        try:
+            token = slot.sampler.sample(logits)
+            slot.sampler.accept(token)
+        except GrammarError as exc:  # every token was masked (e.g. ignore_eos where only the end fits)
+            slot.job, slot.sampler = None, None
+            del slot.tokens[slot.n_cached:]
+            self._outbox.append((job, "error", str(exc)))
+            return
         if slot.t_first is None:
             slot.t_first = time.perf_counter()
         if job.n_predict == 0:  # the prompt only (it stays cached for the slot's next request)

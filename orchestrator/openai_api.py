@@ -8,6 +8,7 @@ carries the status and the OpenAI-style error body.
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import re
 import secrets
@@ -17,6 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator.sampling import LLAMA_DEFAULT_SEED, SamplingParams
+from orchestrator.sampling.gbnf import GrammarError
+from orchestrator.sampling.grammar import compile_grammar
+from orchestrator.sampling.json_schema import json_schema_to_grammar, response_format_grammar
+from orchestrator.sampling.schema_tree import SchemaError
 
 
 class ApiError(Exception):
@@ -44,6 +49,7 @@ class Completion:
     top_logprobs: int = 0
     native: bool = False  # llama-server's own POST /completion, not OpenAI's shapes
     prompt_text: str = ""  # echoed by /completion
+    json_reply: bool = False  # chat with a JSON schema: the content is the JSON, without a ```json fence
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -95,7 +101,6 @@ def logit_bias(body: dict, vocab) -> tuple[tuple[int, float], ...]:
 
 
 UNSUPPORTED = {  # request fields llama-server honours and this server cannot: refused, not ignored
-    "grammar": "grammar-constrained sampling", "json_schema": "grammar-constrained sampling",
     "tools": "tool calls", "functions": "tool calls",
 }
 
@@ -104,14 +109,54 @@ def refuse_unsupported(body: dict) -> None:
     for key, what in UNSUPPORTED.items():
         if body.get(key):
             raise ApiError(400, f"'{key}' is not supported: this server has no {what}")
+
+
+def _schema_grammar(schema, field: str | None) -> str:
+    """json_schema_to_grammar (for chat, its response-format grammar), an empty object schema meaning any
+    object; errors as llama-server words them."""
+    if isinstance(schema, dict) and not schema:
+        schema = {"type": "object"}
+    try:
+        return json_schema_to_grammar(schema) if field else response_format_grammar(schema)
+    except SchemaError as exc:
+        raise ApiError(400, f"Field '{field}': \"{field}\": {exc}" if field else str(exc)) from None
+
+
+def request_grammar(body: dict, chat: bool) -> str | None:
+    """The GBNF a request constrains sampling with, as llama-server reads it: `grammar` (GBNF text),
+    `json_schema`, and for chat `response_format` ({"type": "json_object"[, "schema": ...]} or
+    {"type": "json_schema", "json_schema": {"schema": ...}}; json_object without a schema means any
+    object). Completions (and /completion) read `json_schema` unless `grammar` is given too, and ignore
+    `response_format`, as there."""
+    grammar = body.get("grammar")
+    grammar = grammar if isinstance(grammar, str) else ""
+    schema = body.get("json_schema")
+    if not chat:
+        if "json_schema" in body and "grammar" not in body:
+            return _schema_grammar(schema if schema is not None else {}, "json_schema")
+        return grammar or None
+    if schema is not None and grammar:
+        raise ApiError(400, "Cannot use both json_schema and grammar")
     fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported: this server has "
-                            "no grammar-constrained sampling")
+    if "response_format" in body:
+        fmt = fmt if isinstance(fmt, dict) else {}
+        kind = fmt.get("type") if isinstance(fmt.get("type"), str) else ""
+        if kind == "json_object":
+            if "schema" in fmt or not schema:
+                schema = fmt.get("schema", {})
+        elif kind == "json_schema":
+            wrapper = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else {}
+            schema = wrapper.get("schema", {})
+        elif kind and kind != "text":
+            raise ApiError(400, f'response_format type must be one of "text" or "json_object", but got: {kind}')
+    if schema is not None:
+        return _schema_grammar(schema, None)
+    return grammar or None
 
 
-def sampling(body: dict, server) -> SamplingParams:
-    """The request's sampling options; what it leaves out comes from the server's flags (`server.defaults`)."""
+def sampling(body: dict, server, grammar: str | None = None) -> SamplingParams:
+    """The request's sampling options; what it leaves out comes from the server's flags (`server.defaults`).
+    A grammar is checked here (a bad one is a 400, as llama-server's "Failed to initialize samplers")."""
     d = server.defaults
     seed = _number(body, "seed", d.seed, int, -(1 << 63), (1 << 64) - 1)
     last_n = _number(body, "repeat_last_n", d.repeat_last_n, int, -1)
@@ -122,11 +167,16 @@ def sampling(body: dict, server) -> SamplingParams:
         repeat_last_n=server.n_ctx if last_n == -1 else last_n,
         frequency_penalty=_number(body, "frequency_penalty", d.frequency_penalty),
         presence_penalty=_number(body, "presence_penalty", d.presence_penalty),
-        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=logit_bias(body, server.vocab))
+        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=logit_bias(body, server.vocab), grammar=grammar)
     try:
         params.validate()
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
+    if grammar:
+        try:
+            compile_grammar(grammar, server.vocab)
+        except GrammarError as exc:
+            raise ApiError(400, f"Failed to initialize samplers: failed to parse grammar ({exc})") from None
     return params
 
 
@@ -157,9 +207,11 @@ def completion(body, tokens: list[int], server, *, chat: bool) -> Completion:
         wanted = body.get("logprobs") is not None and top > 0
     top = _number(body, "n_probs", top, int, 0, 20)
     wanted = wanted or top > 0
-    return Completion(tokens, sampling(body, server), n_predict, [s for s in stop if s], stream,
+    json_reply = chat and (body.get("json_schema") is not None or (
+        isinstance(body.get("response_format"), dict) and body["response_format"].get("type") in ("json_object", "json_schema")))
+    return Completion(tokens, sampling(body, server, request_grammar(body, chat)), n_predict, [s for s in stop if s], stream,
                       bool(options.get("include_usage")), bool(body.get("ignore_eos", False)), chat,
-                      max(top, 1) if wanted else 0, top)
+                      max(top, 1) if wanted else 0, top, json_reply=json_reply)
 
 
 def logprob_entry(vocab, c: Completion, token: int, probs) -> dict:
@@ -204,6 +256,66 @@ class TextStream:
         delta = self.text[self.sent:upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
         return delta
+
+
+_FENCE = "```json"
+_HELD_TAIL = re.compile(r"[ \t\n]*`{0,3}\Z")  # what could still be the space and fence after the JSON
+
+
+class JsonReplyStream:
+    """A TextStream for a chat reply constrained to a JSON schema: the content is the JSON alone, as
+    llama-server's chat parser takes it out of the grammar's text (the space before it, a ```json fence
+    around it, and once it is complete the space after it are not content). Streamed, the start is
+    held back until it is clear whether a fence opens, and a tail that could be the closing one."""
+
+    def __init__(self, inner: TextStream):
+        self.inner = inner
+        self.pending, self.started, self.fenced, self.sent = "", False, False, ""
+
+    def __getattr__(self, name):  # word, stopped: the inner stream's
+        return getattr(self.inner, name)
+
+    def push(self, token: int) -> str:
+        return self._feed(self.inner.push(token))
+
+    def finish(self) -> str:
+        self._feed(self.inner.finish())
+        tail = self.pending
+        if self.fenced and tail.rstrip().endswith("```"):
+            tail = tail.rstrip()[:-3]
+        try:
+            json.loads(self.sent + tail)
+        except ValueError:
+            pass
+        else:
+            tail = tail.rstrip(" \t\n")
+        self.pending = ""
+        self.sent += tail
+        return tail
+
+    def _feed(self, delta: str) -> str:
+        self.pending += delta
+        if not self.started:
+            body = self.pending.lstrip(" \t\n")
+            if not self.fenced and body and _FENCE.startswith(body):
+                return ""  # perhaps the opening fence
+            if not self.fenced and body.startswith(_FENCE):
+                self.fenced, body = True, body[len(_FENCE):]
+                body = body.lstrip(" \t\n")
+            if not body:
+                self.pending = ""
+                return ""
+            self.started, self.pending = True, body
+        held = _HELD_TAIL.search(self.pending).start()
+        out, self.pending = self.pending[:held], self.pending[held:]
+        self.sent += out
+        return out
+
+
+def text_stream(vocab, c: Completion):
+    """The stream that turns a request's tokens into its text."""
+    stream = TextStream(vocab, c.stop)
+    return JsonReplyStream(stream) if c.json_reply else stream
 
 
 def usage(c: Completion, n_generated: int) -> dict:

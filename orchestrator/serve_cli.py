@@ -114,7 +114,7 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
             pipe.close()
             raise
         eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
-        engine = Engine(pipe, eog, n_parallel=parallel, max_queue=max_queue)
+        engine = Engine(pipe, eog, n_parallel=parallel, max_queue=max_queue, vocab=vocab)
         engine.start()
         log(f"{parallel} slots of {engine.n_ctx_slot} tokens, up to {max_queue} requests waiting")
         return engine

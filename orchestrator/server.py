@@ -239,7 +239,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
                            "exceed_context_size_error", n_prompt_tokens=len(c.tokens), n_ctx=engine.n_ctx_slot) from None
     except WorkerError as exc:
         raise api.ApiError(503, f"a worker failed: {exc}", "unavailable_error") from None
-    text = api.TextStream(s.vocab, c.stop)
+    text = api.text_stream(s.vocab, c)
     stream = None
     done = False
     try:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from orchestrator.cxx import F32, uniform_canonical
+from orchestrator.sampling.grammar import GrammarSampler, regex_escape
 from orchestrator.sampling.samplers import Candidates, Dist, LogitBias, MinP, Penalties, Temperature, TopK, TopP
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # "pick a random seed", as in include/llama.h
@@ -27,6 +28,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int = LLAMA_DEFAULT_SEED
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) in order; -inf bans a token
+    grammar: str | None = None  # GBNF text; None or "": unconstrained
+    grammar_lazy: bool = False  # constrain only once a trigger has appeared
+    # (kind, value), kind as common_grammar_trigger_type: "word" (text), "pattern" (a regex searched in the
+    # generated text), "pattern_full" (a regex the whole text must match), "token" (a token id)
+    grammar_triggers: list[tuple[str, str | int]] = field(default_factory=list)
+    preserved_tokens: list[str] = field(default_factory=list)  # kept for the chat layer; no effect on sampling
+    # common_grammar_type: "user" (a request's own grammar), "output_format" (from a JSON schema), "tool_calls"
+    # (a chat template's); the last two are fed the generation prompt's tokens first, unless lazy
+    grammar_type: str = "user"
+    generation_prompt: str = ""  # what the chat template put after the last message (e.g. "<|im_start|>assistant\n")
 
     def validate(self) -> None:
         """The checks common_sampler_init makes before building the chain."""
@@ -37,6 +48,33 @@ class SamplingParams:
             raise ValueError("frequency_penalty and presence_penalty must be finite")
         if self.repeat_last_n < 0:
             raise ValueError("repeat_last_n must be >= 0")
+        for kind, _ in self.grammar_triggers:
+            if kind not in TRIGGER_KINDS:
+                raise ValueError(f"unknown grammar trigger type {kind!r}; expected one of {', '.join(TRIGGER_KINDS)}")
+        if self.grammar and self.grammar_lazy and not self.grammar_triggers:
+            raise ValueError("Error: no triggers set for lazy grammar!")
+
+    def grammar_sampler(self, vocab) -> GrammarSampler | None:
+        """common_sampler_init's grammar sampler: the triggers turned into patterns and tokens, the root
+        rule "root". GrammarError (a ValueError) for a grammar libllama refuses."""
+        if not self.grammar:
+            return None
+        patterns, tokens = [], []
+        for kind, value in self.grammar_triggers:
+            if kind == "word":
+                patterns.append(regex_escape(str(value)))
+            elif kind == "pattern":
+                patterns.append(str(value))
+            elif kind == "pattern_full":
+                value = str(value)
+                patterns.append(("" if value.startswith("^") else "^") + value + ("" if value.endswith("$") else "$")
+                                if value else "^$")
+            else:
+                tokens.append(int(value))
+        if not self.grammar_lazy:
+            patterns, tokens = [], []  # llama_sampler_init_grammar: triggers are not used
+        return GrammarSampler(self.grammar, vocab, lazy=self.grammar_lazy, trigger_patterns=patterns,
+                              trigger_tokens=tokens)
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +85,20 @@ class SamplingParams:
         return self.temp <= 0 and not penalized
 
 
+def prefill_tokens(vocab, generation_prompt: str) -> list[int]:
+    """common_sampler_init's prefill: the generation prompt's tokens (special tokens parsed), less a first
+    token that is a space the prompt does not start with (some tokenizers add one)."""
+    if not generation_prompt:
+        return []
+    tokens = vocab.tokenize(generation_prompt, add_special=False, parse_special=True)
+    if tokens and vocab.token_to_piece(tokens[0], special=True)[:1].isspace() and not generation_prompt[0].isspace():
+        tokens = tokens[1:]
+    return tokens
+
+
+TRIGGER_KINDS = ("word", "pattern", "pattern_full", "token")  # common_grammar_trigger_type, in its order
+
+
 def random_seed() -> int:
     """What get_rng_seed does for LLAMA_DEFAULT_SEED: a fresh 32-bit seed from the OS."""
     return secrets.randbits(32)
@@ -54,12 +106,21 @@ def random_seed() -> int:
 
 class Sampler:
     """One sequence's sampler: call sample() for a token, then accept() it (and accept every
-    prompt token first, as llama-completion does, so penalties see the prompt too)."""
+    prompt token first with is_generated=False, as llama-server does, so penalties see the prompt too
+    and the grammar does not).
 
-    def __init__(self, params: SamplingParams, n_vocab: int):
+    With a grammar it is common_sampler_sample without grammar_first (llama-server's way): the chain
+    draws a token first; only if the grammar rejects it are the logits masked by the grammar and the
+    whole chain run again (a second draw from the same RNG)."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int, vocab=None):
         params.validate()
         self.params = params
         self.n_vocab = n_vocab
+        self.grammar = params.grammar_sampler(vocab) if params.grammar else None
+        if self.grammar is not None and not params.grammar_lazy and params.grammar_type != "user":
+            for token in prefill_tokens(vocab, params.generation_prompt):
+                self.grammar.accept(token)
         self._bias = LogitBias(params.logit_bias) if params.logit_bias else None
         self._penalties = None
         if params.repeat_last_n != 0 and not (F32(params.repeat_penalty) == 1.0 and F32(params.frequency_penalty) == 0.0
@@ -77,7 +138,8 @@ class Sampler:
         self.reset()
 
     def reset(self) -> None:
-        """common_sampler_reset: forget the history and reseed (a fresh random seed if it was random)."""
+        """common_sampler_reset: forget the history and reseed (a fresh random seed if it was random); the
+        grammar keeps its state, as there."""
         if self._penalties is not None:
             self._penalties.window.clear()
             self._penalties.count.clear()
@@ -85,12 +147,15 @@ class Sampler:
         self.seed = random_seed() if seed == LLAMA_DEFAULT_SEED else seed
         self._dist = Dist(self.seed)
 
-    def candidates(self, logits: np.ndarray) -> Candidates:
-        """Run every sampler up to and including the draw; the chosen one is at `.selected`."""
+    def candidates(self, logits: np.ndarray, grammar: bool = False) -> Candidates:
+        """Run every sampler up to and including the draw; the chosen one is at `.selected`. With
+        `grammar`, the grammar masks the logits first."""
         logits = np.asarray(logits)
         if logits.shape != (self.n_vocab,):
             raise ValueError(f"expected {self.n_vocab} logits, got shape {logits.shape}")
         c = Candidates(logits)
+        if grammar:
+            self.grammar.apply(c)
         if self._bias is not None:
             self._bias.apply(c)
         if self._penalties is not None:
@@ -101,6 +166,15 @@ class Sampler:
         return c
 
     def sample(self, logits: np.ndarray) -> int:
+        token = self._sample_unconstrained(logits)
+        if self.grammar is None or self.grammar.allows(token):
+            return token
+        masked = np.array(logits, dtype=F32)  # the grammar first, then the whole chain again
+        if masked.shape == (self.n_vocab,):
+            masked[~self.grammar.allowed_mask()] = -np.inf
+        return self._sample_unconstrained(masked)
+
+    def _sample_unconstrained(self, logits: np.ndarray) -> int:
         if self._greedy:  # the chain would keep the highest logit alone: when that one is unique, take it
             logits = np.asarray(logits)
             if self._bias is not None and logits.shape == (self.n_vocab,):
@@ -114,6 +188,10 @@ class Sampler:
         c = self.candidates(logits)
         return int(c.ids[c.selected])
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int, is_generated: bool = True) -> None:
+        """common_sampler_accept: the grammar moves on by generated tokens only. GrammarError if the
+        grammar cannot take the token (it was not sampled under the grammar)."""
+        if self.grammar is not None and is_generated:
+            self.grammar.accept(int(token))
         if self._penalties is not None:
             self._penalties.accept(int(token))
