@@ -102,11 +102,11 @@ class Session:
 
     def handle_get_max_size(self, req: p.DeviceRequest) -> bytes:
         self._device(Command.GET_MAX_SIZE, req.device)
-        return p.U64Response(self.config.budget.free_and_total()[1]).encode()
+        return p.U64Response(self.buffers.device_memory()[1]).encode()
 
     def handle_get_device_memory(self, req: p.DeviceRequest) -> bytes:
         self._device(Command.GET_DEVICE_MEMORY, req.device)
-        free, total = self.config.budget.free_and_total()
+        free, total = self.buffers.device_memory()
         return p.GetDeviceMemoryResponse(free, total).encode()
 
     def handle_get_alloc_size(self, req: p.GetAllocSizeRequest) -> bytes:
