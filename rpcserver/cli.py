@@ -52,6 +52,9 @@ def _skip_numba_blas_probe() -> None:
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="close a connection that sends nothing for this long in the middle of a request or "
                    "before its HELLO (default: never; idle between requests is always fine)")
+@click.option("--key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="require clients and pushing workers to prove they hold this pre-shared key (HMAC "
+                   "challenge-response; llama.cpp clients cannot, see docs/security.md)")
 @click.option("-v", "--verbose", is_flag=True, help="log every connection")
 @click.option("--isa", type=click.Choice(["auto", *TARGETS]), default="auto", show_default=True, envvar="PYRPC_ISA",
               help="compute as llama.cpp's ggml-cpu built for this instruction set does (auto: as a native build "
@@ -61,8 +64,8 @@ def _skip_numba_blas_probe() -> None:
 @click.option("--no-peer", is_flag=True,
               help="never connect to other workers: refuse SET_PEER, so clients relay every activation (peer "
                    "writes from other workers are still accepted, with a token of the client's session)")
-def main(host, port, threads, device, cache, mem, client_mem, allow, max_connections, idle_timeout, verbose, isa,
-         no_warmup, no_peer):
+def main(host, port, threads, device, cache, mem, client_mem, allow, max_connections, idle_timeout, key_file, verbose,
+         isa, no_warmup, no_peer):
     """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for dev in device.split(","):
@@ -75,6 +78,12 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
         admission = Admission(parse_allow(allow) if allow is not None else None, max_connections, idle_timeout)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--allow") from None
+    from .auth import load_key
+
+    try:
+        key = load_key(key_file) if key_file else None
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--key-file") from None
     target = resolve(isa)
     _skip_numba_blas_probe()
     if not no_warmup:
@@ -105,6 +114,7 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
     print(f"  threads        : {threads}")
     print(f"  float orders   : ggml-cpu built for {target.name}")
     print(f"  peer push      : {'off (--no-peer)' if no_peer else 'on'}")
+    print(f"  key            : {'required (--key-file)' if key else 'none'}")
     if admission.allow is not None:
         print(f"  allowed clients: {', '.join(map(str, admission.allow))}")
     if host != "127.0.0.1":
@@ -118,7 +128,7 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
     except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
         runner = asyncio.run
     try:
-        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target, peer_push=not no_peer),
+        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target, peer_push=not no_peer, key=key),
                      admission=admission))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

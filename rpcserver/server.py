@@ -139,7 +139,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         """SET_TENSOR data goes straight into its buffer when every earlier request is done with:
         a queued or running command (a graph reading that region, a FREE_BUFFER) must see memory as
         it was before this SET_TENSOR, as with the reference's one-request-at-a-time loop."""
-        if self.unplaced or not self.greeted:
+        if self.unplaced or not self.greeted or not self.session.authorized:
             return None
         return self.session.place_set_tensor(head, size)
 
@@ -244,6 +244,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         if not self.greeted:  # the reader let only HELLO through first
             self.greeted = True
             return p.HelloResponse().encode()  # we offer no transport caps (upstream's RDMA)
+        self.session.check_authorized(command)
         if command in LOOP_COMMANDS:
             return await self.peer_side.handle(command, request)
         if command in HEAVY and not (frame.placed is not None and not self.session.caching):

@@ -2,6 +2,7 @@
 connect (--allow), how many (--max-connections), how long a half-sent request may hang (--idle-timeout),
 and a graceful SIGTERM. Workers start with --no-warmup: nothing here computes a graph."""
 
+import os
 import signal
 import socket
 import struct
@@ -173,3 +174,59 @@ def test_sigterm_stops_listening_closes_clients_and_exits_cleanly(tmp_path):
             socket.create_connection((worker.host, worker.port), timeout=5)
     finally:
         worker.stop()
+
+
+# --- --key-file (protocol_spec.md §8.2) -----------------------------------------------------------
+
+def key_file(tmp_path, name: str) -> tuple[str, bytes]:
+    key = os.urandom(32).hex().encode()
+    path = tmp_path / name
+    path.write_bytes(key + b"\n")
+    return str(path), key
+
+
+def test_a_keyed_worker_serves_only_clients_that_prove_the_key(tmp_path):
+    path, key = key_file(tmp_path, "key")
+    with start(tmp_path, "--key-file", path, mem_mib=64) as worker:
+        stranger = RpcClient(worker.address)  # HELLO is open to all, as llama.cpp's client needs it first
+        with pytest.raises(WorkerError):
+            stranger.device_memory()
+        with pytest.raises(WorkerError, match="refused our key"):
+            RpcClient(worker.address, key=b"not the key at all, but long enough")
+        ours = RpcClient(worker.address, key=key)
+        assert ours.device_memory()[1] == 64 * MiB
+        assert "wrong key" in worker.log_tail() and "not authenticated" in worker.log_tail()
+        assert worker.alive()
+
+
+def test_a_push_from_a_worker_without_the_key_is_refused(tmp_path):
+    path, key = key_file(tmp_path, "key")
+    other_path, other_key = key_file(tmp_path, "other")
+    with start(tmp_path, "--key-file", path, mem_mib=64) as target, \
+            start(tmp_path, "--key-file", path, mem_mib=64) as keyed, \
+            start(tmp_path, mem_mib=64) as keyless, \
+            start(tmp_path, "--key-file", other_path, mem_mib=64) as wrong:
+        b = RpcClient(target.address, key=key)
+        r = alloc(b, 4096)
+        dst = whole_buffer(r.remote_ptr, p.U64Response.decode(b.call(Command.BUFFER_GET_BASE,
+                                                                       p.BufferRequest(r.remote_ptr))).value, 4096)
+        token = p.PeerTokenResponse.decode(b.call(Command.PEER_TOKEN)).token
+        statuses = {}
+        # each source worker is driven by a client holding that worker's own key (if any)
+        for step, (name, source, source_key) in enumerate(
+                [("keyless", keyless, None), ("wrong", wrong, other_key), ("keyed", keyed, key)], start=1):
+            a = RpcClient(source.address, key=source_key)
+            ra = alloc(a, 4096)
+            src = whole_buffer(ra.remote_ptr, p.U64Response.decode(a.call(Command.BUFFER_GET_BASE,
+                                                                          p.BufferRequest(ra.remote_ptr))).value, 4096)
+            a.set_tensor(src, bytes([step]) * 4096)
+            req = p.SetPeerRequest(1, token, target.port, b"127.0.0.1")
+            assert p.U8Response.decode(a.call(Command.SET_PEER, req)).result == 1
+            push = p.PushTensorRequest(1, step, src, dst)
+            statuses[name] = p.U8Response.decode(a.call(Command.PUSH_TENSOR, push)).result
+            landed = b.get_tensor(dst, 4096)
+            assert landed == (bytes([step]) * 4096 if name == "keyed" else bytes(4096)), name
+        assert statuses == {"keyless": 0, "wrong": 0, "keyed": 1}
+        assert "requires a key" in keyless.log_tail()
+        assert "wrong key" in target.log_tail()
+        assert all(w.alive() for w in (target, keyed, keyless, wrong))
