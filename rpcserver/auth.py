@@ -11,9 +11,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from .protocol import auth_proof
-
-MIN_KEY_BYTES = 16
+from .protocol import MIN_KEY_BYTES, auth_proof
 
 
 def load_key(path: str | Path) -> bytes:

@@ -344,6 +344,7 @@ FEATURE_PEER_PUSH = 1 << 0
 FEATURE_AUTH = 1 << 1  # this worker serves nothing but the handshake until AUTH_PROOF succeeds
 TOKEN_SIZE = 16
 NONCE_SIZE = 32
+MIN_KEY_BYTES = 16  # of a --key-file's stripped contents
 
 
 @dataclass

@@ -3,7 +3,9 @@ llama-completion fail cleanly while another client of the same worker goes on, a
 refuses llama-completion by its address (it knows nothing of our extensions)."""
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from orchestrator.client import RpcClient
 from rpcserver import protocol as p
 from rpcserver.protocol import Command
 
-from .conftest import CLIENT_THREADS, RPC_TIMEOUT, assert_fully_offloaded, reference
+from .conftest import CLIENT_THREADS, REPO_ROOT, RPC_TIMEOUT, assert_fully_offloaded, reference
 
 pytestmark = pytest.mark.interop
 N_PREDICT = 4
@@ -69,3 +71,26 @@ def test_allow_refuses_llama_completion_from_elsewhere_and_admits_it_when_listed
         assert_fully_offloaded(done.stderr)
         assert done.stdout == cpu_text(args[1:args.index("--rpc")] + ["-ngl", "0"])
         assert "refused" not in worker.log_tail()
+
+
+def test_a_keyed_worker_serves_our_orchestrator_with_the_key_and_refuses_llama_completion(bin_dir, model_path,
+                                                                                          tmp_path):
+    key = tmp_path / "key"
+    key.write_text(os.urandom(32).hex())
+    with start(tmp_path, "--key-file", str(key), warm=True) as worker:
+        done = run(completion(bin_dir, model_path, worker))  # llama.cpp cannot answer the challenge
+        assert done.returncode != 0
+        assert "not authenticated" in worker.log_tail()
+        assert worker.alive(), worker.describe()
+
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        orchestrator = [sys.executable, "-m", "orchestrator", "--rpc", worker.address, "-m", str(model_path),
+                        "-p", "The capital of France is", "-n", str(N_PREDICT), "--temp", "0", "--no-warmup"]
+        without = subprocess.run(orchestrator, capture_output=True, text=True, timeout=RPC_TIMEOUT, env=env,
+                                 cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+        assert without.returncode != 0 and "Traceback" not in without.stderr, without.stderr[-3000:]
+        with_key = subprocess.run([*orchestrator, "--rpc-key-file", str(key)], capture_output=True, text=True,
+                                  timeout=RPC_TIMEOUT, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+        assert with_key.returncode == 0, with_key.stderr[-3000:] + worker.describe()
+        assert with_key.stdout.startswith("The capital of France is") and len(with_key.stdout) > 24
+        assert worker.alive(), worker.describe()
