@@ -230,3 +230,64 @@ def test_a_push_from_a_worker_without_the_key_is_refused(tmp_path):
         assert "requires a key" in keyless.log_tail()
         assert "wrong key" in target.log_tail()
         assert all(w.alive() for w in (target, keyed, keyless, wrong))
+
+
+def test_sigterm_lets_the_running_command_finish_and_reply_then_starts_no_other(monkeypatch):
+    """In process, so the running command can be held at a known point: a GET_TENSOR on the compute
+    thread waits until SIGTERM has arrived; its reply must still come, the request queued behind it
+    must get none, and serve() must return."""
+    import asyncio
+    import threading
+
+    from rpcserver import session as session_module
+    from rpcserver.memory import MemoryBudget
+    from rpcserver.server import serve
+    from rpcserver.session import Session, WorkerConfig
+
+    running, release = threading.Event(), threading.Event()
+    real_get_tensor = Session.handle_get_tensor
+
+    def held_get_tensor(self, req):
+        running.set()
+        release.wait(120)
+        return real_get_tensor(self, req)
+
+    monkeypatch.setitem(session_module.HANDLERS, Command.GET_TENSOR, held_get_tensor)
+    outcome = {}
+
+    def client(port):
+        c = RpcClient(f"127.0.0.1:{port}", timeout=120)
+        r = alloc(c, 4096)
+        base = p.U64Response.decode(c.call(Command.BUFFER_GET_BASE, p.BufferRequest(r.remote_ptr))).value
+        t = whole_buffer(r.remote_ptr, base, 4096)
+        c.set_tensor(t, bytes(range(256)) * 16)
+        c.send(Command.GET_TENSOR, p.GetTensorRequest(t, 0, 4096))  # held on the compute thread
+        c.send(Command.GET_TENSOR, p.GetTensorRequest(t, 0, 16))  # queued behind it: must not run
+        outcome["first"] = c.receive(Command.GET_TENSOR)
+        try:
+            outcome["second"] = c.receive(Command.GET_TENSOR)
+        except WorkerError:
+            outcome["second"] = None
+
+    async def main():
+        ready = asyncio.get_running_loop().create_future()
+        server = asyncio.ensure_future(serve("127.0.0.1", 0, WorkerConfig(MemoryBudget(16 * MiB)),
+                                             ready=lambda s: ready.set_result(s.sockets[0].getsockname()[1])))
+        port = await ready
+        thread = threading.Thread(target=client, args=(port,))
+        thread.start()
+        await asyncio.get_running_loop().run_in_executor(None, running.wait, 120)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0)  # let the handler run: from here on the worker is draining
+        while not server.done() and not release.is_set():
+            await asyncio.sleep(0.01)
+            try:  # once it stops listening, release the held command
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                release.set()
+        await asyncio.wait_for(server, 120)
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, 120)
+
+    asyncio.run(main())
+    assert outcome["first"] == bytes(range(256)) * 16
+    assert outcome["second"] is None
