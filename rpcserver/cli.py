@@ -111,6 +111,9 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
     print(f"  local cache    : {cache_dir or 'n/a'}")
     print("Devices:")
     print(f"  CPU: Python/numba CPU ({total >> 20} MiB, {free >> 20} MiB free)")
+    print(f"  memory budget  : {total >> 20} MiB for all clients "
+          f"({'-m' if mem else 'physical memory minus the larger of 10% and 1 GiB'})"
+          + (f", at most {client_mem} MiB per connection" if client_mem else ""))
     print(f"  threads        : {threads}")
     print(f"  float orders   : ggml-cpu built for {target.name}")
     print(f"  peer push      : {'off (--no-peer)' if no_peer else 'on'}")
