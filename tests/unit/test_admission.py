@@ -72,3 +72,12 @@ def test_the_key_proof_is_hmac_sha256_over_the_nonce(tmp_path):
     path.write_bytes(b"short")
     with pytest.raises(ValueError, match="too short"):
         load_key(path)
+
+
+def test_free_memory_never_exceeds_the_machines_even_with_a_larger_budget():
+    from rpcserver.memory import system_memory
+
+    budget = MemoryBudget(1 << 60)
+    free, total = budget.free_and_total()
+    assert total == 1 << 60 and 0 < free <= system_memory()[1]
+    assert budget.reserve(system_memory()[1] + 1) is None  # more than the machine has: refused at once
