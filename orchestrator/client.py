@@ -20,8 +20,9 @@ class WorkerError(Exception):
 
 class RpcClient:
     held: list[bytes] | None = None  # frames of requests sent while corked, not written yet
+    key: bytes | None = None  # --rpc-key-file: answers a keyed worker's challenge (protocol_spec.md §8.2)
 
-    def __init__(self, endpoint: str, timeout: float | None = 60.0):
+    def __init__(self, endpoint: str, timeout: float | None = 60.0, key: bytes | None = None):
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise WorkerError(f"invalid endpoint '{endpoint}': expected host:port")
@@ -39,6 +40,21 @@ class RpcClient:
             self.close()
             raise WorkerError(f"worker {endpoint} speaks RPC protocol {'.'.join(map(str, self.version))}, "
                               f"we speak {'.'.join(map(str, p.PROTOCOL_VERSION))}")
+        key = key if key is not None else self.key
+        if key is not None:
+            self._authenticate(key)
+
+    def _authenticate(self, key: bytes) -> None:
+        """With a key, the worker must be ours (EXT_HELLO); if it asks for the key, prove we hold it."""
+        ext = p.ExtHelloResponse.decode(self.call(Command.EXT_HELLO))
+        if ext.magic != p.EXT_MAGIC or not ext.features & p.FEATURE_AUTH:
+            return  # a worker without a key lets us in as it is
+        nonce = p.AuthNonceResponse.decode(self.call(Command.AUTH_NONCE)).nonce
+        try:
+            self.call(Command.AUTH_PROOF, p.AuthProofRequest(p.auth_proof(key, nonce)))
+        except WorkerError:
+            self.close()
+            raise WorkerError(f"worker {self.endpoint} refused our key (--rpc-key-file)") from None
 
     def close(self) -> None:
         self.sock.close()

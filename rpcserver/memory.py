@@ -83,30 +83,44 @@ def system_memory() -> tuple[int, int]:
     return available, total
 
 
-class MemoryBudget:
-    """What the worker reports and enforces, shared by all connections (thread-safe)."""
+MARGIN_FRACTION = 10  # the default budget leaves the larger of 1/10 of physical memory ...
+MARGIN_MIN = 1 << 30  # ... and 1 GiB to the system, the worker's own code and its scratch
 
-    def __init__(self, limit: int | None = None):
-        self.limit = limit  # None: the machine's physical memory
+
+def default_budget(total: int) -> int:
+    """What a worker without -m promises in all: physical memory minus the larger of 10% and 1 GiB,
+    but at least half of it (a small machine keeps a usable worker)."""
+    return max(total - max(total // MARGIN_FRACTION, MARGIN_MIN), total // 2)
+
+
+class MemoryBudget:
+    """What the worker reports and enforces, shared by all connections (thread-safe).
+
+    Buffers are lazy mappings: granting one costs nothing until a client writes it, so the machine's
+    available memory says nothing about what is already promised. The budget counts every byte ever
+    granted and not yet freed, across all connections, and never promises more than `limit` in all,
+    nor more at once than the machine has available now. A client that fills everything it was
+    granted therefore stays within `limit`; no allocation can make the kernel's OOM killer pick the
+    worker."""
+
+    def __init__(self, limit: int | None = None, per_connection: int | None = None):
+        self.limit = default_budget(system_memory()[1]) if limit is None else limit
+        self.per_connection = per_connection  # None: a connection may take the whole budget
         self.used = 0
         self._lock = threading.Lock()
         self._next_address = _ADDRESS_SPACE_START
         self._handles = itertools.count(1)
 
     def free_and_total(self) -> tuple[int, int]:
+        """(free, total) as GET_DEVICE_MEMORY reports them: the budget not yet granted, never more
+        than the machine has available now; total is the budget."""
         with self._lock:
-            if self.limit is not None:
-                return max(self.limit - self.used, 0), self.limit
-            available, total = system_memory()
-            return available, total
+            return max(min(self.limit - self.used, system_memory()[0]), 0), self.limit
 
     def reserve(self, size: int) -> tuple[int, int] | None:
         """Account `size` bytes; gives (handle, base address) or None if they do not fit."""
         with self._lock:
-            if self.limit is not None:
-                fits = size <= self.limit - self.used
-            else:
-                fits = size <= system_memory()[0]
+            fits = size <= self.limit - self.used and size <= system_memory()[0]
             # leave a gap of at least one page so no two buffers' address ranges touch
             base, end = self._next_address, self._next_address + (size + 2 * _PAGE - 1) // _PAGE * _PAGE
             if not fits or end > WIRE_MAX:  # (a 64-bit address space used up: no address to give)
@@ -151,7 +165,18 @@ class BufferTable:
         self.budget = budget
         self.buffers: dict[int, Buffer] = {}
 
+    def device_memory(self) -> tuple[int, int]:
+        """(free, total) as this connection sees them: the worker's, within its own quota if any."""
+        free, total = self.budget.free_and_total()
+        quota = self.budget.per_connection
+        if quota is None:
+            return free, total
+        return max(min(free, quota - self.total), 0), min(total, quota)
+
     def alloc(self, size: int) -> Buffer | None:
+        quota = self.budget.per_connection
+        if quota is not None and size > quota - self.total:
+            return None
         reserved = self.budget.reserve(size)
         if reserved is None:
             return None

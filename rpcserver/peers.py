@@ -60,8 +60,9 @@ class PeerConnection:
     """One worker-to-worker connection, opened with HELLO and EXT_HELLO, carrying PEER_WRITEs. A write is
     sent at once; its acknowledgement is read by a task of its own, so the sender need not wait for it."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, key: bytes | None = None):
         self.host, self.port = host, port
+        self.key = key  # ours (--key-file): answers the peer's challenge if it asks for one
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.acks: collections.deque[asyncio.Future] = collections.deque()  # of the writes sent, oldest first
@@ -100,6 +101,14 @@ class PeerConnection:
         ext = p.ExtHelloResponse.decode(await self._call(Command.EXT_HELLO, expect=p.ExtHelloResponse.wire_size()))
         if ext.magic != p.EXT_MAGIC or not ext.features & p.FEATURE_PEER_PUSH:
             raise PeerError("does not offer peer push")
+        if ext.features & p.FEATURE_AUTH:
+            if self.key is None:
+                raise PeerError("requires a key, and this worker has none (--key-file)")
+            nonce = p.AuthNonceResponse.decode(await self._call(Command.AUTH_NONCE,
+                                                                expect=p.AuthNonceResponse.wire_size())).nonce
+            reply = await self._call(Command.AUTH_PROOF, p.AuthProofRequest(p.auth_proof(self.key, nonce)).encode(), expect=1)
+            if reply != b"\x01":
+                raise PeerError("refused our key")
         self.ack_reader = asyncio.get_running_loop().create_task(self._read_acks())
 
     async def write(self, head: bytes, data: bytes) -> asyncio.Future:
@@ -189,7 +198,7 @@ class PeerSide:
         try:
             conn = self.connections.get(req.link)
             if conn is None or conn.closed:
-                conn = PeerConnection(host, port)
+                conn = PeerConnection(host, port, self.session.config.key)
                 self.connections[req.link] = conn
                 await asyncio.wait_for(conn.open(), CONNECT_TIMEOUT)
             ack = await asyncio.wait_for(conn.write(head, data), REPLY_TIMEOUT)

@@ -8,6 +8,8 @@ packed. See protocol_spec.md.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import re
 import struct
 from dataclasses import dataclass, field
@@ -58,6 +60,8 @@ class Command(enum.IntEnum):
     PUSH_TENSOR = 131
     PEER_WRITE = 132
     WAIT_PUSH = 133
+    AUTH_NONCE = 134  # pre-shared key (feature bit 1), protocol_spec.md §8.2
+    AUTH_PROOF = 135
 
 
 UPSTREAM_COMMAND_COUNT = 18
@@ -337,7 +341,30 @@ class ExtHelloResponse(Message):
 
 EXT_MAGIC = int.from_bytes(b"PYRPCEXT", "little")
 FEATURE_PEER_PUSH = 1 << 0
+FEATURE_AUTH = 1 << 1  # this worker serves nothing but the handshake until AUTH_PROOF succeeds
 TOKEN_SIZE = 16
+NONCE_SIZE = 32
+MIN_KEY_BYTES = 16  # of a --key-file's stripped contents
+
+
+@dataclass
+class AuthNonceResponse(Message):
+    FORMAT: ClassVar[str] = "32s"
+    nonce: bytes = bytes(NONCE_SIZE)
+
+
+@dataclass
+class AuthProofRequest(Message):
+    FORMAT: ClassVar[str] = "32s"
+    mac: bytes = bytes(32)  # auth_proof(key, nonce)
+
+
+AUTH_CONTEXT = b"pyrpc-auth-v1\0"  # binds a proof to this use of the key
+
+
+def auth_proof(key: bytes, nonce: bytes) -> bytes:
+    """AUTH_PROOF's answer to AUTH_NONCE's challenge: HMAC-SHA256(key, AUTH_CONTEXT + nonce)."""
+    return hmac.new(key, AUTH_CONTEXT + nonce, hashlib.sha256).digest()
 
 
 @dataclass
@@ -441,6 +468,8 @@ COMMANDS: dict[Command, CommandSpec] = {
     Command.PUSH_TENSOR: CommandSpec(PushTensorRequest, U8Response),
     Command.PEER_WRITE: CommandSpec(PeerWriteRequest, U8Response, variable=True),
     Command.WAIT_PUSH: CommandSpec(WaitPushRequest, U8Response),
+    Command.AUTH_NONCE: CommandSpec(Empty, AuthNonceResponse),
+    Command.AUTH_PROOF: CommandSpec(AuthProofRequest, U8Response),
 }
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol as p
+from .admission import Admission
 from .framing import Frame, FrameReader, decode_frame
 from .peers import LOOP_COMMANDS, PeerSide
 from .protocol import Command, ProtocolError
@@ -22,6 +25,7 @@ log = logging.getLogger("rpcserver")
 
 MAX_QUEUED_FRAMES = 16  # stop reading from a client that is this far ahead of us
 INLINE_PEER_WRITE = 1 << 20  # a pushed decode step's activation is kilobytes; a prompt's goes to the thread
+SHUTDOWN_GRACE = 60.0  # seconds SIGTERM waits for running commands before it drops their connections
 
 
 class ComputeThread:
@@ -41,10 +45,15 @@ class ComputeThread:
 
 
 class WorkerProtocol(asyncio.BufferedProtocol):
-    def __init__(self, config: WorkerConfig, compute: ComputeThread, connections: set):
+    def __init__(self, config: WorkerConfig, compute: ComputeThread, connections: set,
+                 admission: Admission = Admission()):
         self.config = config
         self.compute = compute
         self.connections = connections
+        self.admission = admission
+        self.draining = False  # set by a graceful shutdown: finish the running command, start no other
+        self.stall_timer: asyncio.TimerHandle | None = None
+        self.peer_side: PeerSide | None = None
         self.session = Session(config)
         self.reader = FrameReader(self.session.max_payload, place=self._place)
         self.frames: collections.deque = collections.deque()
@@ -66,10 +75,24 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        refusal = self._refusal(peer[0] if peer else "")
+        if refusal is not None:  # before any byte is read: a llama.cpp client sees a closed connection
+            log.warning("client %s refused: %s", self.peer, refusal)
+            self.closed = True
+            transport.abort()
+            return
         self.connections.add(self)
         log.info("client %s connected", self.peer)
         self.peer_side = PeerSide(self.session, self.config.peer_push)
         self.task = asyncio.get_running_loop().create_task(self._serve())
+        self._watch_stall()  # its HELLO must come in time too
+
+    def _refusal(self, host: str) -> str | None:
+        if not self.admission.allowed(host):
+            return "address not in --allow"
+        if self.admission.full(len(self.connections)):
+            return f"{len(self.connections)} connections already (--max-connections)"
+        return None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer(sizehint)
@@ -88,12 +111,35 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         if len(self.frames) >= MAX_QUEUED_FRAMES and not self.paused:
             self.paused = True
             self.transport.pause_reading()
+        self._watch_stall()
+
+    def _watch_stall(self) -> None:
+        """(Re)starts the --idle-timeout clock while a request is half received or HELLO is missing;
+        a connection idle between requests may wait as long as it likes (a llama.cpp client does)."""
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        timeout = self.admission.idle_timeout
+        if timeout is None or self.closed or (self.reader.idle and (self.greeted or self.frames)):
+            return
+        self.stall_timer = asyncio.get_running_loop().call_later(timeout, self._stalled)
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        if self.paused:  # we stopped reading, not the client: its clock restarts when we read again
+            return
+        if not self.closed:
+            log.warning("client %s sent nothing for %g s in the middle of a request; closing the connection",
+                        self.peer, self.admission.idle_timeout)
+            self.closed = True
+            self.transport.abort()
+        self.wakeup.set()
 
     def _place(self, head: memoryview, size: int) -> memoryview | None:
         """SET_TENSOR data goes straight into its buffer when every earlier request is done with:
         a queued or running command (a graph reading that region, a FREE_BUFFER) must see memory as
         it was before this SET_TENSOR, as with the reference's one-request-at-a-time loop."""
-        if self.unplaced or not self.greeted:
+        if self.unplaced or not self.greeted or not self.session.authorized:
             return None
         return self.session.place_set_tensor(head, size)
 
@@ -102,10 +148,18 @@ class WorkerProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
         self.wakeup.set()
         self.writable.set()
-        self.peer_side.close()  # ends its waits, and its pushes' replies (nobody will read them)
+        if self.peer_side is not None:
+            self.peer_side.close()  # ends its waits, and its pushes' replies (nobody will read them)
         self.connections.discard(self)
+
+    def drain(self) -> None:
+        """Graceful shutdown: the command being handled finishes and its reply goes out; no other starts."""
+        self.draining = True
+        self.wakeup.set()
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -118,6 +172,8 @@ class WorkerProtocol(asyncio.BufferedProtocol):
     async def _serve(self) -> None:
         try:
             while not self.closed or self.frames:
+                if self.draining:
+                    break
                 if not self.frames:
                     self.wakeup.clear()
                     await self.wakeup.wait()
@@ -127,10 +183,13 @@ class WorkerProtocol(asyncio.BufferedProtocol):
                 if not self.writable.is_set() or len(self.replies) >= MAX_QUEUED_FRAMES:
                     await self._caught_up()  # a client that does not read its replies gets no more
                     continue
+                if self.draining:
+                    break
                 frame = self.frames.popleft()
                 if self.paused and len(self.frames) < MAX_QUEUED_FRAMES // 2:
                     self.paused = False
                     self.transport.resume_reading()
+                    self._watch_stall()
                 reply = await self._dispatch(frame)
                 self.unplaced -= frame.placed is None
                 if reply is not None:
@@ -141,8 +200,12 @@ class WorkerProtocol(asyncio.BufferedProtocol):
             log.exception("client %s: internal error; closing the connection", self.peer)
             self.transport.abort()
         finally:
+            if self.draining and self.flusher is not None and not self.closed:
+                await asyncio.shield(self.flusher)  # the replies of what was already done
             if self.flusher is not None:
                 self.flusher.cancel()
+            if self.draining:
+                self.transport.close()  # after what was written is sent
             self.peer_side.close()
             await self.compute.run(self.session.close)
             log.info("client %s disconnected", self.peer)
@@ -181,6 +244,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         if not self.greeted:  # the reader let only HELLO through first
             self.greeted = True
             return p.HelloResponse().encode()  # we offer no transport caps (upstream's RDMA)
+        self.session.check_authorized(command)
         if command in LOOP_COMMANDS:
             return await self.peer_side.handle(command, request)
         if command in HEAVY and not (frame.placed is not None and not self.session.caching):
@@ -200,14 +264,29 @@ class WorkerProtocol(asyncio.BufferedProtocol):
         self.wakeup.set()
 
 
+async def _drain(server, connections: set) -> None:
+    server.close()  # no new connections
+    log.warning("SIGTERM: finishing %d connections' running commands, then exiting", len(connections))
+    for conn in connections:
+        conn.drain()
+    tasks = [conn.task for conn in connections if conn.task is not None]
+    if tasks:
+        _, late = await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
+        for conn in list(connections):
+            if conn.task in late:
+                conn.transport.abort()
+
+
 def _set_numba_threads(n: int) -> None:
     import numba  # noqa: PLC0415 - only the compute thread needs it
 
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
-async def serve(host: str, port: int, config: WorkerConfig, ready=None) -> None:
-    """Serve until cancelled; `ready(server)` is called once the socket listens."""
+async def serve(host: str, port: int, config: WorkerConfig, ready=None, admission: Admission = Admission()) -> None:
+    """Serve until cancelled or, in the main thread, until SIGTERM: then stop listening, let each
+    connection finish the command it is running (compute included), close them all and return.
+    `ready(server)` is called once the socket listens."""
     # numba's thread count is per calling thread: set it on the compute thread itself
     init = (_set_numba_threads, (config.threads,)) if config.threads else (None, ())
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=init[0], initargs=init[1])
@@ -215,13 +294,24 @@ async def serve(host: str, port: int, config: WorkerConfig, ready=None) -> None:
     connections: set = set()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: WorkerProtocol(config, compute, connections), host, port, reuse_address=True
+        lambda: WorkerProtocol(config, compute, connections, admission), host, port, reuse_address=True
     )
     if ready is not None:
         ready(server)
+    stop = asyncio.Event()
+    if threading.current_thread() is threading.main_thread():
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
         async with server:
-            await server.serve_forever()
+            serving = loop.create_task(server.serve_forever())
+            stopping = loop.create_task(stop.wait())
+            try:
+                await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                serving.cancel()
+            if stop.is_set():
+                await _drain(server, connections)
     finally:
         server.close()
         for conn in list(connections):

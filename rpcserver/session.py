@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from . import protocol as p
+from .auth import verify
 from kernels.ggml import type_traits
 from .graph import Plan, build_plan, run_plan
 from kernels.hashing import fnv1a64
@@ -33,8 +35,9 @@ N_DEVICES = 1
 
 class WorkerConfig:
     def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None, threads: int | None = None,
-                 target: Target = AVX2, peer_push: bool = True):
+                 target: Target = AVX2, peer_push: bool = True, key: bytes | None = None):
         self.budget = budget
+        self.key = key  # --key-file: a connection must prove it holds it before anything else
         self.peer_push = peer_push  # False: SET_PEER refuses, this worker opens no connections
         self.tokens = TokenTable()  # worker-wide: PEER_WRITE finds its session by token
         self.cache_dir = cache_dir
@@ -54,6 +57,8 @@ class Session:
         self.plans: OrderedDict[bytes, Plan] = OrderedDict()
         self.pushed = 0  # the highest step a PEER_WRITE has landed in this session
         self.on_push = None  # called (from the compute thread) after each landed PEER_WRITE
+        self.authorized = config.key is None
+        self.nonce: bytes | None = None  # the challenge this connection must answer
 
     @property
     def caching(self) -> bool:
@@ -65,8 +70,13 @@ class Session:
         self.plans.clear()
         self.buffers.close()
 
+    def check_authorized(self, command: Command) -> None:
+        if not self.authorized and command not in OPEN_COMMANDS:
+            raise ProtocolError("not authenticated: this worker requires its key (--key-file)", command)
+
     def max_payload(self, command: Command) -> int:
         """The most a size header may ask us to receive for `command`."""
+        self.check_authorized(command)  # at the header: a stranger's weights or graphs are not even received
         if command == Command.SET_TENSOR:
             return p.SetTensorRequest.HEADER + self.buffers.largest
         if command == Command.GRAPH_COMPUTE:
@@ -76,6 +86,7 @@ class Session:
         return p.COMMANDS[command].request_size or 0
 
     def handle(self, command: Command, request) -> bytes | None:
+        self.check_authorized(command)
         handler = HANDLERS.get(command)
         if handler is None:  # SET_PEER, PUSH_TENSOR, WAIT_PUSH: the server's event loop serves them
             raise ProtocolError("not served without a network connection", command)
@@ -102,11 +113,11 @@ class Session:
 
     def handle_get_max_size(self, req: p.DeviceRequest) -> bytes:
         self._device(Command.GET_MAX_SIZE, req.device)
-        return p.U64Response(self.config.budget.free_and_total()[1]).encode()
+        return p.U64Response(self.buffers.device_memory()[1]).encode()
 
     def handle_get_device_memory(self, req: p.DeviceRequest) -> bytes:
         self._device(Command.GET_DEVICE_MEMORY, req.device)
-        free, total = self.config.budget.free_and_total()
+        free, total = self.buffers.device_memory()
         return p.GetDeviceMemoryResponse(free, total).encode()
 
     def handle_get_alloc_size(self, req: p.GetAllocSizeRequest) -> bytes:
@@ -207,7 +218,23 @@ class Session:
         run_plan(self.plan)
 
     def handle_ext_hello(self, req: p.Empty) -> bytes:
-        return p.ExtHelloResponse(p.EXT_MAGIC, p.FEATURE_PEER_PUSH).encode()
+        features = p.FEATURE_PEER_PUSH | (p.FEATURE_AUTH if self.config.key is not None else 0)
+        return p.ExtHelloResponse(p.EXT_MAGIC, features).encode()
+
+    # -- pre-shared key (protocol_spec.md §8.2) ----------------------------------------------------
+
+    def handle_auth_nonce(self, req: p.Empty) -> bytes:
+        self.nonce = secrets.token_bytes(p.NONCE_SIZE)
+        return p.AuthNonceResponse(self.nonce).encode()
+
+    def handle_auth_proof(self, req: p.AuthProofRequest) -> bytes:
+        nonce, self.nonce = self.nonce, None  # one answer per challenge
+        if self.config.key is None:
+            raise RequestError("AUTH_PROOF to a worker without a key")
+        if nonce is None or not verify(self.config.key, nonce, req.mac):
+            raise RequestError("wrong key (AUTH_PROOF does not match the challenge)")
+        self.authorized = True
+        return p.U8Response(1).encode()
 
     # -- peer push (protocol_spec.md §8.1; the commands needing the event loop are in peers.py) --------
 
@@ -252,6 +279,9 @@ class Session:
             return None
         return data
 
+
+# what a connection may send before it has proved it holds the key (--key-file)
+OPEN_COMMANDS = frozenset({Command.HELLO, Command.EXT_HELLO, Command.AUTH_NONCE, Command.AUTH_PROOF})
 
 HANDLERS = {command: getattr(Session, f"handle_{command.name.lower()}") for command in Command
             if command not in LOOP_COMMANDS}

@@ -55,6 +55,8 @@ SAMPLES = {
     Command.PUSH_TENSOR: p.PushTensorRequest(1, 7, sample_tensor(), sample_tensor(id=1)),
     Command.PEER_WRITE: p.PeerWriteRequest(bytes(range(16)), 9, sample_tensor(), 8, memoryview(b"data")),
     Command.WAIT_PUSH: p.WaitPushRequest(9, 250),
+    Command.AUTH_NONCE: p.Empty(),
+    Command.AUTH_PROOF: p.AuthProofRequest(bytes(range(32))),
 }
 
 
