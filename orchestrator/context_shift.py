@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLOp, GGMLType, row_size
+from wire.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLOp, GGMLType, row_size
 from orchestrator.ggml_graph import Graph, _params, new_tensor, wire_tensor
 from orchestrator.kv import SwaCells
 from orchestrator.planner import plan_memory

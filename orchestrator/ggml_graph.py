@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rpcserver import protocol as p
-from kernels.ggml import (
+from wire import protocol as p
+from wire.ggml import (
     FLAG_COMPUTE,
     MAX_DIMS,
     MAX_NAME,

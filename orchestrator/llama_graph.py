@@ -18,7 +18,7 @@ import numpy as np
 
 from orchestrator.ggml_graph import GGML_PREC_F32, Graph, Tensor, new_tensor
 from orchestrator.model import HParams
-from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLType, GGMLUnaryOp, row_size
+from wire.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLType, GGMLUnaryOp, row_size
 
 HINT_SRC0_IS_HADAMARD = 1  # MUL_MAT op_params[1], ggml_mul_mat_set_hint
 

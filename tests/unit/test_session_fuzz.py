@@ -6,9 +6,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rpcserver import framing, protocol as p
+from wire import framing, protocol as p
 from rpcserver.memory import MemoryBudget
-from rpcserver.protocol import Command, ProtocolError
+from wire.protocol import Command, ProtocolError
 from rpcserver.session import Session, WorkerConfig
 
 BUF = 4096

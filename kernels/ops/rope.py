@@ -19,13 +19,13 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT, row_loop
-from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_F16, GGMLOp, GGMLType
+from ..jit import JIT, row_loop
+from wire.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_F16, GGMLOp, GGMLType
 
-from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, prepared, register
-from .fmath import fma32, np_fma
-from .storage import load_f32, parallel_worthwhile, store_f32, u16_view
+from ..node import InvalidNode, Node, Tensor
+from ..registry import OpKernel, prepared, register
+from ..fmath import fma32, np_fma
+from ..storage import load_f32, parallel_worthwhile, store_f32, u16_view
 
 F32 = np.float32
 
