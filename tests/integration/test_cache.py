@@ -10,7 +10,7 @@ import pytest
 from orchestrator.client import RpcClient
 from wire import protocol as p
 from wire.ggml import GGMLType
-from kernels.hashing import fnv1a64_reference
+from wire.hashing import fnv1a64_reference
 from wire.protocol import Command
 from tools import reference
 
