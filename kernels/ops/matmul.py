@@ -24,6 +24,7 @@ import numpy as np
 
 from ..jit import JIT
 from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from wire.op_params import HINT_SRC0_IS_HADAMARD  # ggml-cpu would run a Walsh-Hadamard transform instead
 
 from ..formats import kquant_dot, kquants, quants
 from ..formats.dequantize import dequantize_rows
@@ -41,7 +42,6 @@ T = GGMLType
 VEC_DOT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1,
                 T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, **kquants.VEC_DOT_TYPE}
 WEIGHT_TYPES = tuple(VEC_DOT_TYPE)
-HINT_SRC0_IS_HADAMARD = 1  # op_params[1]: ggml-cpu would run a Walsh-Hadamard transform instead
 
 
 def check(node: Node) -> None:

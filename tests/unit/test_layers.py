@@ -77,6 +77,27 @@ def test_imports_point_down():
     assert not upward, "imports against the layering:\n" + "\n".join(upward)
 
 
+FORBIDDEN_IN_WIRE = ("numba", "llvmlite")
+
+
+def test_wire_imports_no_numba():
+    """wire is what both sides speak: the orchestrator must be able to build graphs without a compiler."""
+    found = []
+    for path in sorted((ROOT / "wire").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in FORBIDDEN_IN_WIRE]
+    assert not found, "wire importing a compiler:\n" + "\n".join(found)
+
+
+def test_orchestrator_and_worker_do_not_import_each_other():
+    crossing = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+                      if {m.split(".")[0], d.split(".")[0]} == {"orchestrator", "rpcserver"})
+    assert not crossing, "\n".join(crossing)
+    assert "rpcserver" not in ALLOWED["orchestrator"] and "orchestrator" not in ALLOWED["rpcserver"]
+
+
 def test_no_import_cycle():
     # package __init__ modules are left out of the edges into them: importing kernels.x runs kernels/__init__
     edges = {m: {d for d in deps if d not in PACKAGES} for m, deps in GRAPH.items()}
@@ -118,5 +139,6 @@ def test_op_modules_do_not_import_each_other():
 def test_the_graph_is_read():
     """The checks above see the real imports (a parser that found nothing would pass them vacuously)."""
     assert "wire.record" in GRAPH["wire.protocol"]
+    assert "wire.op_params" in GRAPH["orchestrator.ggml_graph"] and "wire.op_params" in GRAPH["kernels.ops.rope"]
     assert "wire.protocol" in GRAPH["orchestrator.client"]
     assert "kernels.registry" in GRAPH["kernels.ops.matmul"]
