@@ -12,7 +12,7 @@ import numpy as np
 
 from .fmath import f16_to_f32, f32_to_f16, fma32, np_v_expf, np_v_expf16, v_expf, v_expf16
 from .jit import JIT
-from .ggml import GGMLUnaryOp
+from wire.ggml import GGMLUnaryOp
 
 F32 = np.float32
 U = GGMLUnaryOp

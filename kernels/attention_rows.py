@@ -17,9 +17,9 @@ import numpy as np
 
 from .jit import JIT
 from .fmath import fma32, hsum16, round_f16
-from .ggml import TYPE_F16, TYPE_F32
-from .quants import FLOAT_LANES
-from .float_dot512 import tail_sum, vec_f16_lanes16, vec_f32_lanes16
+from wire.ggml import TYPE_F16, TYPE_F32
+from .formats.quants import FLOAT_LANES
+from .formats.float_dot512 import tail_sum, vec_f16_lanes16, vec_f32_lanes16
 from .storage import contiguous_row, load_f32, prefetch_row
 from .vec import NEG_INF
 

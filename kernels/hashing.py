@@ -1,12 +1,11 @@
-"""FNV-1a 64-bit, the hash llama.cpp's client uses to name weights for SET_TENSOR_HASH."""
+"""FNV-1a 64-bit compiled (wire.hashing states it and holds its constants): weights are gigabytes."""
 
 import numba
 import numpy as np
 
-from .jit import JIT
+from wire.hashing import FNV_OFFSET, FNV_PRIME
 
-FNV_OFFSET = 0xCBF29CE484222325
-FNV_PRIME = 0x100000001B3
+from .jit import JIT
 
 
 @numba.njit(**JIT)
@@ -19,10 +18,3 @@ def _fnv1a64(data, h):
 
 def fnv1a64(data: np.ndarray) -> int:
     return int(_fnv1a64(np.ascontiguousarray(data, dtype=np.uint8).reshape(-1), np.uint64(FNV_OFFSET)))
-
-
-def fnv1a64_reference(data: bytes) -> int:
-    h = FNV_OFFSET
-    for byte in data:
-        h = ((h ^ byte) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
-    return h

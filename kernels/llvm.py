@@ -11,7 +11,7 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils
 
-from .ggml import GGMLType
+from wire.ggml import GGMLType
 
 f32_t, i8_t, i16_t, i32_t, i64_t = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 half_t = ir.HalfType()

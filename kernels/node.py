@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml import MAX_DIMS, PLAIN_DTYPES, TYPE_TRAITS, GGMLOp, GGMLType, row_size
+from wire.ggml import MAX_DIMS, PLAIN_DTYPES, TYPE_TRAITS, GGMLOp, GGMLType, row_size
 from .target import AVX2, Target
 
 
@@ -40,7 +40,7 @@ class Tensor:
     @classmethod
     def new(cls, type_: GGMLType, ne, data: np.ndarray | None = None) -> "Tensor":
         """A contiguous tensor in fresh memory (tests and references); `data` fills it if given."""
-        from .ggml import contiguous_strides
+        from wire.ggml import contiguous_strides
 
         ne = tuple(ne) + (1,) * (MAX_DIMS - len(ne))
         nb = contiguous_strides(type_, ne)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from .ggml import GGMLGluOp, GGMLOp, GGMLUnaryOp
+from wire.ggml import GGMLGluOp, GGMLOp, GGMLUnaryOp
 
 from .node import InvalidNode, Node
 

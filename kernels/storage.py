@@ -14,11 +14,11 @@ from numba.extending import intrinsic
 
 from .fmath import (bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, np_bf16_bits_to_f32, np_f16_bits_to_f32,
                     np_f32_to_bf16_bits, np_f32_to_f16_bits)
-from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_I32, TYPE_TRAITS, GGMLType
+from wire.ggml import TYPE_BF16, TYPE_F16, TYPE_F32, TYPE_I32, TYPE_TRAITS, GGMLType
 from .jit import JIT, row_loop
 from .llvm import prefetch
-from .kv_quants import np_trunc_i32 as np_f32_to_i32
-from .kv_quants import trunc_i32 as f32_to_i32
+from .formats.kv_quants import np_trunc_i32 as np_f32_to_i32
+from .formats.kv_quants import trunc_i32 as f32_to_i32
 from .node import Tensor
 
 F32 = np.float32

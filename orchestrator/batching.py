@@ -2,7 +2,7 @@
 that what a sequence computes does not depend on the sequences it shares a batch with.
 
 ggml computes FLASH_ATTN_EXT by one of three paths chosen from the node's shape
-(kernels.ggml.flash_attn_path): one query over 512 cells or more is split into one slice per thread, 64
+(wire.ggml.flash_attn_path): one query over 512 cells or more is split into one slice per thread, 64
 queries or more go through 64 x 64 tiles, the rest row by row. The paths round differently (row by row
 keeps V's sum in F16, tiles in F32), by enough to change a greedy text: four 35-token prompts in one node
 are 140 queries, tiled, where each alone is read row by row (measured with SmolLM2: the first token's
@@ -20,7 +20,7 @@ with its unified cache does the same). So the engine
   gets a node of its own over its slot's cells.
 Without flash attention the same rules keep the products with K and V on the route they take alone.
 The weights' products stay batched. With Q4_0, Q4_1 or Q8_0 weights their rows do not depend on the
-batch at all; with K-quants ggml's route changes with the batch's size (kernels.kquants.route), which
+batch at all; with K-quants ggml's route changes with the batch's size (kernels.formats.kquants.route), which
 moved log-probabilities by up to 4e-3 (Gemma 3 270M Q4_K_M; same texts), well below the 0.15 at stake
 here.
 """
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.ggml import FA_TILE_Q, GGMLType, flash_attn_path
+from wire.ggml import FA_TILE_Q, GGMLType, flash_attn_path
 from orchestrator.kv import Batch, Group, padded_cells
 
-ROWS = "one_chunk"  # the path that computes each row on its own (kernels.ggml.flash_attn_path)
+ROWS = "one_chunk"  # the path that computes each row on its own (wire.ggml.flash_attn_path)
 GEMM = "gemm"  # without flash attention: a product of several rows (tinyBLAS)
 
 
@@ -76,7 +76,7 @@ class Planner:
     def path(self, n_q: int, end: int) -> str:
         """The path of a node of n_q rows of one slot, the last at position end - 1, over its own cells;
         without flash attention, the route of its products with K and V (ggml-cpu's vec_dot for one row,
-        llamafile's tinyBLAS for more: kernels/matmul.py)."""
+        llamafile's tinyBLAS for more: kernels/ops/matmul.py)."""
         if not self.flash_attn:
             return ROWS if n_q == 1 else GEMM
         if not self.paths_matter:

@@ -8,8 +8,8 @@ import select
 import socket
 import time
 
-from rpcserver import framing, protocol as p
-from rpcserver.protocol import Command, ProtocolError
+from wire import framing, protocol as p
+from wire.protocol import Command, ProtocolError
 
 MAX_RESPONSE = 1 << 34
 

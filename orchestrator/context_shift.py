@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLOp, GGMLType, row_size
-from orchestrator.ggml_graph import Graph, _params, new_tensor, wire_tensor
+from wire import op_params
+from wire.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLOp, GGMLType, row_size
+from orchestrator.ggml_graph import Graph, new_tensor, wire_tensor
 from orchestrator.kv import SwaCells
 from orchestrator.planner import plan_memory
 
@@ -65,8 +66,10 @@ def _shift_stage(stage, deltas: np.ndarray) -> None:
         base, scale = ((hp.rope_freq_base_swa, hp.rope_freq_scale_swa) if hp.is_swa(il)
                        else (hp.rope_freq_base, hp.rope_freq_scale))
         factors = stage.weights.get(f"blk.{il}.rope_freqs.weight", stage.weights.get("rope_freqs.weight"))
-        params = _params("5i6f4i", 0, hp.n_rot, hp.rope_mode, 0, hp.n_ctx_orig, base, scale, hp.rope_ext_factor,
-                         hp.rope_attn_factor, hp.rope_beta_fast, hp.rope_beta_slow, 0, 0, 0, 0)
+        params = op_params.encode(GGMLOp.ROPE, n_dims=hp.n_rot, mode=hp.rope_mode, n_ctx_orig=hp.n_ctx_orig,
+                                  freq_base=base, freq_scale=scale, ext_factor=hp.rope_ext_factor,
+                                  attn_factor=hp.rope_attn_factor, beta_fast=hp.rope_beta_fast,
+                                  beta_slow=hp.rope_beta_slow)
         src = (k, inp) if factors is None else (k, inp, factors)
         # ggml_rope_ext_inplace: the result is a view of the cache itself
         cur = g._node(kt, k.ne, GGMLOp.ROPE, src, params, f"{k_cache.name} (shifted)", nb=k.nb, view_of=k)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from orchestrator.ggml_graph import Graph, Tensor
 from orchestrator.llama_graph import LayerBuilder, Shape
-from kernels.ggml import GGMLGluOp
+from wire.ggml import GGMLGluOp
 
 
 class Gemma3Builder(LayerBuilder):

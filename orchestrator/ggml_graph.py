@@ -12,13 +12,12 @@ memory (`view_src` is always the root, `view_offs` cumulative, as ggml_new_tenso
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-from rpcserver import protocol as p
-from kernels.ggml import (
+from wire import op_params, protocol as p
+from wire.ggml import (
     FLAG_COMPUTE,
     MAX_DIMS,
     MAX_NAME,
@@ -33,7 +32,6 @@ from kernels.ggml import (
     nbytes,
 )
 
-GGML_PREC_F32 = 10
 
 
 @dataclass(frozen=True)
@@ -89,11 +87,6 @@ def _ne4(ne) -> tuple[int, int, int, int]:
     return ne + (1,) * (MAX_DIMS - len(ne))
 
 
-def _params(fmt: str, *values) -> bytes:
-    data = struct.pack("<" + fmt, *values)
-    assert len(data) <= MAX_OP_PARAMS
-    return data
-
 
 def new_tensor(type_: GGMLType, ne, name: str = "", flags: int = 0) -> Tensor:
     """A leaf: an input, a weight or a cache, placed by its owner."""
@@ -141,13 +134,13 @@ class Graph:
         nb = [a.nb[0], *nb_upper]
         while len(nb) < MAX_DIMS:
             nb.append(nb[-1] * ne[len(nb) - 1])
-        return self._view(a, GGMLOp.VIEW, ne, nb, offset, _params("Q", offset), name)
+        return self._view(a, GGMLOp.VIEW, ne, nb, offset, op_params.encode(GGMLOp.VIEW, offset=offset), name)
 
     def permute(self, a: Tensor, *axes: int) -> Tensor:
         ne, nb = [0] * 4, [0] * 4
         for i, ax in enumerate(axes):
             ne[ax], nb[ax] = a.ne[i], a.nb[i]
-        return self._view(a, GGMLOp.PERMUTE, ne, nb, 0, _params("4i", *axes), f"{a.name} (permuted)")
+        return self._view(a, GGMLOp.PERMUTE, ne, nb, 0, op_params.encode(GGMLOp.PERMUTE, **{f"axis{i}": axis for i, axis in enumerate(axes)}), f"{a.name} (permuted)")
 
     def transpose(self, a: Tensor) -> Tensor:
         ne = (a.ne[1], a.ne[0], a.ne[2], a.ne[3])
@@ -181,7 +174,7 @@ class Graph:
         return self._binary(GGMLOp.MUL, a, b, name)
 
     def rms_norm(self, a: Tensor, eps: float, name: str = "") -> Tensor:
-        return self._node(a.type, a.ne, GGMLOp.RMS_NORM, (a,), _params("f", eps), name)
+        return self._node(a.type, a.ne, GGMLOp.RMS_NORM, (a,), op_params.encode(GGMLOp.RMS_NORM, eps=eps), name)
 
     def cont(self, a: Tensor, ne=None, name: str = "") -> Tensor:
         """A contiguous copy, optionally reshaped (ggml_cont_Nd)."""
@@ -195,8 +188,9 @@ class Graph:
                  beta_fast: float, beta_slow: float, name: str = "") -> Tensor:
         if pos.type != GGMLType.I32 or pos.ne[0] != a.ne[2]:
             raise ValueError(f"rope: positions {pos.ne} do not match '{a.name}' {a.ne}")
-        params = _params("5i6f4i", 0, n_dims, mode, 0, n_ctx_orig, freq_base, freq_scale, ext_factor,
-                         attn_factor, beta_fast, beta_slow, 0, 0, 0, 0)
+        params = op_params.encode(GGMLOp.ROPE, n_dims=n_dims, mode=mode, n_ctx_orig=n_ctx_orig, freq_base=freq_base,
+                                  freq_scale=freq_scale, ext_factor=ext_factor, attn_factor=attn_factor,
+                                  beta_fast=beta_fast, beta_slow=beta_slow)
         src = (a, pos) if freq_factors is None else (a, pos, freq_factors)
         return self._node(a.type, a.ne, GGMLOp.ROPE, src, params, name)
 
@@ -211,7 +205,8 @@ class Graph:
                        max_bias: float = 0.0, softcap: float = 0.0, name: str = "") -> Tensor:
         if k.ne[0] != q.ne[0] or v.ne[1] != k.ne[1] or q.ne[2] % k.ne[2]:
             raise ValueError(f"flash_attn_ext: q {q.ne}, k {k.ne}, v {v.ne} do not agree")
-        params = _params("3f2i", scale, max_bias, softcap, GGML_PREC_F32, 0)
+        params = op_params.encode(GGMLOp.FLASH_ATTN_EXT, scale=scale, max_bias=max_bias, softcap=softcap,
+                                  prec=op_params.PREC_F32)
         src = (q, k, v) if mask is None else (q, k, v, mask)
         return self._node(GGMLType.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), GGMLOp.FLASH_ATTN_EXT, src, params, name)
 
@@ -220,28 +215,28 @@ class Graph:
         if a.type != b.type or any(x != y for i, (x, y) in enumerate(zip(a.ne, b.ne)) if i != dim):
             raise ValueError(f"concat: '{a.name}' {a.ne} and '{b.name}' {b.ne} differ off dim {dim}")
         ne = tuple(x + y if i == dim else x for i, (x, y) in enumerate(zip(a.ne, b.ne)))
-        return self._node(a.type, ne, GGMLOp.CONCAT, (a, b), _params("i", dim), name)
+        return self._node(a.type, ne, GGMLOp.CONCAT, (a, b), op_params.encode(GGMLOp.CONCAT, dim=dim), name)
 
     def soft_max_ext(self, a: Tensor, mask: Tensor | None, scale: float, max_bias: float = 0.0,
                      name: str = "") -> Tensor:
         src = (a,) if mask is None else (a, mask)
-        return self._node(a.type, a.ne, GGMLOp.SOFT_MAX, src, _params("2f", scale, max_bias), name)
+        return self._node(a.type, a.ne, GGMLOp.SOFT_MAX, src, op_params.encode(GGMLOp.SOFT_MAX, scale=scale, max_bias=max_bias), name)
 
     def glu_split(self, op: GGMLGluOp, gate: Tensor, up: Tensor, name: str = "") -> Tensor:
         """ggml_glu_split: op(gate) * up (ggml_swiglu_split, ggml_geglu_split, ...)."""
         if gate.ne != up.ne:
             raise ValueError(f"{op.name.lower()}: gate {gate.ne} and up {up.ne} differ")
-        return self._node(gate.type, gate.ne, GGMLOp.GLU, (gate, up), _params("2i", op, 0), name)
+        return self._node(gate.type, gate.ne, GGMLOp.GLU, (gate, up), op_params.encode(GGMLOp.GLU, op=op), name)
 
     def swiglu_split(self, gate: Tensor, up: Tensor, name: str = "") -> Tensor:
         return self.glu_split(GGMLGluOp.SWIGLU, gate, up, name)
 
     def scale(self, a: Tensor, s: float, name: str = "") -> Tensor:
         """ggml_scale: a * s, a new tensor."""
-        return self._node(a.type, a.ne, GGMLOp.SCALE, (a,), _params("2f", s, 0.0), name)
+        return self._node(a.type, a.ne, GGMLOp.SCALE, (a,), op_params.encode(GGMLOp.SCALE, scale=s), name)
 
     def unary(self, op: GGMLUnaryOp, a: Tensor, name: str = "") -> Tensor:
-        return self._node(a.type, a.ne, GGMLOp.UNARY, (a,), _params("i", op), name)
+        return self._node(a.type, a.ne, GGMLOp.UNARY, (a,), op_params.encode(GGMLOp.UNARY, op=op), name)
 
     # mixture-of-experts routing (llama.cpp's build_moe_ffn)
 
@@ -255,7 +250,7 @@ class Graph:
 
     def argsort(self, a: Tensor, descending: bool, name: str = "") -> Tensor:
         """ggml_argsort: each row's element indices in sorted order (GGML_SORT_ORDER_DESC = 1)."""
-        return self._node(GGMLType.I32, a.ne, GGMLOp.ARGSORT, (a,), _params("i", int(descending)), name)
+        return self._node(GGMLType.I32, a.ne, GGMLOp.ARGSORT, (a,), op_params.encode(GGMLOp.ARGSORT, order=int(descending)), name)
 
     def argsort_top_k(self, a: Tensor, k: int, name: str = "", argsort_name: str = "") -> Tensor:
         """ggml_argsort_top_k: a descending ARGSORT and a view of each row's first k indices."""
@@ -268,7 +263,7 @@ class Graph:
         return self._node(a.type, (1, *a.ne[1:]), GGMLOp.SUM_ROWS, (a,), name=name)
 
     def clamp(self, a: Tensor, lo: float, hi: float, name: str = "") -> Tensor:
-        return self._node(a.type, a.ne, GGMLOp.CLAMP, (a,), _params("2f", lo, hi), name)
+        return self._node(a.type, a.ne, GGMLOp.CLAMP, (a,), op_params.encode(GGMLOp.CLAMP, min=lo, max=hi), name)
 
     def div(self, a: Tensor, b: Tensor, name: str = "") -> Tensor:
         return self._binary(GGMLOp.DIV, a, b, name)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from rpcserver.protocol import MIN_KEY_BYTES
+from wire.protocol import MIN_KEY_BYTES
 
 from .client import RpcClient
 

@@ -11,16 +11,15 @@ the sliding-window layers' cache inputs and mask, their rope base, the final log
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.ggml_graph import GGML_PREC_F32, Graph, Tensor, new_tensor
+from orchestrator.ggml_graph import Graph, Tensor, new_tensor
 from orchestrator.model import HParams
-from kernels.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLType, GGMLUnaryOp, row_size
+from wire import op_params
+from wire.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp, row_size
 
-HINT_SRC0_IS_HADAMARD = 1  # MUL_MAT op_params[1], ggml_mul_mat_set_hint
 
 @dataclass(frozen=True)
 class Shape:
@@ -239,7 +238,7 @@ class LayerBuilder:
         n, count = rot.ne[0], x.ne[0] * x.ne[1] * x.ne[2] * x.ne[3]
         rows = g.reshape(x, n, count // n) if x.is_contiguous() else g.cont(x, (n, count // n))
         res = g.mul_mat(rot, rows)
-        res.op_params = struct.pack("<ii", 0, HINT_SRC0_IS_HADAMARD)
+        res.op_params = op_params.encode(GGMLOp.MUL_MAT, hint=op_params.HINT_SRC0_IS_HADAMARD)
         return g.reshape(res, *x.ne)
 
     def _attention(self, g: Graph, il: int, q: Tensor, k: Tensor, v: Tensor, inputs: dict[str, Tensor],
@@ -307,7 +306,7 @@ class LayerBuilder:
             cur = g.flash_attn_ext(q, k_all, v_all, mask, kq_scale)
             return g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         kq = g.mul_mat(k_all, q, f"kq-{il}")
-        kq.op_params = GGML_PREC_F32.to_bytes(4, "little")
+        kq.op_params = op_params.encode(GGMLOp.MUL_MAT, prec=op_params.PREC_F32)
         kq = g.soft_max_ext(kq, mask, kq_scale, 0.0, f"kq_soft_max-{il}")
         kqv = g.mul_mat(v_all, kq, f"kqv-{il}")
         cur = g.permute(kqv, 0, 2, 1, 3)

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from kernels.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_TRAITS, GGMLType, nbytes, contiguous_strides
+from wire.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_TRAITS, GGMLType, nbytes, contiguous_strides
 
 
 class ModelError(Exception):
@@ -275,7 +275,7 @@ class ModelFile:
         if missing:
             raise ModelError(f"{self.path.name}: missing tensors {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        from kernels.formats import DEQUANTIZE  # noqa: PLC0415 - the kernels package loads numba
+        from kernels.formats.dequantize import DEQUANTIZE  # noqa: PLC0415 - the kernels package loads numba
 
         embd = self.weights["token_embd.weight"]
         if embd.type not in DEQUANTIZE:
@@ -284,7 +284,7 @@ class ModelFile:
 
     def token_embeddings(self, tokens: list[int]) -> np.ndarray:
         """Rows of token_embd as float32 [n_tokens, n_embd], dequantized as ggml's get_rows does on the CPU."""
-        from kernels.formats import dequantize_rows  # noqa: PLC0415 - numpy-only path of the kernels package
+        from kernels.formats.dequantize import dequantize_rows  # noqa: PLC0415 - numpy-only path of the kernels package
 
         w = self.weights["token_embd.weight"]
         rows = w.data.reshape(w.ne[1], -1)[np.asarray(tokens, dtype=np.int64)]

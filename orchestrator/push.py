@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.client import RpcClient, WorkerError
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.protocol import Command
 
 WAIT_TIMEOUT_MS = 600_000  # a WAIT_PUSH outlasts any stage's compute; a failed push is answered sooner
 

@@ -26,8 +26,8 @@ import numpy as np
 from orchestrator.client import WorkerError, await_reply, name_the_dead
 from orchestrator.ggml_graph import wire_tensor
 from orchestrator.push import open_link, peer_write
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.protocol import Command
 
 WINDOW = 6  # steps whose commands are in flight at once: enough to hide one orchestrator round trip
 

@@ -31,10 +31,10 @@ from orchestrator.moe_graph import Qwen3MoeBuilder
 from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
 from orchestrator.planner import plan_memory, round_up
 from orchestrator.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, peer_write, split_endpoint
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.protocol import Command
 from kernels.hashing import fnv1a64
-from kernels.ggml import TYPE_TRAITS, GGMLType
+from wire.ggml import TYPE_TRAITS, GGMLType
 
 GRAPH_CACHE = 16  # graphs a stage keeps built
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from .protocol import MIN_KEY_BYTES, auth_proof
+from wire.protocol import MIN_KEY_BYTES, auth_proof
 
 
 def load_key(path: str | Path) -> bytes:

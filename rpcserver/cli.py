@@ -12,7 +12,7 @@ import click
 
 from kernels.target import TARGETS, resolve
 
-from .protocol import PROTOCOL_VERSION
+from wire.protocol import PROTOCOL_VERSION
 
 
 def default_cache_dir() -> Path:

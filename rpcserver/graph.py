@@ -23,9 +23,9 @@ import numpy as np
 from kernels import InvalidNode, Node, Tensor, load_all
 from kernels.registry import lookup
 from kernels.target import AVX2, Target
-from kernels.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, logical_bytes, nbytes
+from wire.ggml import FLAG_COMPUTE, VIEW_OPS, GGMLOp, logical_bytes, nbytes
 from .memory import NO_MEMORY, BufferTable, RequestError, tensor_label
-from .protocol import GraphComputeRequest, RpcTensor
+from wire.protocol import GraphComputeRequest, RpcTensor
 
 load_all()
 

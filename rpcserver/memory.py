@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import Tensor
-from kernels.ggml import TYPE_OF_NUMBER, TypeTraits, nbytes, type_traits
-from .protocol import RpcTensor
+from wire.ggml import TYPE_OF_NUMBER, TypeTraits, nbytes, type_traits
+from wire.protocol import RpcTensor
 
 ALIGNMENT = 32  # as ggml's CPU buffers (TENSOR_ALIGNMENT)
 WIRE_MAX = (1 << 64) - 1  # the largest size or address a u64 field of the protocol carries

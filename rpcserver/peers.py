@@ -17,9 +17,9 @@ import socket
 import struct
 import threading
 
-from . import protocol as p
+from wire import protocol as p
 from .memory import RequestError
-from .protocol import Command, ProtocolError
+from wire.protocol import Command, ProtocolError
 
 log = logging.getLogger("rpcserver")
 

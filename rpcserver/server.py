@@ -14,11 +14,11 @@ import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from . import protocol as p
+from wire import protocol as p
+from wire.framing import Frame, FrameReader, decode_frame
 from .admission import Admission
-from .framing import Frame, FrameReader, decode_frame
 from .peers import LOOP_COMMANDS, PeerSide
-from .protocol import Command, ProtocolError
+from wire.protocol import Command, ProtocolError
 from .session import HEAVY, Session, WorkerConfig
 
 log = logging.getLogger("rpcserver")

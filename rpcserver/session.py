@@ -16,15 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import protocol as p
+from wire import protocol as p
+from wire.ggml import type_traits
 from .auth import verify
-from kernels.ggml import type_traits
 from .graph import Plan, build_plan, run_plan
 from kernels.hashing import fnv1a64
 from kernels.target import AVX2, Target
 from .memory import ALIGNMENT, BufferTable, MemoryBudget, RequestError, wire_nbytes
 from .peers import LOOP_COMMANDS, TokenTable
-from .protocol import Command, ProtocolError
+from wire.protocol import Command, ProtocolError
 
 PLAN_CACHE = 8  # recent graphs whose plans a connection keeps
 log = logging.getLogger("rpcserver")

@@ -24,7 +24,7 @@ import numpy as np
 
 from kernels.hashing import fnv1a64
 
-from . import protocol as p
+from wire import protocol as p
 from .memory import MemoryBudget
 from .session import Session, WorkerConfig
 

@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "tests")]
 import numpy as np  # noqa: E402
 
 import ggml_oracle  # noqa: E402
-from kernels.ggml import GGMLType  # noqa: E402
+from wire.ggml import GGMLType  # noqa: E402
 from kernels.registry import lookup  # noqa: E402
 from test_attention import Case, emulate_threads, ggml_node  # noqa: E402
 from test_kquants import ggml_quantize  # noqa: E402

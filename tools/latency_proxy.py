@@ -8,7 +8,7 @@ It prints `listening on HOST:PORT` on stdout once it accepts connections (`--lis
 port on 127.0.0.1), then one summary line per closed connection (frames delayed per command).
 
 Every byte passes through unchanged. Both streams are cut into frames with the shared codec
-(rpcserver.framing: FrameReader for the client's requests, ResponseReader for the worker's replies,
+(wire.framing: FrameReader for the client's requests, ResponseReader for the worker's replies,
 each reply matched to the oldest request still awaiting one), so delays apply per command:
 
     compute   GRAPH_COMPUTE, GRAPH_RECOMPUTE
@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rpcserver import framing  # noqa: E402
-from rpcserver.protocol import COMMANDS, Command, ProtocolError  # noqa: E402
+from wire import framing  # noqa: E402
+from wire.protocol import COMMANDS, Command, ProtocolError  # noqa: E402
 
 MAX_FRAME = 1 << 34  # the largest payload the codec may be asked to hold; beyond: a broken stream
 RECV_SIZE = 1 << 18

@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.ggml import FLAG_INPUT, TYPE_TRAITS, GGMLOp, GGMLType, contiguous_strides, nbytes  # noqa: E402
+from wire.ggml import FLAG_INPUT, TYPE_TRAITS, GGMLOp, GGMLType, contiguous_strides, nbytes  # noqa: E402
 from orchestrator.client import InProcessClient  # noqa: E402
 from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor, wire_tensor  # noqa: E402
 from orchestrator.model import HParams, WeightInfo  # noqa: E402
 from orchestrator.planner import round_up  # noqa: E402
 from orchestrator.runner import Pipeline  # noqa: E402
-from rpcserver import protocol as p  # noqa: E402
+from wire import protocol as p  # noqa: E402
 from rpcserver import warmup  # noqa: E402
 from rpcserver.memory import MemoryBudget  # noqa: E402
 from rpcserver.session import Session, WorkerConfig  # noqa: E402

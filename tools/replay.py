@@ -32,9 +32,9 @@ from typing import Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rpcserver import framing, protocol as p  # noqa: E402
-from kernels.ggml import GGMLType  # noqa: E402
-from rpcserver.protocol import TENSOR_DTYPE, TENSOR_SIZE, Command  # noqa: E402
+from wire import framing, protocol as p  # noqa: E402
+from wire.ggml import GGMLType  # noqa: E402
+from wire.protocol import TENSOR_DTYPE, TENSOR_SIZE, Command  # noqa: E402
 from tools.trace_proxy import Recording  # noqa: E402
 
 MAX_REPLY = 1 << 34

@@ -23,7 +23,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import InvalidNode, Node, Tensor, load_all  # noqa: E402
 from kernels.registry import KERNELS, op_label  # noqa: E402
-from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType  # noqa: E402
+from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "worker.md"
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"

@@ -4,7 +4,7 @@
     llama-completion -m model.gguf --rpc 127.0.0.1:50060 -ngl 99 -p Hello     # in another shell
 
 Bytes pass through unchanged in both directions. The client's side is parsed with the shared codec
-(rpcserver.protocol): every command is counted, and every GRAPH_COMPUTE node is logged as
+(wire.protocol): every command is counted, and every GRAPH_COMPUTE node is logged as
 [op, name, ne, type, op_params[:6], sources (type, ne, nb)] in <trace>.graphs.jsonl, one line per
 graph; <trace>.summary.json counts commands and the distinct (op, result type, source types).
 That is how we learn which ops and types a real client sends for a given model.
@@ -26,9 +26,9 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rpcserver import framing, protocol as p  # noqa: E402
-from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp  # noqa: E402
-from rpcserver.protocol import Command  # noqa: E402
+from wire import framing, protocol as p  # noqa: E402
+from wire.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp  # noqa: E402
+from wire.protocol import Command  # noqa: E402
 
 MAX_FRAME = 1 << 34
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from orchestrator.client import RpcClient
-from rpcserver import protocol as p
-from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
+from wire import protocol as p
+from wire.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
 from tools import reference
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from orchestrator.client import WorkerError
-from rpcserver import protocol as p
-from kernels.ggml import GGMLOp, GGMLType
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.ggml import GGMLOp, GGMLType
+from wire.protocol import Command
 
 from .conftest import GraphBuilder
 

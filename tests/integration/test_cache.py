@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from orchestrator.client import RpcClient
-from rpcserver import protocol as p
-from kernels.ggml import GGMLType
-from kernels.hashing import fnv1a64_reference
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.ggml import GGMLType
+from wire.hashing import fnv1a64_reference
+from wire.protocol import Command
 from tools import reference
 
 from .conftest import GraphBuilder

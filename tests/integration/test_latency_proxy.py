@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rpcserver.framing import FrameReader
-from rpcserver.protocol import COMMANDS, Command, ProtocolError
+from wire.framing import FrameReader
+from wire.protocol import COMMANDS, Command, ProtocolError
 from tool_modules import load_tool
 
 latency_proxy = load_tool("latency_proxy")

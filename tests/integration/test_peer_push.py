@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from orchestrator.client import RpcClient, WorkerError
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
-from kernels.ggml import GGMLOp, GGMLType
+from wire import protocol as p
+from wire.protocol import Command
+from wire.ggml import GGMLOp, GGMLType
 from tools import reference
 
 from .conftest import GraphBuilder

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from kernels.ggml import GGMLType, contiguous_strides
+from wire.ggml import GGMLType, contiguous_strides
 from orchestrator.client import RpcClient, WorkerError
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.protocol import Command
 from tools import reference
 
 MiB = 1 << 20

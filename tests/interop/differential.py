@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 
 from orchestrator.client import RpcClient
 from orchestrator.ggml_graph import Graph, RemoteBuffer, Tensor, new_tensor, wire_tensor
-from kernels.ggml import TYPE_TRAITS, GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from wire.ggml import TYPE_TRAITS, GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 T = GGMLType
 INDEX_DTYPES = {T.I32: "<i4", T.I64: "<i8"}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from orchestrator.client import RpcClient, WorkerError
-from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from wire.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 from . import differential as d
 from .conftest import CLIENT_THREADS, RPC_TIMEOUT, reference

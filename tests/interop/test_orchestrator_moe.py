@@ -18,12 +18,12 @@ import re
 import gguf
 import pytest
 
-from kernels.ggml import GGMLType
+from wire.ggml import GGMLType
 from orchestrator.ggml_graph import new_tensor
 from orchestrator.llama_graph import Shape
 from orchestrator.model import ModelFile
 from orchestrator.runner import BUILDERS
-from rpcserver import protocol as p
+from wire import protocol as p
 from tools.trace_proxy import TraceProxy, describe_graph
 
 from .conftest import CLIENT_THREADS, RPC_TIMEOUT, ClientFailed, text_diff

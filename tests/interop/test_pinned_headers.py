@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from kernels.ggml import OP_COUNT, GGMLOp
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
+from wire.ggml import OP_COUNT, GGMLOp
+from wire import protocol as p
+from wire.protocol import Command
 
 from .conftest import _located, reference
 

@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.protocol import Command
 from tools.replay import Replayer, first_difference, read_recording, recorded_outputs
 from tools.trace_proxy import Recording, TraceProxy, describe_graph
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from orchestrator.client import RpcClient
-from rpcserver import protocol as p
-from rpcserver.protocol import Command
+from wire import protocol as p
+from wire.protocol import Command
 
 from .conftest import CLIENT_THREADS, REPO_ROOT, RPC_TIMEOUT, assert_fully_offloaded, reference
 

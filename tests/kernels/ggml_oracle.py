@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kernels.node import Node, Tensor
-from kernels.ggml import MAX_SRC, GGMLOp, GGMLType, nbytes
+from wire.ggml import MAX_SRC, GGMLOp, GGMLType, nbytes
 from kernels.target import AVX2, TARGETS
 
 ORACLE = os.environ.get("PYRPC_ORACLE", "avx2").strip() or "avx2"
@@ -167,7 +167,7 @@ def result_bytes(out) -> np.ndarray:
 
 
 def our_bytes(t: Tensor) -> np.ndarray:
-    from kernels.ggml import nbytes as span
+    from wire.ggml import nbytes as span
 
     return t.mem[t.offset : t.offset + span(t.type, t.ne, t.nb)].copy()
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import attention as at
+from kernels.ops import attention as at
 from kernels import storage
-from kernels import kv_quants
+from kernels.formats import kv_quants
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from kernels.ggml import GGMLOp, GGMLType
+from wire.ggml import GGMLOp, GGMLType
 from kernels.target import AVX2, AVX512
 
 pytestmark = pytest.mark.kernels

@@ -6,13 +6,13 @@ import pytest
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 import ggml_oracle
-from kernels import copy as cp
+from kernels.ops import copy as cp
 from kernels import storage
 from kernels import fmath as fm
-from kernels import kv_quants as kvq
+from kernels.formats import kv_quants as kvq
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

@@ -12,12 +12,12 @@ import pytest
 import ggml_oracle
 from kernels import storage
 from kernels import activations
-from kernels import elementwise as ew
+from kernels.ops import elementwise as ew
 from kernels import fmath as fm
-from kernels import glu  # noqa: F401  (registers the GLU kernels)
+from kernels.ops import glu  # noqa: F401  (registers the GLU kernels)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from wire.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 from kernels.target import AVX2, AVX512
 
 pytestmark = pytest.mark.kernels

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import get_rows, kquants, quants
+from kernels.ops import get_rows
+from kernels.formats import kquants, quants
 from kernels.node import InvalidNode, Node, Tensor
-from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

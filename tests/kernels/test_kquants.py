@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import formats, get_rows, kquants, matmul, quants
+from kernels.formats import kquants, quants
+from kernels.formats.dequantize import dequantize_rows
+from kernels.ops import get_rows, matmul
 from kernels.node import InvalidNode, Node, Tensor
-from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 
@@ -101,7 +103,7 @@ def test_numba_decode_matches_numpy(type_):
 def test_formats_dequantize_rows_serves_the_k_quants():
     blocks = random_blocks(np.random.default_rng(5), T.Q4_K, 4)
     rows = blocks.reshape(2, -1)
-    np.testing.assert_array_equal(formats.dequantize_rows(T.Q4_K, rows).reshape(-1),
+    np.testing.assert_array_equal(dequantize_rows(T.Q4_K, rows).reshape(-1),
                                   kquants.DEQUANTIZE[T.Q4_K](blocks).reshape(-1))
 
 
@@ -219,7 +221,7 @@ def test_mul_mat_reference_close_to_float64(type_):
     rng = np.random.default_rng(int(type_) + 3)
     w, x = weight_tensor(rng, type_, (512, 9)), activations(rng, (512, 4))
     got = run(matmul.reference, mul_mat_node(w, x))[0, 0]
-    wf = formats.dequantize_rows(type_, w.rows()[0, 0]).astype(np.float64)
+    wf = dequantize_rows(type_, w.rows()[0, 0]).astype(np.float64)
     xf = x.array()[0, 0].astype(np.float64)
     qb = 32 if kquants.VEC_DOT_TYPE[type_] == T.Q8_0 else 256
     step = np.abs(xf).reshape(len(xf), -1, qb).max(axis=2) / 127

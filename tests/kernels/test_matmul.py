@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import fmath, formats, matmul, quants
+from kernels import fmath
+from kernels.formats import quants
+from kernels.formats.dequantize import dequantize_rows
+from kernels.ops import matmul
 from kernels.node import InvalidNode, Node, Tensor
-from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 from kernels.target import AVX2, AVX512, AVX512_NO_BF16
 
 pytestmark = pytest.mark.kernels
@@ -214,7 +217,7 @@ def test_reference_close_to_float64(type_):
     w, x = weights(rng, type_, (256, 9)), activations(rng, (256, 4), scale=3.0)
     node = mul_mat(w, x)
     got = run(matmul.reference, node)[0, 0]
-    wf = formats.dequantize_rows(type_, w.rows()[0, 0]).astype(np.float64)
+    wf = dequantize_rows(type_, w.rows()[0, 0]).astype(np.float64)
     xf = x.array()[0, 0].astype(np.float64)
     exact = xf @ wf.T
     scale = np.abs(xf) @ np.abs(wf).T

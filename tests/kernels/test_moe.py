@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import add_id, moe, reduce, sort
-from kernels.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from kernels.ops import add_id, moe, reduce, sort
+from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
 from test_kquants import random_blocks

@@ -9,10 +9,10 @@ import pytest
 
 import ggml_oracle
 from kernels import storage
-from kernels import norm  # noqa: F401  (registers the kernels)
+from kernels.ops import norm  # noqa: F401  (registers the kernels)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from kernels.ggml import GGMLOp, GGMLType
+from wire.ggml import GGMLOp, GGMLType
 from kernels.target import AVX2, AVX512
 
 pytestmark = pytest.mark.kernels

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels import formats, llvm, matmul, quants
-from kernels.ggml import TYPE_TRAITS, GGMLType
+from kernels.formats import quants
+from kernels.formats.dequantize import dequantize_rows
+from kernels import llvm
+from kernels.ops import matmul
+from wire.ggml import TYPE_TRAITS, GGMLType
 
 pytestmark = pytest.mark.kernels
 
@@ -65,7 +68,7 @@ def test_dequantize_plain(type_):
     else:
         raw, want = x, x
     rows = raw.view(np.uint8).reshape(3, -1)
-    np.testing.assert_array_equal(formats.dequantize_rows(type_, rows), want.reshape(3, -1))
+    np.testing.assert_array_equal(dequantize_rows(type_, rows), want.reshape(3, -1))
 
 
 # ----------------------------------------------------------------------------------------------

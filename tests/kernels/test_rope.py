@@ -7,10 +7,10 @@ import pytest
 
 import ggml_oracle
 from kernels import storage
-from kernels import rope
+from kernels.ops import rope
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from kernels.ggml import ROPE_MODE_MROPE, ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
+from wire.ggml import ROPE_MODE_MROPE, ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

@@ -5,10 +5,10 @@ import pytest
 
 import ggml_oracle
 from kernels import fmath as fm
-from kernels import shape_ops  # noqa: F401  (registers the kernels)
+from kernels.ops import shape_ops  # noqa: F401  (registers the kernels)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from kernels.ggml import GGMLOp, GGMLType
+from wire.ggml import GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
 

@@ -9,10 +9,10 @@ import pytest
 import ggml_oracle
 from kernels import storage
 from kernels import fmath as fm
-from kernels import softmax  # noqa: F401  (registers the kernel)
+from kernels.ops import softmax  # noqa: F401  (registers the kernel)
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
-from kernels.ggml import GGMLOp, GGMLType
+from wire.ggml import GGMLOp, GGMLType
 from kernels.target import AVX2, AVX512
 
 pytestmark = pytest.mark.kernels

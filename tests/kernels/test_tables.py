@@ -6,7 +6,7 @@ import pytest
 
 from kernels import load_all
 from kernels.registry import KERNELS
-from kernels.ggml import TYPE_COUNT, TYPE_TRAITS, GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from wire.ggml import TYPE_COUNT, TYPE_TRAITS, GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 import ggml_oracle
 

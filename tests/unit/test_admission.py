@@ -5,7 +5,7 @@ import ipaddress
 
 import pytest
 
-from rpcserver import protocol as p
+from wire import protocol as p
 from rpcserver.admission import Admission, parse_allow
 from rpcserver.auth import load_key, verify
 from rpcserver.memory import BufferTable, MemoryBudget, default_budget

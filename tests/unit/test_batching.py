@@ -1,5 +1,5 @@
 """The serving engine's batch plans (orchestrator/batching.py), checked against ggml's rule for the path
-of a FLASH_ATTN_EXT node (kernels.ggml.flash_attn_path): every node a batch makes takes the path each of
+of a FLASH_ATTN_EXT node (wire.ggml.flash_attn_path): every node a batch makes takes the path each of
 its rows would take if its sequence were alone, each row sees exactly its own sequence's positions up to
 its own, and prompts are cut only where their chunk's path survives."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels.ggml import GGMLType, flash_attn_path
+from wire.ggml import GGMLType, flash_attn_path
 from orchestrator.batching import Piece, Planner
 from orchestrator.kv import padded_cells
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor
-from rpcserver import protocol as p
-from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType
+from wire import protocol as p
+from wire.ggml import FLAG_COMPUTE, GGMLOp, GGMLType
 
 
 def small_graph():

@@ -16,11 +16,11 @@ import pytest
 
 from kernels import InvalidNode, Node, Tensor
 from kernels.registry import KERNELS, lookup
-from kernels.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
+from wire.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
 from rpcserver.graph import build_plan, run_plan
 from rpcserver.memory import RequestError
 from rpcserver.memory import BufferTable, MemoryBudget
-from rpcserver.protocol import GraphComputeRequest, RpcTensor
+from wire.protocol import GraphComputeRequest, RpcTensor
 from tool_modules import load_tool
 
 pytestmark = pytest.mark.unit

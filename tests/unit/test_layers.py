@@ -1,7 +1,8 @@
 """The packages' import graph points one way and has no cycle.
 
-kernels (ggml's numberings, formats and the numba kernels) is the bottom layer; rpcserver (the codec
-and the worker) stands on it; orchestrator stands on kernels and on rpcserver's codec (protocol, framing) only. Every
+wire (the codec, ggml's numberings, the hash) is the bottom layer and imports nothing of ours; kernels
+(number formats and the numba kernels) stands on it; rpcserver (the worker) on both. The orchestrator
+stands on wire, and on kernels only where it must; it never imports the worker, nor the worker it. Every
 import statement counts, including those inside functions: a deferred import is still a dependency.
 """
 from __future__ import annotations
@@ -14,12 +15,13 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kernels", "rpcserver", "orchestrator")
+PACKAGES = ("wire", "kernels", "rpcserver", "orchestrator")
 # what each package may import from the others (its own modules are always allowed)
 ALLOWED = {
-    "kernels": set(),
-    "rpcserver": {"kernels"},
-    "orchestrator": {"kernels", "rpcserver.protocol", "rpcserver.framing"},
+    "wire": set(),
+    "kernels": {"wire"},
+    "rpcserver": {"wire", "kernels"},
+    "orchestrator": {"wire", "kernels.hashing", "kernels.formats.dequantize"},
 }
 
 
@@ -75,6 +77,27 @@ def test_imports_point_down():
     assert not upward, "imports against the layering:\n" + "\n".join(upward)
 
 
+FORBIDDEN_IN_WIRE = ("numba", "llvmlite")
+
+
+def test_wire_imports_no_numba():
+    """wire is what both sides speak: the orchestrator must be able to build graphs without a compiler."""
+    found = []
+    for path in sorted((ROOT / "wire").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in FORBIDDEN_IN_WIRE]
+    assert not found, "wire importing a compiler:\n" + "\n".join(found)
+
+
+def test_orchestrator_and_worker_do_not_import_each_other():
+    crossing = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+                      if {m.split(".")[0], d.split(".")[0]} == {"orchestrator", "rpcserver"})
+    assert not crossing, "\n".join(crossing)
+    assert "rpcserver" not in ALLOWED["orchestrator"] and "orchestrator" not in ALLOWED["rpcserver"]
+
+
 def test_no_import_cycle():
     # package __init__ modules are left out of the edges into them: importing kernels.x runs kernels/__init__
     edges = {m: {d for d in deps if d not in PACKAGES} for m, deps in GRAPH.items()}
@@ -104,16 +127,18 @@ def test_no_import_cycle():
 def test_op_modules_do_not_import_each_other():
     """Inside kernels/, the op modules (those load_all registers) stand on the core (fmath, storage, vec,
     activations, the formats and dot products), never on another op module."""
-    from kernels import OP_MODULES
+    from kernels import op_modules
 
-    ops = {f"kernels.{name}" for name in OP_MODULES}
+    ops = {f"kernels.ops.{name}" for name in op_modules()}
     crossing = sorted(f"{m} -> {d}" for m in ops for d in GRAPH[m] if d in ops)
     assert not crossing, "op modules importing op modules:\n" + "\n".join(crossing)
-    assert "kernels.storage" in GRAPH["kernels.copy"]  # the check reads real edges
+    assert "kernels.storage" in GRAPH["kernels.ops.copy"]  # the check reads real edges
+    assert {"kernels.ops.matmul", "kernels.ops.rope"} <= ops
 
 
 def test_the_graph_is_read():
     """The checks above see the real imports (a parser that found nothing would pass them vacuously)."""
-    assert "kernels.ggml" in GRAPH["rpcserver.protocol"]
-    assert "rpcserver.protocol" in GRAPH["orchestrator.client"]
-    assert "kernels.registry" in GRAPH["kernels.matmul"]
+    assert "wire.record" in GRAPH["wire.protocol"]
+    assert "wire.op_params" in GRAPH["orchestrator.ggml_graph"] and "wire.op_params" in GRAPH["kernels.ops.rope"]
+    assert "wire.protocol" in GRAPH["orchestrator.client"]
+    assert "kernels.registry" in GRAPH["kernels.ops.matmul"]

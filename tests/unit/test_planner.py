@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor
 from orchestrator.planner import plan_memory
-from kernels.ggml import GGMLType
+from wire.ggml import GGMLType
 
 ALIGN = 32
 

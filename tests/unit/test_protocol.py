@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuzzing import at_least
-from rpcserver import framing, protocol as p
-from rpcserver.framing import FrameReader
-from rpcserver.protocol import Command, ProtocolError
+from wire import framing, protocol as p
+from wire.framing import FrameReader
+from wire.protocol import Command, ProtocolError
 
 LIMIT = 1 << 20
 

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import at_least
-from rpcserver import framing, protocol as p
+from wire import framing, protocol as p
 from rpcserver.memory import MemoryBudget
-from rpcserver.protocol import Command, ProtocolError
+from wire.protocol import Command, ProtocolError
 from rpcserver.session import Session, WorkerConfig
 
 BUF = 4096

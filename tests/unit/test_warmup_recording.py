@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
-from rpcserver import protocol as p
+from wire.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from wire import protocol as p
 from rpcserver import warmup
 
 pytestmark = pytest.mark.unit

@@ -16,10 +16,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT, row_loop
-from .ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_TRAITS, GGMLType
+from ..jit import JIT, row_loop
+from wire.ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_TRAITS, GGMLType
 
-from .fmath import f32_to_f16
+from ..fmath import f32_to_f16
 from .kquants import DEQUANTIZE as _DEQUANTIZE_SUPER, KVALUES_IQ4NL
 from .quants import QK, pack_q8, quantize_q8_ref
 

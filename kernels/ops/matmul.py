@@ -4,13 +4,13 @@ Follows ggml_compute_forward_mul_mat of the x86 AVX2+FMA ggml-cpu build, so resu
 bit-identical to the reference worker:
   * src1 (f32) is first converted to the weights' vec_dot_type: q8_0 for Q4_0/Q5_0/Q8_0, q8_1 for
     Q4_1/Q5_1, fp16 for F16, bf16 for BF16 (F32 stays f32);
-  * quantized weights: ggml_vec_dot_<w>_q8_<0|1> (see kernels.quants); llamafile's tinyBLAS, used
+  * quantized weights: ggml_vec_dot_<w>_q8_<0|1> (see kernels.formats.quants); llamafile's tinyBLAS, used
     for batches, does the same arithmetic for these types;
   * float weights: when llamafile's tinyBLAS takes the batch (>= 2 columns, rows % 4 == 0, and for
     F32 a contiguous src1) each dot keeps 8 fma lanes (k mod 8); otherwise ggml_vec_dot_<f16|bf16|f32>
     keeps 32 lanes over 32-element steps, with its own reduction tree and tail handling. A node whose
-    target has 16 lanes (the AVX-512 build) takes kernels.float_dot512 instead.
-K-quant and IQ4 weights (kernels.kquants) go through Q8_K (Q8_0 for IQ4_NL) activations and integer
+    target has 16 lanes (the AVX-512 build) takes kernels.formats.float_dot512 instead.
+K-quant and IQ4 weights (kernels.formats.kquants) go through Q8_K (Q8_0 for IQ4_NL) activations and integer
 block sums along whichever of ggml's three routes the shape selects (tiled, vec_dot, tinyBLAS), also
 bit for bit.
 """
@@ -22,25 +22,26 @@ from functools import partial
 import numba
 import numpy as np
 
-from .jit import JIT
-from .ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from ..jit import JIT
+from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
+from wire.op_params import HINT_SRC0_IS_HADAMARD  # ggml-cpu would run a Walsh-Hadamard transform instead
 
-from . import formats, kquant_dot, kquants, quants
-from .float_dot import dot_float as _dot_float, round_activations as _activations
-from .float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum
-from .kquants import KQUANT_TYPES
-from .node import InvalidNode, Node
-from .fmath import np_fma
-from .quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
-from .registry import OpKernel, nothing, prepared, register
-from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
+from ..formats import kquant_dot, kquants, quants
+from ..formats.dequantize import dequantize_rows
+from ..formats.float_dot import dot_float as _dot_float, round_activations as _activations
+from ..formats.float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum
+from ..formats.kquants import KQUANT_TYPES
+from ..node import InvalidNode, Node
+from ..fmath import np_fma
+from ..formats.quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
+from ..registry import OpKernel, nothing, prepared, register
+from ..tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
 T = GGMLType
 # ggml-cpu's type_traits_cpu[w].vec_dot_type: the format src1 is converted to before the dots
 VEC_DOT_TYPE = {T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1,
                 T.Q5_0: T.Q8_0, T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, **kquants.VEC_DOT_TYPE}
 WEIGHT_TYPES = tuple(VEC_DOT_TYPE)
-HINT_SRC0_IS_HADAMARD = 1  # op_params[1]: ggml-cpu would run a Walsh-Hadamard transform instead
 
 
 def check(node: Node) -> None:
@@ -304,7 +305,7 @@ def reference(node: Node) -> None:
             elif src0.type in KQUANT_TYPES:
                 out[i13, i12] = kquants.dot_ref(src0.type, rows, np.ascontiguousarray(x[i13, i12], np.float32)).T
             else:
-                w = formats.dequantize_rows(src0.type, rows)
+                w = dequantize_rows(src0.type, rows)
                 xa = _activations(src0.type, x[i13, i12])
                 if node.target.lanes == 16:
                     out[i13, i12] = np_dot16(src0.type, w, xa, tiny, node.target.bf16_pairs).T

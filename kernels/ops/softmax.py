@@ -20,14 +20,14 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT, row_loop
-from .ggml import GGMLOp, GGMLType
+from ..jit import JIT, row_loop
+from wire.ggml import GGMLOp, GGMLType
 
-from .fmath import fma32, np_fma
-from .node import InvalidNode, Node
-from .registry import OpKernel, prepared, register
-from .storage import as_f32, parallel_worthwhile
-from .vec import NEG_INF, alibi_slope, np_expf, np_soft_max, vec_soft_max
+from ..fmath import fma32, np_fma
+from ..node import InvalidNode, Node
+from ..registry import OpKernel, prepared, register
+from ..storage import as_f32, parallel_worthwhile
+from ..vec import NEG_INF, alibi_slope, np_expf, np_soft_max, vec_soft_max
 
 F32 = np.float32
 

@@ -5,11 +5,11 @@ Follows ggml_compute_forward_mul_mat_id of the x86 ggml-cpu build bit for bit:
   * src1 (f32) is converted to the weights' vec_dot_type first (q8_0/q8_1/q8_K, fp16/bf16 rounding);
   * the (slot e, token t) pairs are grouped per expert in token-major order, and each expert is then a
     product of its weights with its cne1 routed rows, on the route ggml picks *per expert*: its tiled
-    kernel for K-quant and IQ4_XS weights when cne1 >= 8 (kernels.kquants.TILED_MIN_ROWS), else the
+    kernel for K-quant and IQ4_XS weights when cne1 >= 8 (kernels.formats.kquants.TILED_MIN_ROWS), else the
     type's vec_dot (ggml_vec_dot_<w>_q8_<0|1|K>, the 32-lane ggml_vec_dot_<f32|f16|bf16>, or the
     16-lane one of an AVX-512 target). llamafile's tinyBLAS, which MUL_MAT takes for batches of float
     and IQ4_NL weights, never computes MUL_MAT_ID.
-The dot products are the ones MUL_MAT uses (kernels.quants, kernels.kquant_dot, kernels.float_dot).
+The dot products are the ones MUL_MAT uses (kernels.formats.quants, kernels.formats.kquant_dot, kernels.formats.float_dot).
 The numpy twin is that definition spelled out: per expert, MUL_MAT's own reference on the gathered rows.
 """
 
@@ -18,16 +18,16 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from . import kquant_dot, kquants, quants
-from .float_dot import dot_float, round_activations
-from .float_dot512 import SCRATCH, dot16
-from .ggml import TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp, GGMLType
-from .jit import JIT
-from .kquants import KQUANT_TYPES, TILED_MIN_ROWS
-from .node import InvalidNode, Node, Tensor
-from .quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
-from .registry import KERNELS, OpKernel, nothing, prepared, register
-from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK
+from ..formats import kquant_dot, kquants, quants
+from ..formats.float_dot import dot_float, round_activations
+from ..formats.float_dot512 import SCRATCH, dot16
+from wire.ggml import TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp, GGMLType
+from ..jit import JIT
+from ..formats.kquants import KQUANT_TYPES, TILED_MIN_ROWS
+from ..node import InvalidNode, Node, Tensor
+from ..formats.quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
+from ..registry import KERNELS, OpKernel, nothing, prepared, register
+from ..tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK
 
 T = GGMLType
 WEIGHT_TYPES = FLOAT_TYPES + QUANT_TYPES + KQUANT_TYPES
@@ -274,7 +274,7 @@ forward = prepared(prepare)
 
 
 def reference(node: Node) -> None:
-    from . import load_all  # MUL_MAT's reference, from the kernel table
+    from .. import load_all  # MUL_MAT's reference, from the kernel table
 
     load_all()
     mul_mat = KERNELS[(int(GGMLOp.MUL_MAT), 0)].reference

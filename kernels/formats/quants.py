@@ -18,11 +18,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .jit import JIT
-from .ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, GGMLType
+from ..jit import JIT
+from wire.ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, GGMLType
 
-from .fmath import np_bf16_bits_to_f32, round_f16
-from .llvm import (FLOAT_ELEM, PREFETCH_AHEAD, byte_ptr, elem_ptr, f32_t, half_t, hsum8, i8_dot_lanes, i8_t, i32_t,
+from ..fmath import np_bf16_bits_to_f32, round_f16
+from ..llvm import (FLOAT_ELEM, PREFETCH_AHEAD, byte_ptr, elem_ptr, f32_t, half_t, hsum8, i8_dot_lanes, i8_t, i32_t,
                    i64_t, llvm_fn, prefetch, shuffle, splat, to_f32, vec)
 
 QK = 32  # elements per block of every format here

@@ -20,16 +20,16 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ggml import TYPE_F32, TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp
+from wire.ggml import TYPE_F32, TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp
 
-from . import storage as st
-from .activations import SQR as _SQR, SQRT as _SQRT
-from .activations import gelu_erf, gelu_table, gelu_tables, reference_unary_values, silu_scalar, silu_vec
-from .fmath import f16_to_f32, f32_to_f16, fma32
-from .jit import JIT, row_loop
-from .node import InvalidNode, Node
-from .registry import OpKernel, nothing, prepared, register
-from .storage import rows_contiguous
+from .. import storage as st
+from ..activations import SQR as _SQR, SQRT as _SQRT
+from ..activations import gelu_erf, gelu_table, gelu_tables, reference_unary_values, silu_scalar, silu_vec
+from ..fmath import f16_to_f32, f32_to_f16, fma32
+from ..jit import JIT, row_loop
+from ..node import InvalidNode, Node
+from ..registry import OpKernel, nothing, prepared, register
+from ..storage import rows_contiguous
 
 F32 = np.float32
 

@@ -9,7 +9,7 @@ ggml-quants.c), so GET_ROWS is bit-identical. MUL_MAT quantizes activations to Q
 IQ4_NL) and sums integer block products exactly; the float order then follows whichever ggml-cpu
 route the shape selects (the tiled K-quant kernel, vec_dot, or llamafile's tinyBLAS: see `route`),
 so products are bit-identical with the reference worker too. The numba dot products and the MUL_MAT
-driver are in kernels/kquant_dot.py; `dot_ref` here is their numpy twin.
+driver are in kernels/formats/kquant_dot.py; `dot_ref` here is their numpy twin.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .jit import JIT
-from .ggml import (TYPE_IQ4_NL, TYPE_IQ4_XS, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS,
+from ..jit import JIT
+from wire.ggml import (TYPE_IQ4_NL, TYPE_IQ4_XS, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS,
                    GGMLType)
 
 from . import quants
-from .fmath import np_fma
+from ..fmath import np_fma
 from .quants import LOAD_WEIGHT
 
 T = GGMLType

@@ -1,7 +1,7 @@
 """K-quant and IQ4 dot products for MUL_MAT as numba/LLVM vector code, and the MUL_MAT driver over
-ggml-cpu's three routes (kernels.kquants.route): tiled super-block sums, ggml_vec_dot_<w>_q8_K lanes,
+ggml-cpu's three routes (kernels.formats.kquants.route): tiled super-block sums, ggml_vec_dot_<w>_q8_K lanes,
 and llamafile's tinyBLAS for IQ4_NL. The formats, their decoders, the Q8_K activation quantizer and the
-numpy twin of all this (`dot_ref`) are in kernels/kquants.py.
+numpy twin of all this (`dot_ref`) are in kernels/formats/kquants.py.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
-from .jit import JIT
+from wire.ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
+from ..jit import JIT
 from .kquant_lanes import (Args, block_lanes, block_scales, chunk_quants, column_sums, column_vector, f32_t, fma_fn,
                            i64c, iq4_quants, isum, pairs, scaled_lanes, spreader, unsigned_quants, weighted_bsums)
 from . import quants
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_q8_k_row, route
-from .llvm import PREFETCH_AHEAD, byte_ptr, hsum8, i8_dot_lanes, i8_t, i32_t, prefetch, splat, vec
-from .tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
+from ..llvm import PREFETCH_AHEAD, byte_ptr, hsum8, i8_dot_lanes, i8_t, i32_t, prefetch, splat, vec
+from ..tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
 T = GGMLType
 

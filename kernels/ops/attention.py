@@ -36,21 +36,22 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT, row_loop
-from .ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp,
+from ..jit import JIT, row_loop
+from wire.op_params import PREC_DEFAULT, PREC_F32
+from wire.ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F32, TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp,
                    GGMLType, FA_FLOAT_KV_TYPES, flash_attn_path)
 
-from .attention_rows import (BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_index_streams_inner,
+from ..attention_rows import (BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_index_streams_inner,
                              row_one_chunk, visible_cells)
-from .fmath import fma32
-from .formats import dequantize_rows
-from .kquant_dot import iq4_nl_vec_dot
-from .kv_quants import dequantize_iq4_nl_reference
-from .node import InvalidNode, Node, Tensor
-from .quants import QK, quantize_q8_ref, quantize_q8_rows, row_dot1, unpack_blocks
-from .registry import OpKernel, prepared, register
-from .storage import parallel_worthwhile, storage, widen_f16
-from .vec import NEG_INF, alibi_slope, vec_soft_max
+from ..fmath import fma32
+from ..formats.dequantize import dequantize_rows
+from ..formats.kquant_dot import iq4_nl_vec_dot
+from ..formats.kv_quants import dequantize_iq4_nl_reference
+from ..node import InvalidNode, Node, Tensor
+from ..formats.quants import QK, quantize_q8_ref, quantize_q8_rows, row_dot1, unpack_blocks
+from ..registry import OpKernel, prepared, register
+from ..storage import parallel_worthwhile, storage, widen_f16
+from ..vec import NEG_INF, alibi_slope, vec_soft_max
 
 F32 = np.float32
 
@@ -341,7 +342,7 @@ def check_flash_attn_ext(node: Node) -> None:
         raise InvalidNode("FLASH_ATTN_EXT: max_bias (ALiBi) needs a mask")
     if sinks is not None and (sinks.type != GGMLType.F32 or sinks.ne != (q.ne[2], 1, 1, 1)):
         raise InvalidNode("FLASH_ATTN_EXT: sinks must be an F32 vector with one value per head")
-    if node.param_i32(3) not in (0, 10):
+    if node.param_i32(3) not in (PREC_DEFAULT, PREC_F32):
         raise InvalidNode(f"FLASH_ATTN_EXT: precision {node.param_i32(3)} is not supported by ggml-cpu")
     expect = (v.ne[0], q.ne[2], q.ne[1], q.ne[3])
     if dst.type != GGMLType.F32 or dst.ne != expect or not dst.is_contiguous():

@@ -1,6 +1,6 @@
 """Cutting the RPC byte streams into messages, sans-IO: `FrameReader` turns a client's bytes into request
 frames (command + payload), placing SET_TENSOR data straight into its destination if asked;
-`ResponseReader` turns a worker's bytes into response payloads. rpcserver.protocol types them.
+`ResponseReader` turns a worker's bytes into response payloads. wire.protocol types them.
 """
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import storage as st
-from .activations import gelu_erf, gelu_tables, reference_unary_values, silu_scalar, silu_vec
-from .fmath import f16_to_f32, f32_to_f16
-from .jit import JIT, row_loop
-from .ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
-from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, nothing, prepared, register
-from .storage import rows_contiguous
+from .. import storage as st
+from ..activations import gelu_erf, gelu_tables, reference_unary_values, silu_scalar, silu_vec
+from ..fmath import f16_to_f32, f32_to_f16
+from ..jit import JIT, row_loop
+from wire.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
+from ..node import InvalidNode, Node, Tensor
+from ..registry import OpKernel, nothing, prepared, register
+from ..storage import rows_contiguous
 
 F32 = np.float32
 U = GGMLUnaryOp

@@ -25,12 +25,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .fmath import f32_from_bits, f32_to_bits, fma32, hsum16, np_fma, np_hsum16
-from .jit import JIT
-from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, GGMLType
-from .llvm import FLOAT_ELEM, byte_ptr, elem_ptr, f32_t, i32_t, i64_t, llvm_fn, shuffle, to_f32, vec
+from ..fmath import f32_from_bits, f32_to_bits, fma32, hsum16, np_fma, np_hsum16
+from ..jit import JIT
+from wire.ggml import TYPE_BF16, TYPE_F16, TYPE_F32, GGMLType
+from ..llvm import FLOAT_ELEM, byte_ptr, elem_ptr, f32_t, i32_t, i64_t, llvm_fn, shuffle, to_f32, vec
 from .quants import LOAD_WEIGHT
-from .storage import load_f32
+from ..storage import load_f32
 
 F32 = np.float32
 SCRATCH = 32  # float32 lanes a dot needs in its scratch array

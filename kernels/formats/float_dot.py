@@ -2,10 +2,10 @@
 
 `dot_float` is one weight row . one activation row in 8-lane arithmetic: llamafile's tinyBLAS (`tiny`:
 one 8-lane FMA accumulator, the last partial step padded with zeros) or ggml_vec_dot_<f32|f16|bf16>
-(four 8-lane accumulators over 32-element steps, their own reduction tree, the tail of kernels.float_dot512).
+(four 8-lane accumulators over 32-element steps, their own reduction tree, the tail of kernels.formats.float_dot512).
 `round_activations` is the conversion of src1 to the weights' vec_dot_type that comes first. MUL_MAT
-(kernels.matmul) takes either route; MUL_MAT_ID (kernels.moe) only vec_dot. The 16-lane (AVX-512)
-twin is kernels.float_dot512.
+(kernels.ops.matmul) takes either route; MUL_MAT_ID (kernels.ops.moe) only vec_dot. The 16-lane (AVX-512)
+twin is kernels.formats.float_dot512.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .fmath import fma32
+from ..fmath import fma32
 from .float_dot512 import load_weight, tail_sum
-from .ggml import TYPE_BF16, TYPE_F16, TYPE_F32, GGMLType
-from .jit import JIT
+from wire.ggml import TYPE_BF16, TYPE_F16, TYPE_F32, GGMLType
+from ..jit import JIT
 from .quants import FLOAT_LANES, FLOAT_TYPES
 
 

@@ -19,13 +19,14 @@ import numba
 import numpy as np
 from numba import prange
 
-from .jit import JIT, row_loop
-from .ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_F16, GGMLOp, GGMLType
+from ..jit import JIT, row_loop
+from wire import op_params
+from wire.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_F16, GGMLOp, GGMLType
 
-from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, prepared, register
-from .fmath import fma32, np_fma
-from .storage import load_f32, parallel_worthwhile, store_f32, u16_view
+from ..node import InvalidNode, Node, Tensor
+from ..registry import OpKernel, prepared, register
+from ..fmath import fma32, np_fma
+from ..storage import load_f32, parallel_worthwhile, store_f32, u16_view
 
 F32 = np.float32
 
@@ -34,10 +35,11 @@ class RopeParams:
     """The op_params of a ROPE node, decoded."""
 
     def __init__(self, node: Node):
-        ints = node.params
-        self.n_dims, self.mode, self.n_ctx_orig, self.n_offs = int(ints[1]), int(ints[2]), int(ints[4]), int(ints[15])
-        (self.freq_base, self.freq_scale, self.ext_factor, self.attn_factor,
-         self.beta_fast, self.beta_slow) = ints[5:11].view(F32)
+        p = op_params.decode(GGMLOp.ROPE, node.params.tobytes())
+        self.n_dims, self.mode, self.n_ctx_orig, self.n_offs = p.n_dims, p.mode, p.n_ctx_orig, p.n_offs
+        (self.freq_base, self.freq_scale, self.ext_factor, self.attn_factor, self.beta_fast,
+         self.beta_slow) = (F32(x) for x in (p.freq_base, p.freq_scale, p.ext_factor, p.attn_factor, p.beta_fast,
+                                              p.beta_slow))
 
 
 @numba.njit(**JIT)

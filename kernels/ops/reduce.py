@@ -10,11 +10,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .ggml import GGMLOp, GGMLType
-from .jit import JIT, row_loop
-from .node import InvalidNode, Node
-from .registry import OpKernel, nothing, prepared, register
-from .storage import parallel_worthwhile, row_coords
+from wire.ggml import GGMLOp, GGMLType
+from ..jit import JIT, row_loop
+from ..node import InvalidNode, Node
+from ..registry import OpKernel, nothing, prepared, register
+from ..storage import parallel_worthwhile, row_coords
 
 
 def check(node: Node) -> None:

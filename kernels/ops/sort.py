@@ -19,11 +19,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .ggml import GGMLOp, GGMLType
-from .jit import JIT, row_loop
-from .node import InvalidNode, Node
-from .registry import OpKernel, nothing, prepared, register
-from .storage import parallel_worthwhile
+from wire.ggml import GGMLOp, GGMLType
+from ..jit import JIT, row_loop
+from ..node import InvalidNode, Node
+from ..registry import OpKernel, nothing, prepared, register
+from ..storage import parallel_worthwhile
 
 SORT_ASC, SORT_DESC = 0, 1  # enum ggml_sort_order
 _THRESHOLD = 16  # libstdc++'s _S_threshold

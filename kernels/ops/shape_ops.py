@@ -11,12 +11,12 @@ import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .ggml import MAX_DIMS, TYPE_TRAITS, GGMLOp, GGMLType
+from wire.ggml import MAX_DIMS, TYPE_TRAITS, GGMLOp, GGMLType
 
-from .jit import JIT
-from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, register
-from .storage import raw_storage
+from ..jit import JIT
+from ..node import InvalidNode, Node, Tensor
+from ..registry import OpKernel, register
+from ..storage import raw_storage
 
 T = GGMLType
 

@@ -3,7 +3,7 @@
 ggml's copy semantics (ops.cpp `ggml_compute_forward_dup*`): the source is read in row-major order of
 its own shape and the destination is filled in row-major order of *its* shape; only the element counts
 must agree. Conversions go through f32, as ggml's `type_conversion_table` does. Into a quantized
-type (a quantized KV cache), each source row is quantized whole by kernels/kv_quants.py.
+type (a quantized KV cache), each source row is quantized whole by kernels/formats/kv_quants.py.
 
 Storage kinds, their load/store and the converting copy between them are in kernels/storage.py.
 """
@@ -16,13 +16,13 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ggml import TYPE_F32, TYPE_TRAITS, GGMLOp, GGMLType
+from wire.ggml import TYPE_F32, TYPE_TRAITS, GGMLOp, GGMLType
 
-from .jit import JIT, row_loop
-from .kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
-from .node import InvalidNode, Node, Tensor
-from .registry import OpKernel, prepared, register
-from .storage import (RAW_BITS, copy_arrays, from_f32_reference, load_f32, parallel_worthwhile,
+from ..jit import JIT, row_loop
+from ..formats.kv_quants import KV_QUANT_TYPES, quantize_rows, quantize_rows_reference
+from ..node import InvalidNode, Node, Tensor
+from ..registry import OpKernel, prepared, register
+from ..storage import (RAW_BITS, copy_arrays, from_f32_reference, load_f32, parallel_worthwhile,
                       raw_storage, storage, store_f32, to_f32_reference, widen_f32)
 
 # ---------------------------------------------------------------------------------------------

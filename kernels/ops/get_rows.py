@@ -3,7 +3,7 @@
 ggml_get_rows: src0 (ne00, ne01, ne02, ne03), indices src1 I32 (ne10, ne11, ne12, 1) with
 ne02 == ne11 and ne03 == ne12; dst (ne00, ne10, ne11, ne12) is F32, or I32 when src0 is I32 (a plain
 copy). Rows are dequantized like ggml's to_float (float32 q * d (+ m), no fma); the K-quant and IQ4
-formats through kernels.kquants' decoded form, which keeps ggml's (d*S)*q - dmin*M order.
+formats through kernels.formats.kquants' decoded form, which keeps ggml's (d*S)*q - dmin*M order.
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from functools import partial
 import numba
 import numpy as np
 
-from .jit import JIT, row_loop
-from .ggml import (TYPE_BF16, TYPE_F16, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_TRAITS, GGMLOp,
+from ..jit import JIT, row_loop
+from wire.ggml import (TYPE_BF16, TYPE_F16, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_TRAITS, GGMLOp,
                    GGMLType)
 
-from . import formats, kquants
-from .kquants import KQUANT_TYPES
-from .node import InvalidNode, Node
-from .fmath import bf16_to_f32, f16_to_f32
-from .quants import LOAD_WEIGHT, QK, QUANT_TYPES
-from .registry import OpKernel, prepared, register
-from .storage import parallel_worthwhile
+from ..formats import kquants
+from ..formats.dequantize import dequantize_rows
+from ..formats.kquants import KQUANT_TYPES
+from ..node import InvalidNode, Node
+from ..fmath import bf16_to_f32, f16_to_f32
+from ..formats.quants import LOAD_WEIGHT, QK, QUANT_TYPES
+from ..registry import OpKernel, prepared, register
+from ..storage import parallel_worthwhile
 
 PLAIN_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.I32)
 SOURCE_TYPES = PLAIN_TYPES + QUANT_TYPES + KQUANT_TYPES
@@ -191,7 +192,7 @@ def reference(node: Node) -> None:
             if src0.type == GGMLType.I32:
                 out[i12, i11] = np.ascontiguousarray(picked).view("<i4")
             else:
-                out[i12, i11] = formats.dequantize_rows(src0.type, picked)
+                out[i12, i11] = dequantize_rows(src0.type, picked)
 
 
 register(GGMLOp.GET_ROWS)(OpKernel(check, forward, reference, prepare))

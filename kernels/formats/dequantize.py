@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ggml import TYPE_TRAITS, GGMLType
+from wire.ggml import TYPE_TRAITS, GGMLType
 
 from . import kquants, quants
 

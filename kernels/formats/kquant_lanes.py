@@ -1,6 +1,6 @@
-"""LLVM building blocks of the K-quant and IQ4 dot products (kernels/kquant_dot.py): each format's 32
+"""LLVM building blocks of the K-quant and IQ4 dot products (kernels/formats/kquant_dot.py): each format's 32
 quants of a chunk as one <32 x i8> vector, its group scales and minimums decoded in registers, and the
-integer lanes of ggml's AVX2 block dot. The byte layouts come from kernels/kquants.py (_chunk_layout),
+integer lanes of ggml's AVX2 block dot. The byte layouts come from kernels/formats/kquants.py (_chunk_layout),
 whose numpy decoders are the reference these must agree with.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .ggml import GGMLType
+from wire.ggml import GGMLType
 from .kquants import KVALUES_IQ4NL, QK_K, _chunk_layout
-from .llvm import (HAS_AVX2, byte_ptr, elem_ptr, half_t, i8_dot_lanes, i8_t, i16_t, i32_t, llvm_fn, shuffle, splat,
+from ..llvm import (HAS_AVX2, byte_ptr, elem_ptr, half_t, i8_dot_lanes, i8_t, i16_t, i32_t, llvm_fn, shuffle, splat,
                    vec)
 
 T = GGMLType

@@ -20,13 +20,13 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ggml import GGMLOp, GGMLType
+from wire.ggml import GGMLOp, GGMLType
 
-from .fmath import fma32, hsum16, np_fma, np_hsum16
-from .jit import JIT, row_loop
-from .node import InvalidNode, Node
-from .registry import OpKernel, nothing, prepared, register
-from .storage import parallel_worthwhile, row_coords
+from ..fmath import fma32, hsum16, np_fma, np_hsum16
+from ..jit import JIT, row_loop
+from ..node import InvalidNode, Node
+from ..registry import OpKernel, nothing, prepared, register
+from ..storage import parallel_worthwhile, row_coords
 
 F32 = np.float32
 

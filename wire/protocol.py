@@ -1,7 +1,7 @@
 """The llama.cpp RPC wire protocol 7.0.0 as a sans-IO codec, shared by worker and orchestrator.
 
 Nothing here touches a socket: message classes turn payloads into typed messages and back (the byte
-streams are cut into frames by rpcserver.framing). All integers are little-endian; all structs are
+streams are cut into frames by wire.framing). All integers are little-endian; all structs are
 packed. See protocol_spec.md.
 """
 
@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kernels.ggml import MAX_SRC
+from wire.ggml import MAX_SRC
 from .record import TENSOR_DTYPE, TENSOR_SIZE, RpcTensor  # noqa: F401 - the codec's names
 
 PROTOCOL_VERSION = (7, 0, 0)

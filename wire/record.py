@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.ggml import MAX_DIMS, MAX_NAME, MAX_OP_PARAMS, MAX_SRC
+from wire.ggml import MAX_DIMS, MAX_NAME, MAX_OP_PARAMS, MAX_SRC
 
 TENSOR_DTYPE = np.dtype(
     [
