@@ -46,15 +46,33 @@ def host_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+# What a -march=native build of ggml-cpu takes from each CPU flag for the float orders we reproduce:
+# (/proc/cpuinfo flag, the compiler macro it turns on, the ggml-cpu source whose #if tests it, what it
+# selects there). Quantized dot products use AVX512_VNNI/VBMI too, but in integers: same result either way.
+GGML_FEATURES = (
+    ("avx512f", "__AVX512F__", "simd-mappings.h",
+     "16-lane F32 vectors; F16 and F32 dots in 16 lanes (GGML_F32x16, GGML_F32Cx16)"),
+    ("avx512dq", "__AVX512DQ__", "vec.cpp",
+     "with AVX512F: 16-lane soft-max exp, SiLU and NORM's sums (ggml_v_expf/ggml_v_silu of __m512)"),
+    ("avx512_bf16", "__AVX512BF16__", "vec.cpp", "BF16 dots as VDPBF16PS pair products"),
+    ("avx512_fp16", "__AVX512FP16__", "simd-mappings.h",
+     "F16 dots keep F32x16 accumulation (GGML_F16_DOT_*); GGML_F16_VEC turns half precision, 128 a step"),
+)
+
+
 def detect(flags: set[str] | None = None) -> Target:
     """The build a plain `cmake` (GGML_NATIVE, -march=native) of llama.cpp makes on this host.
 
-    ggml's 16-lane soft-max/SiLU need AVX512F and AVX512DQ; AVX512_FP16 (Sapphire Rapids) would make
-    ggml compute F16 dots in half precision, which no target here reproduces: such a host gets AVX2's
-    orders and should run the reference built with GGML_NATIVE=OFF.
+    ggml's 16-lane soft-max/SiLU/norm sums need AVX512F and AVX512DQ, its BF16 pair products
+    AVX512_BF16 (GGML_FEATURES). AVX512_FP16 (Sapphire Rapids, Granite Rapids) leaves the orders
+    we model as they are: ggml's F16 dot products accumulate in F32x16 there exactly as on any
+    AVX-512 build. What it does change is ggml_vec_mad_f16/ggml_vec_scale_f16, the F16-V update of
+    flash attention's per-row path: in steps of 128 elements they multiply and add in half
+    precision (the factor rounded to F16 first), so for a V head of 128 or more a native build
+    there differs from every target here; below 128 all of it is the scalar leftover loop.
     """
     flags = host_flags() if flags is None else flags
-    if {"avx512f", "avx512dq"} <= flags and "avx512_fp16" not in flags:
+    if {"avx512f", "avx512dq"} <= flags:
         return AVX512 if "avx512_bf16" in flags else AVX512_NO_BF16
     return AVX2
 
