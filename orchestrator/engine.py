@@ -316,7 +316,9 @@ class Engine:
         if job.n_predict == 0:  # the prompt only (it stays cached for the slot's next request)
             self._finish(slot, "length")
             return
-        if token in self.eog and not job.ignore_eos:
+        if token in self.eog and not job.ignore_eos:  # counted, as llama-server counts it (n_decoded), not sent
+            slot.n_generated += 1
+            self.metrics.tokens_predicted += 1
             self._finish(slot, "stop")
             return
         slot.tokens.append(token)
