@@ -190,43 +190,65 @@ MESSAGES = {"model": "any", "max_tokens": N, "temperature": 0, "system": [{"type
             "messages": [{"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}]}
 
 
-def test_messages_answer_as_llama_servers(ours, oracle):
-    for body in (MESSAGES, {**MESSAGES, "stop_sequences": [","], "system": "You are terse."}):
-        (s1, expected), (s2, got) = (post(server, "/v1/messages", body) for server in (oracle, ours))
-        assert s1 == s2 == 200, (expected, got)
-        assert expected["content"] and expected["content"][0]["text"].strip()
-        for key in ("type", "role", "content", "stop_reason", "stop_sequence", "usage"):
-            assert got[key] == expected[key], (key, expected, got)
+WEATHER = {"name": "get_weather", "description": "The weather in a city now.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# with tools (orchestrator serve: once tool calls are merged): a finished tool round in the history, and a call forced
+TOOL_HISTORY = {**MESSAGES, "tools": [WEATHER], "messages": [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                      {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18 C, sunny"}]}]}]}
+TOOL_REQUIRED = {**MESSAGES, "tools": [WEATHER], "tool_choice": {"type": "any"}, "max_tokens": 48,
+                 "messages": [{"role": "user", "content": "What is the weather in Rome?"}]}
 
 
-def test_messages_stream_the_events_llama_server_streams(ours, oracle):
-    body = {**MESSAGES, "stream": True}
+@pytest.mark.parametrize("body", [MESSAGES, {**MESSAGES, "stop_sequences": [","], "system": "You are terse."},
+                                  TOOL_HISTORY, TOOL_REQUIRED], ids=["text", "stop-sequence", "tool-history", "tool-required"])
+def test_messages_answer_as_llama_servers(ours, oracle, body):
     (s1, expected), (s2, got) = (post(server, "/v1/messages", body) for server in (oracle, ours))
-    assert s1 == s2 == 200
-    expected, got = events(expected), events(got)
-
-    def shape(stream):  # the events in order, text deltas joined (tokens may be cut elsewhere)
-        out, text = [], ""
-        for name, data in stream:
-            assert data["type"] == name
-            if name == "content_block_delta" and data["delta"]["type"] == "text_delta":
-                text += data["delta"]["text"]
-                if out and out[-1] == ("content_block_delta", "text_delta"):
-                    continue
-                out.append((name, "text_delta"))
-            elif name == "message_start":
-                message = data["message"]
-                out.append((name, message["role"], message["content"], message["stop_reason"], message["usage"]))
-            else:
-                out.append((name, json.dumps({k: v for k, v in data.items() if k != "type"}, sort_keys=True)))
-        return out, text
-
-    assert shape(got) == shape(expected), (expected, got)
-    assert shape(expected)[1].strip()
+    assert s1 == s2 == 200, (expected, got)
+    assert expected["content"], expected
+    for key in ("type", "role", "stop_reason", "stop_sequence", "usage"):
+        assert got[key] == expected[key], (key, expected, got)
+    assert without_ids(got["content"]) == without_ids(expected["content"]), (expected, got)
 
 
-def test_count_tokens_counts_the_rendered_prompt_as_llama_server(ours, oracle):
-    for path, body in (("/v1/messages/count_tokens", MESSAGES),
-                       ("/v1/chat/completions/input_tokens", {"messages": CHAT})):
-        (s1, expected), (s2, got) = (post(server, path, body) for server in (oracle, ours))
-        assert s1 == s2 == 200 and got == expected, (path, expected, got)
+def without_ids(blocks: list[dict]) -> list[dict]:
+    return [{k: v for k, v in b.items() if k != "id"} for b in blocks]  # tool_use ids are random
+
+
+def stream_shape(stream):
+    """The events in order, text deltas joined (tokens may be cut elsewhere), tool_use ids left out."""
+    out, text = [], ""
+    for name, data in stream:
+        assert data["type"] == name
+        if name == "content_block_delta" and data["delta"]["type"] == "text_delta":
+            text += data["delta"]["text"]
+            if out and out[-1] == ("content_block_delta", "text_delta"):
+                continue
+            out.append((name, "text_delta"))
+        elif name == "message_start":
+            message = data["message"]
+            out.append((name, message["role"], message["content"], message["stop_reason"], message["usage"]))
+        else:
+            if "content_block" in data:
+                data = {**data, "content_block": without_ids([data["content_block"]])[0]}
+            out.append((name, json.dumps({k: v for k, v in data.items() if k != "type"}, sort_keys=True)))
+    return out, text
+
+
+@pytest.mark.parametrize("body", [MESSAGES, TOOL_HISTORY, TOOL_REQUIRED], ids=["text", "tool-history", "tool-required"])
+def test_messages_stream_the_events_llama_server_streams(ours, oracle, body):
+    body = {**body, "stream": True}
+    (s1, expected), (s2, got) = (post(server, "/v1/messages", body) for server in (oracle, ours))
+    assert s1 == s2 == 200, (expected, got)
+    assert stream_shape(events(got)) == stream_shape(events(expected)), (expected, got)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/messages/count_tokens", MESSAGES),
+                                        ("/v1/messages/count_tokens", TOOL_HISTORY),
+                                        ("/v1/chat/completions/input_tokens", {"messages": CHAT})],
+                         ids=["messages", "messages-tool-history", "chat"])
+def test_count_tokens_counts_the_rendered_prompt_as_llama_server(ours, oracle, path, body):
+    (s1, expected), (s2, got) = (post(server, path, body) for server in (oracle, ours))
+    assert s1 == s2 == 200 and got == expected, (path, expected, got)
