@@ -255,3 +255,14 @@ def test_messages_stream_the_events_llama_server_streams(ours, oracle, body):
 def test_count_tokens_counts_the_rendered_prompt_as_llama_server(ours, oracle, path, body):
     (s1, expected), (s2, got) = (post(server, path, body) for server in (oracle, ours))
     assert s1 == s2 == 200 and got == expected, (path, expected, got)
+
+
+def test_an_unknown_role_is_answered_as_llama_server_answers_it(ours, oracle):
+    """llama-server checks no role names: the template renders or refuses them. So do we."""
+    body = {"messages": [{"role": "narrator", "content": "It was late."}, *TEXT], "temperature": 0, "max_tokens": 8}
+    (s1, expected), (s2, got) = (post(server, "/v1/chat/completions", body) for server in (oracle, ours))
+    assert s1 == s2, (expected, got)
+    if s1 == 200:
+        assert got["choices"][0]["message"] == expected["choices"][0]["message"], (expected, got)
+    else:
+        assert got["error"]["type"] == expected["error"]["type"], (expected, got)
