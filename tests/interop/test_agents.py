@@ -22,6 +22,8 @@ pytestmark = pytest.mark.interop
 
 N_CTX = 8192  # pi's system prompt and its tools' descriptions take a few thousand tokens
 MAX_TOKENS = 48  # pi's maxTokens for the model: its max_completion_tokens
+GREEDY = ["--temp", 0]  # pi sends no temperature: the servers' default makes its runs repeatable
+PI_TIMEOUT = 3 * RPC_TIMEOUT  # a run is several requests (a tool round or two), each a prompt of ~700+ tokens
 PROMPT = "Reply with one short sentence: what is a sorting algorithm?"
 
 
@@ -45,7 +47,7 @@ def workers(bin_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(bin_dir, model_path, workers, tmp_path_factory):
     server = started(LlamaServer(bin_dir, model_path, tmp_path_factory.mktemp("agents") / "llama-server.log",
-                                 ["--rpc", workers[0].address, "-ngl", 99, "--jinja"], n_ctx=N_CTX))
+                                 ["--rpc", workers[0].address, "-ngl", 99, "--jinja", *GREEDY], n_ctx=N_CTX))
     yield server
     server.stop()
 
@@ -53,7 +55,7 @@ def oracle(bin_dir, model_path, workers, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(model_path, workers, tmp_path_factory):
     server = started(OrchestratorServer(model_path, tmp_path_factory.mktemp("agents") / "ours.log",
-                                        [workers[1].address], ["-ngl", 99], n_ctx=N_CTX))
+                                        [workers[1].address], ["-ngl", 99, *GREEDY], n_ctx=N_CTX))
     yield server
     server.stop()
 
@@ -72,10 +74,10 @@ def run_pi(pi: str, server, tmp_path) -> subprocess.CompletedProcess:
            "HOME": str(tmp_path)}
     cmd = [pi, "-p", PROMPT, "--provider", "local", "--model", "smollm2", "--no-session"]
     try:
-        return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=RPC_TIMEOUT,
+        return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=PI_TIMEOUT,
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"pi timed out after {RPC_TIMEOUT:.0f}s\n{exc.stderr}\n{server.describe()}") from None
+        raise AssertionError(f"pi timed out after {PI_TIMEOUT:.0f}s\n{exc.stderr}\n{server.describe()}") from None
 
 
 def check_answer(done: subprocess.CompletedProcess, server) -> None:
