@@ -76,6 +76,7 @@ class Job:
     ignore_eos: bool = False
     n_probs: int = 0
     cancelled: bool = False
+    cache_n: int = 0  # set when a slot takes the job: prompt tokens it keeps cached (read before the first token)
 
 
 @dataclass
@@ -217,7 +218,7 @@ class Engine:
             slot = max(idle, key=lambda s: (_common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
             want = self.planner.prompt_paths(len(job.prompt))
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want)
-            slot.tokens, slot.n_cached, slot.cache_n = list(job.prompt), keep, keep
+            slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
             slot.want, slot.paths = want, slot.paths[:keep]
             slot.job, slot.n_generated, slot.t_first = job, 0, None
             slot.sampler = Sampler(job.params, self.n_vocab, self.vocab)
@@ -315,7 +316,9 @@ class Engine:
         if job.n_predict == 0:  # the prompt only (it stays cached for the slot's next request)
             self._finish(slot, "length")
             return
-        if token in self.eog and not job.ignore_eos:
+        if token in self.eog and not job.ignore_eos:  # counted, as llama-server counts it (n_decoded), not sent
+            slot.n_generated += 1
+            self.metrics.tokens_predicted += 1
             self._finish(slot, "stop")
             return
         slot.tokens.append(token)

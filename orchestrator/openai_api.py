@@ -50,6 +50,8 @@ class Completion:
     native: bool = False  # llama-server's own POST /completion, not OpenAI's shapes
     prompt_text: str = ""  # echoed by /completion
     json_reply: bool = False  # chat with a JSON schema: the content is the JSON, without a ```json fence
+    reshape: object = None  # another API's shapes made from the OpenAI ones (anthropic_api.Messages), or None
+    stop_word: str = ""  # the stop string that ended the text, once it has
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -154,6 +156,45 @@ def request_grammar(body: dict, chat: bool) -> str | None:
     return grammar or None
 
 
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
+
+
+def check_messages(body: dict) -> list:
+    """A chat request's "messages", checked as llama-server checks them before rendering (its messages);
+    media parts are refused as there without a multimodal projector, but with a 400 (llama-server: 500)."""
+    if "messages" not in body:
+        raise ApiError(400, "'messages' is required")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise ApiError(400, "Expected 'messages' to be an array")
+    if not messages:
+        raise ApiError(400, "'messages' must be a non-empty list")
+    for message in messages:
+        if not isinstance(message, dict):
+            raise ApiError(400, f"Failed to parse messages: Expected 'message' to be an object, got {message!r}")
+        if not isinstance(message.get("role"), str):
+            raise ApiError(400, f"Failed to parse messages: Missing 'role' in message: {message!r}")
+        if message["role"] != "assistant" and "content" not in message:
+            raise ApiError(400, "All non-assistant messages must contain 'content'")
+        if message["role"] == "assistant" and "content" not in message and "tool_calls" not in message:
+            raise ApiError(400, "Assistant message must contain either 'content' or 'tool_calls'!")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, "Expected 'content' to be a string or an array")
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise ApiError(400, f"{MEDIA_PARTS[kind]} input is not supported - hint: if this is unexpected, "
+                                    "you may need to provide the mmproj")
+            if kind != "text":
+                raise ApiError(400, "unsupported content[].type")
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"Failed to parse messages: a text part needs a string 'text': {part!r}")
+    return messages
+
+
 def sampling(body: dict, server, grammar: str | None = None) -> SamplingParams:
     """The request's sampling options; what it leaves out comes from the server's flags (`server.defaults`).
     A grammar is checked here (a bad one is a 400, as llama-server's "Failed to initialize samplers")."""
@@ -184,8 +225,9 @@ def completion(body, tokens: list[int], server, *, chat: bool) -> Completion:
     """The request's options (the prompt is already tokens). `server`: its vocabulary (for logit_bias's
     texts) and defaults (`defaults`: SamplingParams, `n_predict`, `n_ctx`)."""
     refuse_unsupported(body)
-    if _number(body, "n", 1, int) != 1:
-        raise ApiError(400, "only one completion choice is allowed ('n' must be 1)")
+    n_choices = _number(body, "n", 1, int)
+    if n_choices != 1:  # llama-server's own words, with the one choice per request this server generates
+        raise ApiError(400, f"Field 'n': Value must be between 1 <= value <= 1, but got {n_choices}")
     n_predict = server.n_predict
     for key in ("n_predict", "max_tokens", "max_completion_tokens"):
         if body.get(key) is not None:
@@ -318,8 +360,11 @@ def text_stream(vocab, c: Completion):
     return JsonReplyStream(stream) if c.json_reply else stream
 
 
-def usage(c: Completion, n_generated: int) -> dict:
-    return {"prompt_tokens": len(c.tokens), "completion_tokens": n_generated, "total_tokens": len(c.tokens) + n_generated}
+def usage(c: Completion, finish) -> dict:
+    """As llama-server counts: every prompt token, and of them those kept in the slot's cache."""
+    n = finish.predicted_n
+    return {"prompt_tokens": len(c.tokens), "completion_tokens": n, "total_tokens": len(c.tokens) + n,
+            "prompt_tokens_details": {"cached_tokens": finish.cache_n}}
 
 
 def response(c: Completion, model: str, text: str, reason: str, finish, logprobs: list[dict] | None) -> dict:
@@ -331,7 +376,7 @@ def response(c: Completion, model: str, text: str, reason: str, finish, logprobs
     else:
         choice = {"index": 0, "text": text, "logprobs": probs, "finish_reason": reason}
         head["object"] = "text_completion"
-    return {**head, "choices": [choice], "usage": usage(c, finish.predicted_n), "timings": finish.timings()}
+    return {**head, "choices": [choice], "usage": usage(c, finish), "timings": finish.timings()}
 
 
 def chunk(c: Completion, model: str, text: str | None, reason: str | None = None, *, role: bool = False,
@@ -352,7 +397,7 @@ def chunk(c: Completion, model: str, text: str | None, reason: str | None = None
 def usage_chunk(c: Completion, model: str, finish) -> dict:
     return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": "chat.completion.chunk" if c.chat else
             "text_completion", "created": c.created, "model": model, "choices": [],
-            "usage": usage(c, finish.predicted_n), "timings": finish.timings()}
+            "usage": usage(c, finish), "timings": finish.timings()}
 
 
 # -- llama-server's own POST /completion ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 
 from aiohttp import web
 
+from orchestrator import anthropic_api as anthropic
 from orchestrator import openai_api as api
 from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError, apply_chat_template
 from orchestrator.client import WorkerError
@@ -162,20 +163,47 @@ def checked_tokens(s: Service, tokens) -> list[int]:
     return tokens
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    s: Service = request.app["service"]
-    s.ready()
-    body = await json_body(request)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise api.ApiError(400, "'messages' must be a non-empty list")
+def chat_request(s: Service, body: dict) -> api.Completion:
+    """The one chat request every chat route makes (OpenAI's, and Anthropic's once converted): the messages
+    checked and rendered with the model's template, the options validated."""
+    messages = api.check_messages(body)
     try:
         text = apply_chat_template(s.template, messages, bos_token=s.piece(s.vocab.bos), eos_token=s.piece(s.vocab.eos),
                                    vocab_adds_bos=s.vocab.add_bos, vocab_adds_eos=s.vocab.add_eos)
     except ChatTemplateError as exc:
         raise api.ApiError(400, str(exc)) from None
     tokens = s.vocab.tokenize(text, add_special=True, parse_special=True)
-    return await complete(request, api.completion(body, tokens, s, chat=True))
+    return api.completion(body, tokens, s, chat=True)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    s: Service = request.app["service"]
+    s.ready()
+    return await complete(request, chat_request(s, await json_body(request)))
+
+
+async def chat_input_tokens(request: web.Request) -> web.Response:
+    """llama-server's POST /v1/chat/completions/input_tokens: the rendered prompt's length."""
+    s: Service = request.app["service"]
+    s.ready()
+    c = chat_request(s, await json_body(request))
+    return web.json_response({"input_tokens": len(c.tokens), "object": "response.input_tokens"})
+
+
+async def anthropic_messages(request: web.Request) -> web.StreamResponse:
+    """llama-server's Anthropic-style POST /v1/messages: converted to the chat request, answered in its shapes."""
+    s: Service = request.app["service"]
+    s.ready()
+    c = chat_request(s, anthropic.to_chat(await json_body(request)))
+    c.include_usage, c.reshape = True, anthropic.Messages(c)
+    return await complete(request, c)
+
+
+async def anthropic_count_tokens(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    s.ready()
+    c = chat_request(s, anthropic.to_chat(await json_body(request)))
+    return web.json_response({"input_tokens": len(c.tokens)})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -240,6 +268,8 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
     except WorkerError as exc:
         raise api.ApiError(503, f"a worker failed: {exc}", "unavailable_error") from None
     text = api.text_stream(s.vocab, c)
+    shape = c.reshape or OPENAI_SSE
+    shape.started(job)
     stream = None
     done = False
     try:
@@ -247,7 +277,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await stream.prepare(request)
             if c.chat:
-                await send(stream, api.chunk(c, s.name, None, role=True))
+                await send(stream, api.chunk(c, s.name, None, role=True), shape)
         collected, logprobs, stopped, n_out = [], [], False, 0
         while True:
             kind, value = await events.get()
@@ -255,7 +285,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
                 done = True
                 if stream is None:
                     raise api.ApiError(500, f"generation failed: {value}", "server_error")
-                await send(stream, api.ApiError(500, f"generation failed: {value}", "server_error").body())
+                await send(stream, api.ApiError(500, f"generation failed: {value}", "server_error").body(), shape)
                 return stream
             if kind == "done":
                 done = True
@@ -272,7 +302,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             if stream is not None and c.native:
                 await send(stream, api.native_chunk(c, delta, token, n_out, entry))
             elif stream is not None and (delta or entry is not None):
-                await send(stream, api.chunk(c, s.name, delta, logprobs=entry))
+                await send(stream, api.chunk(c, s.name, delta, logprobs=entry), shape)
             collected.append(delta)
             if entry is not None:
                 logprobs.append(entry)
@@ -281,6 +311,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             finish = dataclasses.replace(finish, predicted_n=n_out)
         collected.append(text.finish())
         reason = "stop" if stopped or finish.reason == "stop" else "length"
+        c.stop_word = text.word if stopped else ""
         if stopped and stream is None:  # as llama-server: the stop string's tokens' probabilities dropped
             n_word = len(s.vocab.tokenize(text.word, add_special=False, parse_special=False))
             del logprobs[max(0, len(logprobs) - n_word):]
@@ -293,23 +324,45 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             await send(stream, api.native_final(c, s.name, "", finish, word, logprobs))
             return stream
         if stream is None:
-            return web.json_response(api.response(c, s.name, "".join(collected), reason, finish, logprobs))
+            return web.json_response(shape.whole(api.response(c, s.name, "".join(collected), reason, finish, logprobs)))
         if collected[-1]:
-            await send(stream, api.chunk(c, s.name, collected[-1]))
+            await send(stream, api.chunk(c, s.name, collected[-1]), shape)
         last = api.chunk(c, s.name, None, reason)
         last["timings"] = finish.timings()
-        await send(stream, last)
+        await send(stream, last, shape)
         if c.include_usage:
-            await send(stream, api.usage_chunk(c, s.name, finish))
-        await stream.write(b"data: [DONE]\n\n")
+            await send(stream, api.usage_chunk(c, s.name, finish), shape)
+        await stream.write(shape.end())
         return stream
     finally:
         if not done:  # the client went away (the handler is cancelled) or writing to it failed
             engine.cancel(job)
 
 
-async def send(stream: web.StreamResponse, payload: dict) -> None:
-    await stream.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+class OpenAISse:
+    """The OpenAI routes' shapes as they are: each chunk one `data:` event, [DONE] at the end (c.reshape's
+    interface: another API turns these chunks and the whole answer into its own)."""
+
+    def started(self, job) -> None:
+        pass
+
+    def event(self, payload: dict) -> bytes:
+        return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+    def whole(self, payload: dict) -> dict:
+        return payload
+
+    def end(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+
+OPENAI_SSE = OpenAISse()
+
+
+async def send(stream: web.StreamResponse, payload: dict, shape=OPENAI_SSE) -> None:
+    data = shape.event(payload)
+    if data:
+        await stream.write(data)
 
 
 def make_app(service: Service) -> web.Application:
@@ -328,6 +381,10 @@ def make_app(service: Service) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/chat/completions", chat_completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/chat/completions/input_tokens", chat_input_tokens)
+    app.router.add_post("/v1/chat/completions/input_tokens", chat_input_tokens)
+    app.router.add_post("/v1/messages", anthropic_messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic_count_tokens)
     return app
 
 
