@@ -44,6 +44,7 @@ class Completion:
     top_logprobs: int = 0
     native: bool = False  # llama-server's own POST /completion, not OpenAI's shapes
     prompt_text: str = ""  # echoed by /completion
+    chat_params: object = None  # orchestrator.chat.ChatParams: parse the text into content, reasoning, tool calls
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -96,7 +97,7 @@ def logit_bias(body: dict, vocab) -> tuple[tuple[int, float], ...]:
 
 UNSUPPORTED = {  # request fields llama-server honours and this server cannot: refused, not ignored
     "grammar": "grammar-constrained sampling", "json_schema": "grammar-constrained sampling",
-    "tools": "tool calls", "functions": "tool calls",
+    "functions": "the deprecated 'functions' (use 'tools')",
 }
 
 
@@ -104,6 +105,8 @@ def refuse_unsupported(body: dict) -> None:
     for key, what in UNSUPPORTED.items():
         if body.get(key):
             raise ApiError(400, f"'{key}' is not supported: this server has no {what}")
+    if body.get("tools") and (body.get("grammar") or body.get("json_schema")):
+        raise ApiError(400, "Cannot use custom grammar constraints with tools.")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
         raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported: this server has "
@@ -210,11 +213,14 @@ def usage(c: Completion, n_generated: int) -> dict:
     return {"prompt_tokens": len(c.tokens), "completion_tokens": n_generated, "total_tokens": len(c.tokens) + n_generated}
 
 
-def response(c: Completion, model: str, text: str, reason: str, finish, logprobs: list[dict] | None) -> dict:
+def response(c: Completion, model: str, text: str, reason: str, finish, logprobs: list[dict] | None,
+             message: dict | None = None) -> dict:
+    """`message`: the parsed chat message (content, reasoning_content, tool_calls), else `text` is the content."""
     head = {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "created": c.created, "model": model}
     probs = {"content": logprobs} if c.n_probs else None
     if c.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": probs, "finish_reason": reason}
+        message = message or {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": probs, "finish_reason": reason}
         head["object"] = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": probs, "finish_reason": reason}
@@ -235,6 +241,13 @@ def chunk(c: Completion, model: str, text: str | None, reason: str | None = None
         kind = "text_completion"
     return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": kind, "created": c.created, "model": model,
             "choices": [choice]}
+
+
+def delta_chunk(c: Completion, model: str, delta: dict, logprobs: dict | None = None) -> dict:
+    """One streamed chat chunk carrying a parsed message's difference (content, reasoning, a tool call)."""
+    out = chunk(c, model, None, logprobs=logprobs)
+    out["choices"][0]["delta"] = delta
+    return out
 
 
 def usage_chunk(c: Completion, model: str, finish) -> dict:

@@ -17,7 +17,8 @@ import time
 from aiohttp import web
 
 from orchestrator import openai_api as api
-from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError, apply_chat_template
+from orchestrator import chat
+from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError
 from orchestrator.client import WorkerError
 from orchestrator.engine import Busy, Engine, Job
 from orchestrator.sampling import SamplingParams
@@ -39,6 +40,20 @@ class Service:
         self.api_key, self.metrics_enabled = api_key, metrics
         self.engine: Engine | None = None
         self.template = model.get("tokenizer.chat_template", str, None) or CHATML_TEMPLATE
+        self.reasoning_format = "deepseek"  # llama-server's default (common_params.reasoning_format)
+        self._chat: tuple | None = None
+
+    def chat(self) -> tuple[chat.ChatTemplate, chat.Family]:
+        """The compiled template with its probed capabilities and its chat family, made once."""
+        if self._chat is None:
+            try:
+                tmpl = chat.ChatTemplate(self.template, bos_token=self.piece(self.vocab.bos),
+                                         eos_token=self.piece(self.vocab.eos), vocab_adds_bos=self.vocab.add_bos,
+                                         vocab_adds_eos=self.vocab.add_eos)
+            except ChatTemplateError as exc:
+                raise api.ApiError(500, str(exc), "server_error") from None
+            self._chat = (tmpl, chat.detect(tmpl.source))
+        return self._chat
 
     def ready(self) -> Engine:
         if self.engine is None:
@@ -166,16 +181,40 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     s: Service = request.app["service"]
     s.ready()
     body = await json_body(request)
+    params = chat_params(s, body)
+    try:
+        tokens = s.vocab.tokenize(params.prompt, add_special=True, parse_special=True)
+    except TokenizerError as exc:
+        raise api.ApiError(400, str(exc)) from None
+    c = api.completion(body, tokens, s, chat=True)
+    c.chat_params = params
+    grammar_fields(c, params)
+    return await complete(request, c)
+
+
+def chat_params(s: Service, body: dict) -> chat.ChatParams:
+    """The request's messages, tools and reasoning options through the model's chat template and family."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise api.ApiError(400, "'messages' must be a non-empty list")
+    tmpl, family = s.chat()
     try:
-        text = apply_chat_template(s.template, messages, bos_token=s.piece(s.vocab.bos), eos_token=s.piece(s.vocab.eos),
-                                   vocab_adds_bos=s.vocab.add_bos, vocab_adds_eos=s.vocab.add_eos)
+        request, kwargs = chat.chat_request(body, tmpl, s.reasoning_format)
+        return chat.apply(tmpl, family, messages, request, kwargs)
     except ChatTemplateError as exc:
         raise api.ApiError(400, str(exc)) from None
-    tokens = s.vocab.tokenize(text, add_special=True, parse_special=True)
-    return await complete(request, api.completion(body, tokens, s, chat=True))
+
+
+def grammar_fields(c: api.Completion, params: chat.ChatParams) -> None:
+    """The chat format's tool-call grammar into the sampling parameters, once the sampler has grammars."""
+    if params.grammar is None:
+        return
+    names = {f.name for f in dataclasses.fields(c.params)}
+    if "grammar" not in names:
+        return
+    c.params = dataclasses.replace(c.params, grammar=params.grammar, grammar_lazy=params.grammar_lazy,
+                                   grammar_triggers=list(params.grammar_triggers),
+                                   preserved_tokens=list(params.preserved_tokens))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -240,6 +279,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
     except WorkerError as exc:
         raise api.ApiError(503, f"a worker failed: {exc}", "unavailable_error") from None
     text = api.TextStream(s.vocab, c.stop)
+    parsed = chat.ChatStream(c.chat_params) if c.chat_params is not None else None
     stream = None
     done = False
     try:
@@ -271,6 +311,8 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
                 engine.cancel(job)
             if stream is not None and c.native:
                 await send(stream, api.native_chunk(c, delta, token, n_out, entry))
+            elif stream is not None and parsed is not None:
+                await send_chat_deltas(stream, c, s.name, parsed.push(delta), entry)
             elif stream is not None and (delta or entry is not None):
                 await send(stream, api.chunk(c, s.name, delta, logprobs=entry))
             collected.append(delta)
@@ -292,9 +334,23 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
                 await send(stream, api.native_chunk(c, collected[-1], token, n_out, None))
             await send(stream, api.native_final(c, s.name, "", finish, word, logprobs))
             return stream
+        if parsed is not None:
+            try:
+                last_deltas = parsed.finish(collected[-1])
+            except chat.ParseError as exc:
+                error = api.ApiError(500, str(exc), "server_error")
+                if stream is None:
+                    raise error from None
+                await send(stream, error.body())
+                return stream
+            if reason == "stop" and parsed.message.tool_calls:
+                reason = "tool_calls"
         if stream is None:
-            return web.json_response(api.response(c, s.name, "".join(collected), reason, finish, logprobs))
-        if collected[-1]:
+            message = parsed.message.to_json() if parsed is not None else None
+            return web.json_response(api.response(c, s.name, "".join(collected), reason, finish, logprobs, message))
+        if parsed is not None:
+            await send_chat_deltas(stream, c, s.name, last_deltas, None)
+        elif collected[-1]:
             await send(stream, api.chunk(c, s.name, collected[-1]))
         last = api.chunk(c, s.name, None, reason)
         last["timings"] = finish.timings()
@@ -306,6 +362,15 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
     finally:
         if not done:  # the client went away (the handler is cancelled) or writing to it failed
             engine.cancel(job)
+
+
+async def send_chat_deltas(stream: web.StreamResponse, c: api.Completion, model: str, deltas: list[dict],
+                           logprobs: dict | None) -> None:
+    """A parsed chat message's differences, one chunk each (a token's log-probabilities with the first)."""
+    if not deltas and logprobs is not None:
+        deltas = [{}]
+    for i, delta in enumerate(deltas):
+        await send(stream, api.delta_chunk(c, model, delta, logprobs if i == 0 else None))
 
 
 async def send(stream: web.StreamResponse, payload: dict) -> None:
