@@ -192,6 +192,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await complete(request, c)
 
 
+async def apply_template(request: web.Request) -> web.Response:
+    """llama-server's POST /apply-template: the prompt a chat request would be given, not run."""
+    s: Service = request.app["service"]
+    return web.json_response({"prompt": chat_params(s, await json_body(request)).prompt})
+
+
 def chat_params(s: Service, body: dict) -> chat.ChatParams:
     """The request's messages, tools and reasoning options through the model's chat template and family."""
     messages = body.get("messages")
@@ -336,7 +342,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             return stream
         if parsed is not None:
             try:
-                last_deltas = parsed.finish(collected[-1])
+                last_deltas = parsed.finish(collected[-1] if stream is not None else "".join(collected))
             except chat.ParseError as exc:
                 error = api.ApiError(500, str(exc), "server_error")
                 if stream is None:
@@ -386,6 +392,7 @@ def make_app(service: Service) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/props", props)
+    app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/completion", completion_native)

@@ -51,14 +51,42 @@ def chat_request(body: Mapping, tmpl: ChatTemplate, default_reasoning_format: st
     return ChatRequest(tools, choice, parallel, fmt, thinking), kwargs
 
 
+def _continued(messages: list) -> str | None:
+    """llama-server's assistant prefill: a last assistant message is continued, not answered. What is
+    continued: "reasoning" (reasoning text and no content) or "content"; None: nothing."""
+    if not messages or not isinstance(messages[-1], Mapping) or messages[-1].get("role") != "assistant":
+        return None
+    if len(messages) >= 2 and isinstance(messages[-2], Mapping) and messages[-2].get("role") == "assistant":
+        raise ChatTemplateError("Cannot have 2 or more assistant messages at the end of the list.")
+    if messages[-1].get("tool_calls"):
+        raise ChatTemplateError("Cannot continue an assistant message that contains tool calls.")
+    last = messages[-1]
+    return "reasoning" if last.get("reasoning_content") and not last.get("content") else "content"
+
+
 def apply(tmpl: ChatTemplate, family: Family, messages: list, req: ChatRequest, kwargs: Mapping) -> ChatParams:
     """The prompt, generation prompt, grammar and parser settings for one request."""
     prepared = tmpl.prepare(messages)
     options = {"tools": req.tools, "enable_thinking": req.enable_thinking,
                "extra_context": json.loads(json.dumps(dict(kwargs)))}
-    prompt = tmpl.render(prepared, add_generation_prompt=True, **options)
-    generation_prompt = tmpl.generation_prompt(prepared, **options)
-    params = ChatParams(prompt, generation_prompt, family, req)
+    continued = _continued(messages)
+    if continued:
+        last, prepared = prepared[-1], prepared[:-1]
+        prompt = tmpl.render(prepared, add_generation_prompt=False, **options)
+        generation_prompt = tmpl.generation_prompt(prepared, **options)
+        if family.think:  # the prefill's reasoning inside the family's tags, as the parser will read it
+            start, end = family.think
+            at = generation_prompt.find(start)
+            generation_prompt = generation_prompt[:at if at >= 0 else None] + start + last.get("reasoning_content", "")
+            if continued == "content":
+                generation_prompt += end
+        if continued == "content":
+            generation_prompt += last["content"]
+        prompt += generation_prompt
+    else:
+        prompt = tmpl.render(prepared, add_generation_prompt=True, **options)
+        generation_prompt = tmpl.generation_prompt(prepared, **options)
+    params = ChatParams(prompt, generation_prompt, family, req, continuation=bool(continued))
     if req.calls_tools and tmpl.caps.tool_calls and family.parse_calls is not None:
         params.grammar, params.grammar_lazy, params.grammar_triggers = tool_grammar(family, req)
         params.preserved_tokens = list(family.preserved)

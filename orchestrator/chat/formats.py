@@ -180,7 +180,7 @@ FAMILIES: tuple[Family, ...] = (
            "<tool_call>", "</tool_call>", _parse_qwen3_coder, grammars.qwen3_coder, ("<tool_call>", "</tool_call>")),
     Family("glm", _has("<tool_call>", "<arg_key>", "<arg_value>"), "<tool_call>", "</tool_call>", _parse_glm,
            grammars.glm, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
-    Family("hermes", _has("<tool_call>"), "<tool_call>", "</tool_call>", _parse_tag_json, grammars.tag_json,
+    Family("hermes", _has("<tool_call>"), "<tool_call>\n", "</tool_call>", _parse_tag_json, grammars.tag_json,
            ("<tool_call>", "</tool_call>")),
     Family("content", lambda src: True),
 )
@@ -208,6 +208,7 @@ class ChatParams:
     grammar_lazy: bool = False
     grammar_triggers: list[tuple[str, str]] = field(default_factory=list)
     preserved_tokens: list[str] = field(default_factory=list)
+    continuation: bool = False  # the prompt ends inside a prefilled assistant message, already in generation_prompt
 
     @property
     def extracts_reasoning(self) -> bool:
@@ -234,7 +235,7 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
     think_start = family.think[0].strip() if family.think else ""
     gp = params.generation_prompt
     prefix = gp[:gp.find(think_start)] if think_start and think_start in gp else gp
-    cur = Cursor(gp + text, partial)
+    cur = Cursor(gp + text, partial=True)  # llama.cpp parses leniently: text may stop anywhere, even at the end
     cur.pos = len(prefix)
     msg = Message()
     tools = req.calls_tools and family.parse_calls is not None

@@ -52,7 +52,7 @@ def tag_json(tools: list[dict], parallel: bool) -> str | None:
         alternatives.append(builder.add_rule(
             f"tool-{name}", f'"{{" space "\\"name\\"" space ":" space {_literal(json.dumps(name))} space "," space '
                             f'"\\"arguments\\"" space ":" space {args} space "}}"'))
-    return _calls(builder, alternatives, "<tool_call>", "</tool_call>", parallel)
+    return _calls(builder, alternatives, "<tool_call>\n", "</tool_call>", parallel)
 
 
 def _tagged(tools: list[dict], parallel: bool, head: str, arg) -> str | None:

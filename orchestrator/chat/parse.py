@@ -35,8 +35,8 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        """common_chat_msg::to_json_oaicompat as llama-server answers it (content null with tool calls)."""
-        out: dict = {"role": "assistant", "content": self.content or (None if self.tool_calls else "")}
+        """common_chat_msg::to_json_oaicompat as llama-server answers it (content "" rather than null)."""
+        out: dict = {"role": "assistant", "content": self.content}
         if self.reasoning_content:
             out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
@@ -117,10 +117,7 @@ def parse_reasoning(cur: Cursor, msg: Message, start: str, end: str) -> None:
     text, found = cur.until(end.strip(WHITESPACE))
     if found:
         cur.optspace(end)
-    elif not cur.partial:  # never closed: the optional block does not match, all of it is content
-        cur.pos = saved
-        return
-    else:  # still thinking: the rest (a closing tag half written) belongs to the block
+    else:  # never closed (still thinking, or stopped while thinking): the rest belongs to the block
         cur.pos = len(cur.text)
     msg.reasoning_content += text
 

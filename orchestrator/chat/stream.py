@@ -21,8 +21,8 @@ class ChatStream:
     def __init__(self, params: ChatParams):
         self.params = params
         self.text = ""
-        self.message = Message()
         self.ids: list[str] = []
+        self.message = Message()  # a prefilled assistant message is streamed back too, as llama-server does
 
     def _update(self, partial: bool) -> list[dict]:
         try:
