@@ -61,6 +61,8 @@ def _continued(messages: list) -> str | None:
     if messages[-1].get("tool_calls"):
         raise ChatTemplateError("Cannot continue an assistant message that contains tool calls.")
     last = messages[-1]
+    if not last.get("content") and not last.get("reasoning_content"):
+        return "empty"  # nothing to continue: the prompt stops before the assistant's turn
     return "reasoning" if last.get("reasoning_content") and not last.get("content") else "content"
 
 
@@ -74,6 +76,9 @@ def apply(tmpl: ChatTemplate, family: Family, messages: list, req: ChatRequest, 
         last, prepared = prepared[-1], prepared[:-1]
         prompt = tmpl.render(prepared, add_generation_prompt=False, **options)
         generation_prompt = tmpl.generation_prompt(prepared, **options)
+        if continued == "empty":  # chat.cpp builds no prefill for an empty message (and renders none)
+            return _finish(ChatParams(prompt, generation_prompt, family, req, continuation=True), tmpl, family, req)
+        parser_prefix = generation_prompt
         if family.think:  # the prefill's reasoning inside the family's tags, as the parser will read it
             start, end = family.think
             at = generation_prompt.find(start)
@@ -83,10 +88,15 @@ def apply(tmpl: ChatTemplate, family: Family, messages: list, req: ChatRequest, 
         if continued == "content":
             generation_prompt += last["content"]
         prompt += generation_prompt
-    else:
-        prompt = tmpl.render(prepared, add_generation_prompt=True, **options)
-        generation_prompt = tmpl.generation_prompt(prepared, **options)
-    params = ChatParams(prompt, generation_prompt, family, req, continuation=bool(continued))
+        params = ChatParams(prompt, generation_prompt, family, req, continuation=True, parser_prefix=parser_prefix)
+        return _finish(params, tmpl, family, req)
+    prompt = tmpl.render(prepared, add_generation_prompt=True, **options)
+    generation_prompt = tmpl.generation_prompt(prepared, **options)
+    return _finish(ChatParams(prompt, generation_prompt, family, req), tmpl, family, req)
+
+
+def _finish(params: ChatParams, tmpl: ChatTemplate, family: Family, req: ChatRequest) -> ChatParams:
+    """The grammar and preserved tokens of a request with tools; no tool parsing for templates without them."""
     if req.calls_tools and tmpl.caps.tool_calls and family.parse_calls is not None:
         params.grammar, params.grammar_lazy, params.grammar_triggers = tool_grammar(family, req)
         params.preserved_tokens = list(family.preserved)

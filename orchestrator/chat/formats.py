@@ -32,6 +32,7 @@ class Family:
     grammar: Callable | None = None  # (tools, parallel) -> GBNF text
     preserved: tuple[str, ...] = ()
     think: tuple[str, str] | None = None  # reasoning tags as the template writes them, whitespace included
+    think_tags: tuple[str, str] = ("<think>\n", "\n</think>\n\n")  # the tags, when the template has <think>
 
 
 @dataclass
@@ -179,19 +180,17 @@ FAMILIES: tuple[Family, ...] = (
                                lacks=("'<tool_call><function=' ~ tool_call.name ~ '>'",)),
            "<tool_call>", "</tool_call>", _parse_qwen3_coder, grammars.qwen3_coder, ("<tool_call>", "</tool_call>")),
     Family("glm", _has("<tool_call>", "<arg_key>", "<arg_value>"), "<tool_call>", "</tool_call>", _parse_glm,
-           grammars.glm, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+           grammars.glm, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+           think_tags=("\n<think>", "</think>")),
     Family("hermes", _has("<tool_call>"), "<tool_call>\n", "</tool_call>", _parse_tag_json, grammars.tag_json,
            ("<tool_call>", "</tool_call>")),
     Family("content", lambda src: True),
 )
 
-THINK_TAGS = ("<think>\n", "\n</think>\n\n")
-
-
 def detect(source: str) -> Family:
     family = next(f for f in FAMILIES if f.detect(source))
     if "<think>" in source and "</think>" in source:
-        family = Family(**{**family.__dict__, "think": THINK_TAGS,
+        family = Family(**{**family.__dict__, "think": family.think_tags,
                            "preserved": family.preserved + ("<think>", "</think>")})
     return family
 
@@ -209,6 +208,7 @@ class ChatParams:
     grammar_triggers: list[tuple[str, str]] = field(default_factory=list)
     preserved_tokens: list[str] = field(default_factory=list)
     continuation: bool = False  # the prompt ends inside a prefilled assistant message, already in generation_prompt
+    parser_prefix: str | None = None  # what the parser matches first: the template's generation prompt (no prefill)
 
     @property
     def extracts_reasoning(self) -> bool:
@@ -234,7 +234,8 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
     family, req = params.family, params.request
     think_start = family.think[0].strip() if family.think else ""
     gp = params.generation_prompt
-    prefix = gp[:gp.find(think_start)] if think_start and think_start in gp else gp
+    prefix = gp if params.parser_prefix is None else params.parser_prefix
+    prefix = prefix[:prefix.find(think_start)] if think_start and think_start in prefix else prefix
     cur = Cursor(gp + text, partial=True)  # llama.cpp parses leniently: text may stop anywhere, even at the end
     cur.pos = len(prefix)
     msg = Message()

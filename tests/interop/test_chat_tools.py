@@ -195,4 +195,4 @@ def test_given_texts_parse_as_llama_servers(pair, option):
 
 @pytest.mark.parametrize("option", ["plain", "tools", "thinking-off", "tool_choice=none"])
 def test_greedy_answers_with_tools_match_llama_servers(pair, option):
-    compare(pair, {"messages": HISTORY, "max_tokens": 48, "temperature": 0, **OPTIONS[option]})
+    compare(pair, {"messages": HISTORY, "max_tokens": 16, "temperature": 0, **OPTIONS[option]})
