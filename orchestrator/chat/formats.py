@@ -33,6 +33,7 @@ class Family:
     preserved: tuple[str, ...] = ()
     think: tuple[str, str] | None = None  # reasoning tags as the template writes them, whitespace included
     think_tags: tuple[str, str] = ("<think>\n", "\n</think>\n\n")  # the tags, when the template has <think>
+    ends_after_calls: bool = True  # text after the calls is an error (False: ignored, as Qwen3-Coder's parser)
 
 
 @dataclass
@@ -136,12 +137,10 @@ def _parse_glm(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> b
     while not cur.at_end:
         if not (got := cur.literal("<tool_call>")):
             return got
-        name, found = cur.until("\n", "<arg_key>", "</tool_call>")
-        if not found:
-            return None if cur.partial else False
-        name = name.strip()
-        if name not in req.tool_names:
-            return False
+        name = next((n for n in req.tool_names if cur.text.startswith(n, cur.pos)), None)
+        if name is None:
+            return None if any(n.startswith(cur.rest()) for n in req.tool_names) else False
+        cur.pos += len(name)
         call = ToolCall(name, "{")
         msg.tool_calls.append(call)
         strings, n_args = _string_params(req, name), 0
@@ -152,11 +151,11 @@ def _parse_glm(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> b
             if not found:
                 return None if cur.partial else False
             cur.pos += len("</arg_key>")
+            call.arguments += ("," if n_args else "") + json.dumps(key.strip(), ensure_ascii=False) + ":"
+            n_args += 1
             cur.space()
             if not (got := cur.literal("<arg_value>")):
                 return got
-            call.arguments += ("," if n_args else "") + json.dumps(key.strip(), ensure_ascii=False) + ":"
-            n_args += 1
             value, found = cur.until("</arg_value>")
             if not found:
                 return None if cur.partial else False
@@ -178,10 +177,11 @@ def _has(*needles: str, lacks: tuple[str, ...] = ()) -> Callable[[str], bool]:
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3-coder", _has("<tool_call>", "<function=", "<parameter=",
                                lacks=("'<tool_call><function=' ~ tool_call.name ~ '>'",)),
-           "<tool_call>", "</tool_call>", _parse_qwen3_coder, grammars.qwen3_coder, ("<tool_call>", "</tool_call>")),
+           "<tool_call>", "</tool_call>", _parse_qwen3_coder, grammars.qwen3_coder, ("<tool_call>", "</tool_call>"),
+           ends_after_calls=False),
     Family("glm", _has("<tool_call>", "<arg_key>", "<arg_value>"), "<tool_call>", "</tool_call>", _parse_glm,
            grammars.glm, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-           think_tags=("\n<think>", "</think>")),
+           think_tags=("<think>", "</think>\n")),
     Family("hermes", _has("<tool_call>"), "<tool_call>\n", "</tool_call>", _parse_tag_json, grammars.tag_json,
            ("<tool_call>", "</tool_call>")),
     Family("content", lambda src: True),
@@ -251,7 +251,7 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
     content, _ = cur.until(family.call_start)
     msg.content += content
     got = family.parse_calls(cur, msg, family, req)
-    if got is False and not partial:
+    if got is False and not partial and family.ends_after_calls:
         raise ParseError("The model produced output that does not match the expected peg-native format")
     if not msg.reasoning_content.strip():
         msg.reasoning_content = ""
