@@ -8,7 +8,7 @@ import secrets
 import string
 
 from orchestrator.chat.formats import ChatParams
-from orchestrator.chat.parse import Message, ParseError, diff
+from orchestrator.chat.parse import Message, diff
 
 _ID_ALPHABET = string.digits + string.ascii_uppercase + string.ascii_lowercase
 
@@ -25,10 +25,7 @@ class ChatStream:
         self.message = Message()  # a prefilled assistant message is streamed back too, as llama-server does
 
     def _update(self, partial: bool) -> list[dict]:
-        try:
-            new = self.params.parse(self.text, partial)
-        except ParseError:
-            raise
+        new = self.params.parse(self.text, partial)  # ParseError: the finished text does not fit the format
         for i, call in enumerate(new.tool_calls):
             if len(self.ids) <= i:
                 self.ids.append(call.id or tool_call_id())
