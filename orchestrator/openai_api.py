@@ -52,6 +52,7 @@ class Completion:
     json_reply: bool = False  # chat with a JSON schema: the content is the JSON, without a ```json fence
     reshape: object = None  # another API's shapes made from the OpenAI ones (anthropic_api.Messages), or None
     stop_word: str = ""  # the stop string that ended the text, once it has
+    chat_params: object = None  # orchestrator.chat.ChatParams: parse the text into content, reasoning, tool calls
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -103,7 +104,7 @@ def logit_bias(body: dict, vocab) -> tuple[tuple[int, float], ...]:
 
 
 UNSUPPORTED = {  # request fields llama-server honours and this server cannot: refused, not ignored
-    "tools": "tool calls", "functions": "tool calls",
+    "functions": "the deprecated 'functions' (use 'tools')",
 }
 
 
@@ -130,6 +131,8 @@ def request_grammar(body: dict, chat: bool) -> str | None:
     {"type": "json_schema", "json_schema": {"schema": ...}}; json_object without a schema means any
     object). Completions (and /completion) read `json_schema` unless `grammar` is given too, and ignore
     `response_format`, as there."""
+    if body.get("tools") and (body.get("grammar") or body.get("json_schema")):
+        raise ApiError(400, "Cannot use custom grammar constraints with tools.")
     grammar = body.get("grammar")
     grammar = grammar if isinstance(grammar, str) else ""
     schema = body.get("json_schema")
@@ -367,11 +370,14 @@ def usage(c: Completion, finish) -> dict:
             "prompt_tokens_details": {"cached_tokens": finish.cache_n}}
 
 
-def response(c: Completion, model: str, text: str, reason: str, finish, logprobs: list[dict] | None) -> dict:
+def response(c: Completion, model: str, text: str, reason: str, finish, logprobs: list[dict] | None,
+             message: dict | None = None) -> dict:
+    """`message`: the parsed chat message (content, reasoning_content, tool_calls), else `text` is the content."""
     head = {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "created": c.created, "model": model}
     probs = {"content": logprobs} if c.n_probs else None
     if c.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": probs, "finish_reason": reason}
+        message = message or {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": probs, "finish_reason": reason}
         head["object"] = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": probs, "finish_reason": reason}
@@ -392,6 +398,13 @@ def chunk(c: Completion, model: str, text: str | None, reason: str | None = None
         kind = "text_completion"
     return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": kind, "created": c.created, "model": model,
             "choices": [choice]}
+
+
+def delta_chunk(c: Completion, model: str, delta: dict, logprobs: dict | None = None) -> dict:
+    """One streamed chat chunk carrying a parsed message's difference (content, reasoning, a tool call)."""
+    out = chunk(c, model, None, logprobs=logprobs)
+    out["choices"][0]["delta"] = delta
+    return out
 
 
 def usage_chunk(c: Completion, model: str, finish) -> dict:

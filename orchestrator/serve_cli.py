@@ -49,6 +49,10 @@ from orchestrator.cli import (CliError, check_gpu_layers, default_model, gpu_lay
 @click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs flash "
               "attention)")
 @click.option("--no-push", is_flag=True, help="relay every activation through the orchestrator")
+@click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="a Jinja chat template file to use instead of the model's (llama-server's flag)")
+@click.option("--reasoning-format", type=click.Choice(["none", "auto", "deepseek", "deepseek-legacy"]),
+              default="auto", help="thoughts (<think>...</think>) into reasoning_content, unless none")
 @click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
 @click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
               help="threads of each local worker")
@@ -79,7 +83,7 @@ def run(*, rpc, workers, threads, **options) -> None:
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
           n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
-          **sampling) -> None:
+          chat_template_file, reasoning_format, **sampling) -> None:
     from orchestrator.engine import Engine  # noqa: PLC0415
     from orchestrator.model import ModelFile  # noqa: PLC0415
     from orchestrator.runner import Pipeline, cache_type, context_size  # noqa: PLC0415
@@ -92,6 +96,9 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
     n_ctx = context_size(ctx_size, model.hparams.n_ctx_train)
     defaults = sampling_params(**sampling, n_ctx=n_ctx)  # llama-server's: for what a request leaves out
     service = Service(model, vocab, api_key=api_key, metrics=metrics, defaults=defaults, n_predict=n_predict, n_ctx=n_ctx)
+    if chat_template_file is not None:
+        service.template = chat_template_file.read_text(encoding="utf-8")
+    service.reasoning_format = reasoning_format
     split = parse_tensor_split(tensor_split)
 
     def load() -> Engine:

@@ -18,7 +18,8 @@ from aiohttp import web
 
 from orchestrator import anthropic_api as anthropic
 from orchestrator import openai_api as api
-from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError, apply_chat_template
+from orchestrator import chat
+from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError
 from orchestrator.client import WorkerError
 from orchestrator.engine import Busy, Engine, Job
 from orchestrator.sampling import SamplingParams
@@ -40,6 +41,20 @@ class Service:
         self.api_key, self.metrics_enabled = api_key, metrics
         self.engine: Engine | None = None
         self.template = model.get("tokenizer.chat_template", str, None) or CHATML_TEMPLATE
+        self.reasoning_format = "deepseek"  # llama-server's default (common_params.reasoning_format)
+        self._chat: tuple | None = None
+
+    def chat(self) -> tuple[chat.ChatTemplate, chat.Family]:
+        """The compiled template with its probed capabilities and its chat family, made once."""
+        if self._chat is None:
+            try:
+                tmpl = chat.ChatTemplate(self.template, bos_token=self.piece(self.vocab.bos),
+                                         eos_token=self.piece(self.vocab.eos), vocab_adds_bos=self.vocab.add_bos,
+                                         vocab_adds_eos=self.vocab.add_eos)
+            except ChatTemplateError as exc:
+                raise api.ApiError(500, str(exc), "server_error") from None
+            self._chat = (tmpl, chat.detect(tmpl.source))
+        return self._chat
 
     def ready(self) -> Engine:
         if self.engine is None:
@@ -165,21 +180,40 @@ def checked_tokens(s: Service, tokens) -> list[int]:
 
 def chat_request(s: Service, body: dict) -> api.Completion:
     """The one chat request every chat route makes (OpenAI's, and Anthropic's once converted): the messages
-    checked and rendered with the model's template, the options validated."""
-    messages = api.check_messages(body)
+    checked and rendered with the model's template and chat format (tools, reasoning), the options
+    validated, the format's tool-call grammar in the sampling parameters."""
+    params = chat_params(s, body)
     try:
-        text = apply_chat_template(s.template, messages, bos_token=s.piece(s.vocab.bos), eos_token=s.piece(s.vocab.eos),
-                                   vocab_adds_bos=s.vocab.add_bos, vocab_adds_eos=s.vocab.add_eos)
-    except ChatTemplateError as exc:
+        tokens = s.vocab.tokenize(params.prompt, add_special=True, parse_special=True)
+    except TokenizerError as exc:
         raise api.ApiError(400, str(exc)) from None
-    tokens = s.vocab.tokenize(text, add_special=True, parse_special=True)
-    return api.completion(body, tokens, s, chat=True)
+    c = api.completion(body, tokens, s, chat=True)
+    c.chat_params = params
+    grammar_fields(c, params)
+    return c
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     s: Service = request.app["service"]
     s.ready()
     return await complete(request, chat_request(s, await json_body(request)))
+
+
+async def apply_template(request: web.Request) -> web.Response:
+    """llama-server's POST /apply-template: the prompt a chat request would be given, not run."""
+    s: Service = request.app["service"]
+    return web.json_response({"prompt": chat_params(s, await json_body(request)).prompt})
+
+
+def chat_params(s: Service, body: dict) -> chat.ChatParams:
+    """The request's messages, tools and reasoning options through the model's chat template and family."""
+    messages = api.check_messages(body)
+    tmpl, family = s.chat()
+    try:
+        request, kwargs = chat.chat_request(body, tmpl, s.reasoning_format)
+        return chat.apply(tmpl, family, messages, request, kwargs)
+    except ChatTemplateError as exc:
+        raise api.ApiError(400, str(exc)) from None
 
 
 async def chat_input_tokens(request: web.Request) -> web.Response:
@@ -204,6 +238,15 @@ async def anthropic_count_tokens(request: web.Request) -> web.Response:
     s.ready()
     c = chat_request(s, anthropic.to_chat(await json_body(request)))
     return web.json_response({"input_tokens": len(c.tokens)})
+
+
+def grammar_fields(c: api.Completion, params: chat.ChatParams) -> None:
+    """The chat format's tool-call grammar (lazy for tool_choice auto) into the sampling parameters."""
+    if params.grammar is None:
+        return
+    c.params = dataclasses.replace(c.params, grammar=params.grammar, grammar_lazy=params.grammar_lazy,
+                                   grammar_triggers=list(params.grammar_triggers),
+                                   preserved_tokens=list(params.preserved_tokens))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -270,6 +313,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
     text = api.text_stream(s.vocab, c)
     shape = c.reshape or OPENAI_SSE
     shape.started(job)
+    parsed = chat.ChatStream(c.chat_params) if c.chat_params is not None else None
     stream = None
     done = False
     try:
@@ -301,6 +345,8 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
                 engine.cancel(job)
             if stream is not None and c.native:
                 await send(stream, api.native_chunk(c, delta, token, n_out, entry))
+            elif stream is not None and parsed is not None:
+                await send_chat_deltas(stream, c, s.name, parsed.push(delta), entry, shape)
             elif stream is not None and (delta or entry is not None):
                 await send(stream, api.chunk(c, s.name, delta, logprobs=entry), shape)
             collected.append(delta)
@@ -323,9 +369,24 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
                 await send(stream, api.native_chunk(c, collected[-1], token, n_out, None))
             await send(stream, api.native_final(c, s.name, "", finish, word, logprobs))
             return stream
+        if parsed is not None:
+            try:
+                last_deltas = parsed.finish(collected[-1] if stream is not None else "".join(collected))
+            except chat.ParseError as exc:
+                error = api.ApiError(500, str(exc), "server_error")
+                if stream is None:
+                    raise error from None
+                await send(stream, error.body(), shape)
+                return stream
+            if reason == "stop" and parsed.message.tool_calls:
+                reason = "tool_calls"
         if stream is None:
-            return web.json_response(shape.whole(api.response(c, s.name, "".join(collected), reason, finish, logprobs)))
-        if collected[-1]:
+            message = parsed.message.to_json() if parsed is not None else None
+            return web.json_response(shape.whole(api.response(c, s.name, "".join(collected), reason, finish, logprobs,
+                                                              message)))
+        if parsed is not None:
+            await send_chat_deltas(stream, c, s.name, last_deltas, None, shape)
+        elif collected[-1]:
             await send(stream, api.chunk(c, s.name, collected[-1]), shape)
         last = api.chunk(c, s.name, None, reason)
         last["timings"] = finish.timings()
@@ -359,6 +420,15 @@ class OpenAISse:
 OPENAI_SSE = OpenAISse()
 
 
+async def send_chat_deltas(stream: web.StreamResponse, c: api.Completion, model: str, deltas: list[dict],
+                           logprobs: dict | None, shape=OPENAI_SSE) -> None:
+    """A parsed chat message's differences, one chunk each (a token's log-probabilities with the first)."""
+    if not deltas and logprobs is not None:
+        deltas = [{}]
+    for i, delta in enumerate(deltas):
+        await send(stream, api.delta_chunk(c, model, delta, logprobs if i == 0 else None), shape)
+
+
 async def send(stream: web.StreamResponse, payload: dict, shape=OPENAI_SSE) -> None:
     data = shape.event(payload)
     if data:
@@ -374,6 +444,7 @@ def make_app(service: Service) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/props", props)
+    app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/completion", completion_native)

@@ -1,0 +1,107 @@
+"""A chat request's fields to the prompt and chat parameters (llama-server's oaicompat_chat_params_parse
+and common_chat_templates_apply, the chat part).
+
+`tools`, `tool_choice` ("auto", "none", "required"; anything else, such as OpenAI's named-function
+object, counts as "auto", as llama-server reads the field as a string with "auto" as its default),
+`parallel_tool_calls` (default: whether the template renders parallel calls), `reasoning_format`,
+`chat_template_kwargs` (their `enable_thinking` switches thinking) and `reasoning_effort: "none"`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from orchestrator.chat.formats import REASONING_FORMATS, ChatParams, ChatRequest, Family, tool_grammar
+from orchestrator.chat.template import ChatTemplate, ChatTemplateError, normalize_tools
+
+
+def chat_request(body: Mapping, tmpl: ChatTemplate, default_reasoning_format: str = "deepseek"
+                 ) -> tuple[ChatRequest, dict]:
+    """The request's chat options and its chat_template_kwargs (as values)."""
+    tools = normalize_tools(body.get("tools"))
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise ChatTemplateError(f"Invalid tool_choice: {choice}")
+    else:
+        choice = "auto"
+    parallel = body.get("parallel_tool_calls", tmpl.caps.parallel_tool_calls)
+    if not isinstance(parallel, bool):
+        raise ChatTemplateError("'parallel_tool_calls' must be true or false")
+    fmt = body.get("reasoning_format", default_reasoning_format)
+    if fmt not in REASONING_FORMATS:
+        raise ChatTemplateError(f"Unknown reasoning format: {fmt}")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise ChatTemplateError("'chat_template_kwargs' must be an object")
+    kwargs = dict(kwargs)
+    thinking = True
+    if "enable_thinking" in kwargs:
+        if isinstance(kwargs["enable_thinking"], str):
+            raise ChatTemplateError('invalid type for "enable_thinking" (expected boolean, got string)')
+        if isinstance(kwargs["enable_thinking"], bool):
+            thinking = kwargs["enable_thinking"]
+    effort = body.get("reasoning_effort")
+    if effort == "none":
+        thinking = False
+        kwargs.pop("reasoning_effort", None)
+    elif isinstance(effort, str) and effort:
+        kwargs["reasoning_effort"] = effort
+    return ChatRequest(tools, choice, parallel, fmt, thinking), kwargs
+
+
+def _continued(messages: list) -> str | None:
+    """llama-server's assistant prefill: a last assistant message is continued, not answered. What is
+    continued: "reasoning" (reasoning text and no content) or "content"; None: nothing."""
+    if not messages or not isinstance(messages[-1], Mapping) or messages[-1].get("role") != "assistant":
+        return None
+    if len(messages) >= 2 and isinstance(messages[-2], Mapping) and messages[-2].get("role") == "assistant":
+        raise ChatTemplateError("Cannot have 2 or more assistant messages at the end of the list.")
+    if messages[-1].get("tool_calls"):
+        raise ChatTemplateError("Cannot continue an assistant message that contains tool calls.")
+    last = messages[-1]
+    if not last.get("content") and not last.get("reasoning_content"):
+        return "empty"  # nothing to continue: the prompt stops before the assistant's turn
+    return "reasoning" if last.get("reasoning_content") and not last.get("content") else "content"
+
+
+def apply(tmpl: ChatTemplate, family: Family, messages: list, req: ChatRequest, kwargs: Mapping) -> ChatParams:
+    """The prompt, generation prompt, grammar and parser settings for one request."""
+    prepared = tmpl.prepare(messages)
+    options = {"tools": req.tools, "enable_thinking": req.enable_thinking,
+               "extra_context": json.loads(json.dumps(dict(kwargs)))}
+    continued = _continued(messages)
+    if continued:
+        last, prepared = prepared[-1], prepared[:-1]
+        prompt = tmpl.render(prepared, add_generation_prompt=False, **options)
+        generation_prompt = tmpl.generation_prompt(prepared, **options)
+        if continued == "empty":  # chat.cpp builds no prefill for an empty message (and renders none)
+            return _finish(ChatParams(prompt, generation_prompt, family, req, continuation=True), tmpl, family, req)
+        parser_prefix = generation_prompt
+        if family.think:  # the prefill's reasoning inside the family's tags, as the parser will read it
+            start, end = family.think
+            at = generation_prompt.find(start)
+            generation_prompt = generation_prompt[:at if at >= 0 else None] + start + last.get("reasoning_content", "")
+            if continued == "content":
+                generation_prompt += end
+        if continued == "content":
+            generation_prompt += last["content"]
+        prompt += generation_prompt
+        params = ChatParams(prompt, generation_prompt, family, req, continuation=True, parser_prefix=parser_prefix)
+        return _finish(params, tmpl, family, req)
+    prompt = tmpl.render(prepared, add_generation_prompt=True, **options)
+    generation_prompt = tmpl.generation_prompt(prepared, **options)
+    return _finish(ChatParams(prompt, generation_prompt, family, req), tmpl, family, req)
+
+
+def _finish(params: ChatParams, tmpl: ChatTemplate, family: Family, req: ChatRequest) -> ChatParams:
+    """The grammar and preserved tokens of a request with tools; no tool parsing for templates without them."""
+    if req.calls_tools and tmpl.caps.tool_calls and family.parse_calls is not None:
+        params.grammar, params.grammar_lazy, params.grammar_triggers = tool_grammar(family, req)
+        params.preserved_tokens = list(family.preserved)
+    elif family.think:
+        params.preserved_tokens = [t for t in family.preserved if "think" in t]
+    if not tmpl.caps.tool_calls:  # llama.cpp parses tool calls only for templates that render them
+        params.request = ChatRequest([], "none", req.parallel_tool_calls, req.reasoning_format, req.enable_thinking)
+    return params

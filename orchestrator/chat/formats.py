@@ -1,0 +1,258 @@
+"""Chat formats: each template family, detected once from the template's source, with its rules.
+
+A family says how the model writes reasoning and tool calls; from it and a request come the prompt,
+the generation prompt (what the parser sees before the generated text, as llama.cpp prepends it),
+the lazy grammar with its triggers and preserved tokens, and the parser of the generated text.
+Detection follows common/chat.cpp: specialized templates first (Qwen3-Coder XML), then what its
+template analysis finds (`<tool_call>` JSON: Hermes 2 Pro, Qwen 2.5, Qwen 3; `<arg_key>` GLM 4.5+),
+else content only: a template that does not render tools gets them in its context all the same and
+its output is plain content (the pinned llama.cpp has no generic JSON fallback any more).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestrator.chat import grammars
+from orchestrator.chat.parse import Cursor, Message, ParseError, ToolCall, parse_json_call, parse_reasoning
+
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")  # llama-server's --reasoning-format names
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    detect: Callable[[str], bool]
+    call_start: str = ""  # the marker that opens a tool call (the lazy grammar's trigger)
+    call_end: str = ""
+    parse_calls: Callable | None = None  # (cursor, message, request) -> True done / None cut / False no match
+    grammar: Callable | None = None  # (tools, parallel) -> GBNF text
+    preserved: tuple[str, ...] = ()
+    think: tuple[str, str] | None = None  # reasoning tags as the template writes them, whitespace included
+    think_tags: tuple[str, str] = ("<think>\n", "\n</think>\n\n")  # the tags, when the template has <think>
+    ends_after_calls: bool = True  # text after the calls is an error (False: ignored, as Qwen3-Coder's parser)
+
+
+@dataclass
+class ChatRequest:
+    """What a request asks of the chat format (llama.cpp's common_chat_templates_inputs)."""
+
+    tools: list[dict] = field(default_factory=list)
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = False
+    reasoning_format: str = "deepseek"
+    enable_thinking: bool = True
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def _parse_tag_json(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> bool | None:
+    """(<tool_call> {"name": …, "arguments": …} </tool_call> space)+ — Hermes 2 Pro / Qwen."""
+    while not cur.at_end:
+        got = cur.literal(family.call_start)
+        if not got:
+            return got
+        cur.space()
+        while True:
+            got = parse_json_call(cur, msg, req.tool_names, "name", "arguments")
+            if not got:
+                return got
+            cur.space()
+            if not req.parallel_tool_calls or not cur.text.startswith(",", cur.pos):
+                break
+            cur.pos += 1
+            cur.space()
+        got = cur.literal(family.call_end)
+        if not got:
+            return got
+        cur.space()
+    return True
+
+
+def _xml_value(raw: str, string_typed: bool) -> str:
+    if string_typed:
+        return json.dumps(raw, ensure_ascii=False)
+    try:
+        json.loads(raw)
+        return raw
+    except json.JSONDecodeError:
+        return json.dumps(raw, ensure_ascii=False)
+
+
+def _string_params(req: ChatRequest, name: str) -> set[str]:
+    for t in req.tools:
+        if t["function"]["name"] == name:
+            props = (t["function"].get("parameters") or {}).get("properties") or {}
+            return {k for k, v in props.items() if isinstance(v, dict) and v.get("type", "string") == "string"}
+    return set()
+
+
+def _parse_qwen3_coder(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> bool | None:
+    """<tool_call>\\n<function=NAME>\\n(<parameter=K>\\nVALUE\\n</parameter>\\n)*</function>\\n</tool_call>."""
+    while not cur.at_end:
+        for lit in ("<tool_call>\n", "<function="):
+            if not (got := cur.literal(lit)):
+                return got
+        name = next((n for n in req.tool_names if cur.text.startswith(n + ">\n", cur.pos)), None)
+        if name is None:
+            return None if cur.partial and any((n + ">\n").startswith(cur.rest()) for n in req.tool_names) else False
+        cur.pos += len(name) + 2
+        call = ToolCall(name, "{")
+        msg.tool_calls.append(call)
+        strings, n_args = _string_params(req, name), 0
+        while cur.text.startswith("<parameter=", cur.pos):
+            cur.pos += len("<parameter=")
+            key, found = cur.until(">\n")
+            if not found:
+                return None if cur.partial else False
+            cur.pos += 2
+            call.arguments += ("," if n_args else "") + json.dumps(key, ensure_ascii=False) + ":"
+            n_args += 1
+            value, found = cur.until("\n</parameter>\n")
+            if not found:
+                if cur.partial and key in strings:
+                    call.arguments += json.dumps(value, ensure_ascii=False)[:-1]
+                return None if cur.partial else False
+            call.arguments += _xml_value(value, key in strings)
+            cur.pos += len("\n</parameter>\n")
+        for lit in ("</function>\n", "</tool_call>"):
+            if not (got := cur.literal(lit)):
+                return got
+        call.arguments += "}"
+        cur.space()
+    return True
+
+
+def _parse_glm(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> bool | None:
+    """<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n…</tool_call> — GLM 4.5 and later."""
+    while not cur.at_end:
+        if not (got := cur.literal("<tool_call>")):
+            return got
+        name = next((n for n in req.tool_names if cur.text.startswith(n, cur.pos)), None)
+        if name is None:
+            return None if any(n.startswith(cur.rest()) for n in req.tool_names) else False
+        cur.pos += len(name)
+        call = ToolCall(name, "{")
+        msg.tool_calls.append(call)
+        strings, n_args = _string_params(req, name), 0
+        cur.space()
+        while cur.text.startswith("<arg_key>", cur.pos):
+            cur.pos += len("<arg_key>")
+            key, found = cur.until("</arg_key>")
+            if not found:
+                return None if cur.partial else False
+            cur.pos += len("</arg_key>")
+            call.arguments += ("," if n_args else "") + json.dumps(key.strip(), ensure_ascii=False) + ":"
+            n_args += 1
+            cur.space()
+            if not (got := cur.literal("<arg_value>")):
+                return got
+            value, found = cur.until("</arg_value>")
+            if not found:
+                return None if cur.partial else False
+            call.arguments += _xml_value(value, key.strip() in strings)
+            cur.pos += len("</arg_value>")
+            cur.space()
+        if not (got := cur.literal("</tool_call>")):
+            return got
+        call.arguments += "}"
+        cur.space()
+    return True
+
+
+def _has(*needles: str, lacks: tuple[str, ...] = ()) -> Callable[[str], bool]:
+    return lambda src: all(n in src for n in needles) and not any(n in src for n in lacks)
+
+
+# In chat.cpp's order of detection; the first family whose test passes owns the template.
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3-coder", _has("<tool_call>", "<function=", "<parameter=",
+                               lacks=("'<tool_call><function=' ~ tool_call.name ~ '>'",)),
+           "<tool_call>", "</tool_call>", _parse_qwen3_coder, grammars.qwen3_coder, ("<tool_call>", "</tool_call>"),
+           ends_after_calls=False),
+    Family("glm", _has("<tool_call>", "<arg_key>", "<arg_value>"), "<tool_call>", "</tool_call>", _parse_glm,
+           grammars.glm, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+           think_tags=("<think>", "</think>\n")),
+    Family("hermes", _has("<tool_call>"), "<tool_call>\n", "</tool_call>", _parse_tag_json, grammars.tag_json,
+           ("<tool_call>", "</tool_call>")),
+    Family("content", lambda src: True),
+)
+
+def detect(source: str) -> Family:
+    family = next(f for f in FAMILIES if f.detect(source))
+    if "<think>" in source and "</think>" in source:
+        family = Family(**{**family.__dict__, "think": family.think_tags,
+                           "preserved": family.preserved + ("<think>", "</think>")})
+    return family
+
+
+@dataclass
+class ChatParams:
+    """What one request runs with: llama.cpp's common_chat_params."""
+
+    prompt: str
+    generation_prompt: str
+    family: Family
+    request: ChatRequest
+    grammar: str | None = None
+    grammar_lazy: bool = False
+    grammar_triggers: list[tuple[str, str]] = field(default_factory=list)
+    preserved_tokens: list[str] = field(default_factory=list)
+    continuation: bool = False  # the prompt ends inside a prefilled assistant message, already in generation_prompt
+    parser_prefix: str | None = None  # what the parser matches first: the template's generation prompt (no prefill)
+
+    @property
+    def extracts_reasoning(self) -> bool:
+        return self.family.think is not None and self.request.reasoning_format != "none"
+
+    def parse(self, text: str, partial: bool) -> Message:
+        """The message in the generated `text` (`partial`: generation goes on)."""
+        return parse(self, text, partial)
+
+
+def tool_grammar(family: Family, req: ChatRequest) -> tuple[str | None, bool, list[tuple[str, str]]]:
+    """The grammar, its laziness and triggers for a request with tools (none: no grammar)."""
+    if not req.calls_tools or family.grammar is None or req.tool_choice not in ("auto", "required"):
+        return None, False, []
+    lazy = req.tool_choice == "auto"
+    text = family.grammar(req.tools, req.parallel_tool_calls)
+    if text is None:
+        return None, False, []
+    return text, lazy, [("word", family.call_start)] if lazy else []
+
+
+def parse(params: ChatParams, text: str, partial: bool) -> Message:
+    family, req = params.family, params.request
+    think_start = family.think[0].strip() if family.think else ""
+    gp = params.generation_prompt
+    prefix = gp if params.parser_prefix is None else params.parser_prefix
+    prefix = prefix[:prefix.find(think_start)] if think_start and think_start in prefix else prefix
+    cur = Cursor(gp + text, partial=True)  # llama.cpp parses leniently: text may stop anywhere, even at the end
+    cur.pos = len(prefix)
+    msg = Message()
+    tools = req.calls_tools and family.parse_calls is not None
+    if tools:
+        cur.space()
+    if params.extracts_reasoning:
+        parse_reasoning(cur, msg, *family.think)
+    if not tools:
+        msg.content += cur.rest()
+        msg.reasoning_content = "" if not msg.reasoning_content.strip() else msg.reasoning_content
+        return msg
+    content, _ = cur.until(family.call_start)
+    msg.content += content
+    got = family.parse_calls(cur, msg, family, req)
+    if got is False and not partial and family.ends_after_calls:
+        raise ParseError("The model produced output that does not match the expected peg-native format")
+    if not msg.reasoning_content.strip():
+        msg.reasoning_content = ""
+    return msg

@@ -1,0 +1,208 @@
+"""Tools, tool calls and reasoning through `orchestrator serve` against llama-server --jinja.
+
+Both servers run SmolLM2 over a llama.cpp worker each, with the same chat template from the pinned
+sdist's models/templates/ (`--chat-template-file`), one pair per template family. Three oracles:
+
+* the prompt: POST /apply-template on both (tools, tool history, tool results, thinking on/off);
+* the parser: an assistant prefill (a last assistant message, which llama-server continues) is parsed
+  as if the model had written it, and a logit bias on the end-of-turn token stops generation at
+  once, so both servers parse the same given text: content, reasoning_content, tool_calls (names,
+  argument text), finish_reason, whole and streamed (the streamed deltas compared one by one, ids
+  aside);
+* greedy generation with tools offered: the same answer, whole and streamed.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from .conftest import RPC_TIMEOUT, reference
+from .programs import LlamaServer, OrchestratorServer, start_workers, started, stop_workers
+
+pytestmark = pytest.mark.interop
+
+EOT = 2  # SmolLM2's <|im_end|>: a large bias on it ends generation after the prefill
+
+TOOLS = [
+    {"type": "function", "function": {"name": "python", "description": "Runs Python code", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "description": "the code"}}, "required": ["code"]}}},
+    {"type": "function", "function": {"name": "special_function", "description": "I'm special", "parameters": {
+        "type": "object", "properties": {"arg1": {"type": "integer"}, "flag": {"type": "boolean"}},
+        "required": ["arg1"]}}},
+]
+
+HISTORY = [
+    {"role": "system", "content": "You are a helpful assistant with tools."},
+    {"role": "user", "content": "Compute 2+2 with python."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "python", "arguments": "{\"code\": \"print(2+2)\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+    {"role": "assistant", "content": "It is 4."},
+    {"role": "developer", "content": "Answer briefly."},
+    {"role": "user", "content": "And 3+3, and call special_function with 7?"},
+]
+
+# template file, the calls its family writes (one, then two in a row)
+FAMILIES = {
+    "qwen3": ("Qwen-Qwen3-0.6B.jinja",
+              '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>',
+              '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "python", "arguments": {"code": "x = \\"<a>\\""}}\n</tool_call>'),
+    "qwen2.5": ("Qwen-Qwen2.5-7B-Instruct.jinja",
+                '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>',
+                '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1, "flag": true}}\n</tool_call>'),
+    "hermes-2-pro": ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+                     '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>',
+                     '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>'),
+    "qwen3-coder": ("Qwen3-Coder.jinja",
+                    "<tool_call>\n<function=python>\n<parameter=code>\nprint(1)\n</parameter>\n</function>\n</tool_call>",
+                    "<tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n"
+                    "</tool_call>"),
+    "glm-4.6": ("GLM-4.6.jinja",
+                "<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>print(1)</arg_value>\n</tool_call>",
+                "<tool_call>special_function\n<arg_key>arg1</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"),
+    "smollm2": (None, "", ""),  # the model's own template: no tools in it, content only
+}
+
+TEXTS = ["Hello, world!\nWhat's up?", "<think>\nI'm\nthinking\n</think>\n\nHello", "a <tool_call> b", "Hi <tool_ca",
+         "<tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>", ""]
+
+OPTIONS = {"plain": {}, "tools": {"tools": TOOLS}, "tool_choice=none": {"tools": TOOLS, "tool_choice": "none"},
+           "required": {"tools": TOOLS, "tool_choice": "required"},
+           "parallel": {"tools": TOOLS, "parallel_tool_calls": True},
+           "thinking-off": {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
+           "reasoning=none": {"tools": TOOLS, "reasoning_format": "none"}}
+
+
+def template_path(file: str):
+    """A template of the pinned sdist (unpacked by tools/install_reference.sh)."""
+    return reference.llama_source_dir() / "models" / "templates" / file
+
+
+@pytest.fixture(scope="module")
+def workers(bin_dir, tmp_path_factory):
+    found = start_workers(("reference", "reference"), tmp_path_factory.mktemp("chat-tools-workers"))
+    yield found
+    stop_workers(found)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, bin_dir, model_path, workers, tmp_path_factory):
+    """llama-server and orchestrator serve with the family's template."""
+    file = FAMILIES[request.param][0]
+    extra = []
+    if file is not None:
+        path = template_path(file)
+        if not path.exists():
+            pytest.fail(f"template {path} missing: the pinned sdist is unpacked by tools/install_reference.sh")
+        extra = ["--chat-template-file", str(path)]
+    logs = tmp_path_factory.mktemp(f"chat-{request.param}")
+    oracle = started(LlamaServer(bin_dir, model_path, logs / "llama-server.log",
+                                 ["--rpc", workers[0].address, "-ngl", 99, "--jinja", *extra], n_ctx=2048))
+    try:
+        ours = started(OrchestratorServer(model_path, logs / "ours.log", [workers[1].address], ["-ngl", 99, *extra],
+                                          n_ctx=2048))
+        try:
+            yield request.param, oracle, ours
+        finally:
+            ours.stop()
+    finally:
+        oracle.stop()
+
+
+def post(server, path: str, body: dict):
+    request = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]["message"]
+    if body.get("stream"):
+        return 200, [json.loads(line[6:]) for line in raw.decode().splitlines()
+                     if line.startswith("data: ") and line != "data: [DONE]"]
+    return 200, json.loads(raw)
+
+
+def answer(reply) -> tuple:
+    """What must be identical in a whole answer: finish reason, content, reasoning, calls (ids aside)."""
+    status, body = reply
+    if status != 200:
+        return status, body
+    choice = body["choices"][0]
+    m = choice["message"]
+    calls = [(c["type"], c["function"]["name"], c["function"]["arguments"], len(c.get("id", "")))
+             for c in m.get("tool_calls") or []]
+    return choice["finish_reason"], m.get("content"), m.get("reasoning_content"), calls
+
+
+def streamed(reply) -> tuple:
+    """The stream's deltas in order (tool-call ids replaced by their length) and its finish reason."""
+    status, chunks = reply
+    if status != 200:
+        return status, chunks
+    deltas, reason = [], None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = json.loads(json.dumps(choice["delta"]))
+            for call in delta.get("tool_calls", []):
+                if "id" in call:
+                    call["id"] = len(call["id"])
+            if delta:
+                deltas.append(delta)
+            reason = choice["finish_reason"] or reason
+    return reason, deltas
+
+
+def compare(pair, body: dict) -> None:
+    name, oracle, ours = pair
+    want, got = answer(post(oracle, "/v1/chat/completions", body)), answer(post(ours, "/v1/chat/completions", body))
+    assert got == want, f"{name}: {json.dumps(body)[:300]}"
+    body = {**body, "stream": True}
+    want, got = streamed(post(oracle, "/v1/chat/completions", body)), streamed(post(ours, "/v1/chat/completions", body))
+    assert got == want, f"{name} streamed: {json.dumps(body)[:300]}"
+
+
+def test_prompts_with_tools_match_llama_servers(pair):
+    name, oracle, ours = pair
+    cases = [{"messages": HISTORY}, {"messages": HISTORY, "tools": TOOLS},
+             {"messages": HISTORY[:2], "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
+             {"messages": [*HISTORY[:4], {"role": "assistant", "content": "The answer", "reasoning_content": "R"}],
+              "tools": TOOLS},
+             {"messages": HISTORY[:4], "tools": TOOLS, "parallel_tool_calls": True}]
+    for body in cases:
+        want, got = post(oracle, "/apply-template", body), post(ours, "/apply-template", body)
+        assert got == want, f"{name}: {json.dumps(body)[:300]}"
+
+
+def needs_grammar(option: str) -> None:
+    """tool_choice "required" holds the model to a call with a grammar (EOS is not allowed before one)."""
+    if OPTIONS[option].get("tool_choice") == "required":
+        try:
+            import orchestrator.sampling.json_schema  # noqa: F401, PLC0415
+        except ImportError:
+            pytest.skip("tool_choice required needs the grammar sampler (orchestrator/sampling/json_schema.py)")
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_given_texts_parse_as_llama_servers(pair, option):
+    needs_grammar(option)
+    name = pair[0]
+    texts = TEXTS + [t for t in FAMILIES[name][1:] if t]
+    texts += [t[:len(t) // 2] for t in FAMILIES[name][1:] if t]  # a call cut in the middle
+    if "tools" not in OPTIONS[option] or OPTIONS[option].get("tool_choice") == "none":
+        texts = texts[:2] + texts[-2:]
+    for text in texts:
+        for prefill in ({"role": "assistant", "content": text}, {"role": "assistant", "reasoning_content": text,
+                                                                 "content": ""}):
+            if not text and "reasoning_content" in prefill:
+                continue
+            compare(pair, {"messages": [HISTORY[1], prefill], "max_tokens": 1, "temperature": 0,
+                           "logit_bias": [[EOT, 100]], **OPTIONS[option]})
+
+
+@pytest.mark.parametrize("option", ["plain", "tools", "thinking-off", "tool_choice=none"])
+def test_greedy_answers_with_tools_match_llama_servers(pair, option):
+    compare(pair, {"messages": HISTORY, "max_tokens": 16, "temperature": 0, **OPTIONS[option]})

@@ -1,0 +1,162 @@
+"""The chat families' parsers on given texts, and the stream of deltas they make.
+
+The texts are llama.cpp's tests/test-chat.cpp cases for these families (compared, as there, with the
+whitespace around content and reasoning ignored); tests/interop/test_chat_tools.py checks the
+same parsers against llama-server's answers. The stream property needs no oracle: parsing every
+prefix of a text as partial and applying the deltas gives the final parse, as llama-server's
+streamed chunks reassemble to its whole answer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator import chat
+from orchestrator.chat.jsonscan import json_end
+
+pytestmark = pytest.mark.unit
+
+TOOLS = [{"type": "function", "function": {"name": "special_function", "description": "I'm special", "parameters": {
+    "type": "object", "properties": {"arg1": {"type": "integer", "description": "The arg."}}, "required": ["arg1"]}}},
+    {"type": "function", "function": {"name": "python", "description": "an ipython interpreter", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+
+SOURCES = {  # just the markers detection looks for
+    "hermes": "{{ '<tool_call>' }}",
+    "qwen3": "{{ '<tool_call>' }}{{ '<think>' }}{{ '</think>' }}",
+    "qwen3-coder": "{{ '<tool_call>' }}<function=<parameter=",
+    "glm": "<tool_call><arg_key><arg_value><think></think>",
+    "plain": "{{ messages }}",
+}
+
+
+def params(source: str, generation_prompt: str = "", **request) -> chat.ChatParams:
+    family = chat.detect(SOURCES[source])
+    req = chat.ChatRequest(**{"tools": TOOLS, **request})
+    return chat.ChatParams("", generation_prompt, family, req)
+
+
+def simple(msg: chat.Message) -> tuple:
+    return (msg.content.strip(), msg.reasoning_content.strip(),
+            [(tc.name, json.loads(tc.arguments)) for tc in msg.tool_calls])
+
+
+CASES = [  # (family, generation prompt, request options, text, content, reasoning, calls)
+    ("hermes", "", {}, '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>',
+     "", "", [("special_function", {"arg1": 1})]),
+    ("hermes", "", {}, 'Hello, world!\nWhat\'s up?<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}'
+     "</tool_call>", "Hello, world!\nWhat's up?", "", [("special_function", {"arg1": 1})]),
+    ("hermes", "", {}, "Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", "", []),
+    ("hermes", "", {"tool_choice": "none"}, '<tool_call>{"name": "special_function", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "special_function", "arguments": {}}</tool_call>', "", []),
+    ("qwen3", "", {}, "<think>I'm\nthinking</think>Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?",
+     "I'm\nthinking", []),
+    ("qwen3", "", {"reasoning_format": "none"}, "<think>I'm\nthinking</think>Hello",
+     "<think>I'm\nthinking</think>Hello", "", []),
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", {"enable_thinking": False}, "Hello", "Hello", "", []),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", {}, "I'm\nthinking\n</think>\n\nHello", "Hello", "I'm\nthinking", []),
+    ("qwen3", "", {}, "<think>I'm\nthinking</think>\n<tool_call>\n"
+     '{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>', "", "I'm\nthinking",
+     [("special_function", {"arg1": 1})]),
+    ("hermes", "", {"parallel_tool_calls": True}, '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>', "", "",
+     [("special_function", {"arg1": 1}), ("python", {"code": "print(1)"})]),
+    ("qwen3-coder", "", {}, "<tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n"
+     "</function>\n</tool_call>", "", "", [("special_function", {"arg1": 1})]),
+    ("qwen3-coder", "", {}, "Let me run it.\n<tool_call>\n<function=python>\n<parameter=code>\nprint('hey')\n"
+     "</parameter>\n</function>\n</tool_call>", "Let me run it.", "", [("python", {"code": "print('hey')"})]),
+    ("glm", "", {}, "<tool_call>special_function\n<arg_key>arg1</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+     "", "", [("special_function", {"arg1": 1})]),
+    ("glm", "", {}, "<think>hm</think>ok<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>x = 1</arg_value>\n"
+     "</tool_call>", "ok", "hm", [("python", {"code": "x = 1"})]),
+    ("plain", "", {}, '<tool_call>{"name": "special_function"}</tool_call>',
+     '<tool_call>{"name": "special_function"}</tool_call>', "", []),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_parse_matches_llama_cpps_cases(case):
+    family, gp, options, text, content, reasoning, calls = case
+    p = params(family, gp, **options)
+    assert simple(p.parse(text, partial=False)) == (content, reasoning, calls)
+
+
+def test_cut_arguments_are_kept_as_far_as_they_go():
+    # test-chat.cpp's message_assist_call_cutoff_args
+    msg = params("hermes").parse('<tool_call>\n{"name": "special_function", "arguments": {"arg', partial=True)
+    assert [(tc.name, tc.arguments) for tc in msg.tool_calls] == [("special_function", '{"arg')]
+
+
+def test_a_broken_call_in_finished_text_is_an_error():
+    with pytest.raises(chat.ParseError):
+        params("hermes").parse('<tool_call>\n{"name": "nonexistent", "arguments": {}}</tool_call>', partial=False)
+
+
+def replay(p: chat.ChatParams, text: str, cut_points) -> tuple[chat.Message, list[dict]]:
+    """Stream `text` in pieces; returns the final message and every delta sent."""
+    stream = chat.ChatStream(p)
+    deltas, last = [], 0
+    for cut in cut_points:
+        deltas += stream.push(text[last:cut])
+        last = cut
+    deltas += stream.finish(text[last:])
+    return stream.message, deltas
+
+
+def reassemble(deltas: list[dict]) -> tuple[str, str, list[tuple[str, str, str]]]:
+    """What an OpenAI client builds from the chunks: concatenated texts, tool calls by index."""
+    content, reasoning, calls = "", "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        reasoning += d.get("reasoning_content", "")
+        for tc in d.get("tool_calls", []):
+            call = calls.setdefault(tc["index"], ["", "", ""])
+            call[0] = tc.get("id", call[0])
+            fn = tc.get("function", {})
+            call[1] += fn.get("name", "")
+            call[2] += fn.get("arguments", "")
+    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)]
+
+
+STREAM_CASES = [c for c in CASES if c[0] != "plain"]
+
+
+@pytest.mark.parametrize("case", STREAM_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(STREAM_CASES)])
+def test_every_cut_streams_deltas_that_rebuild_the_answer(case):
+    family, gp, options, text, *_ = case
+    p = params(family, gp, **options)
+    whole = p.parse(text, partial=False)
+    for step in (1, 3, 7):
+        final, deltas = replay(p, text, range(step, len(text), step))
+        assert (final.content, final.reasoning_content) == (whole.content, whole.reasoning_content)
+        content, reasoning, calls = reassemble(deltas)
+        assert (content, reasoning) == (whole.content, whole.reasoning_content)
+        assert [(name, args) for _, name, args in calls] == [(tc.name, tc.arguments) for tc in whole.tool_calls]
+        assert all(len(call_id) == 32 and call_id.isalnum() for call_id, _, _ in calls)
+
+
+def test_a_new_call_streams_its_id_and_name_first():
+    p = params("hermes")
+    _, deltas = replay(p, '<tool_call>\n{"name": "python", "arguments": {"code": "1+1"}}\n</tool_call>',
+                       range(1, 80))
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["id"] and calls[0]["type"] == "function" and calls[0]["function"]["name"] == "python"
+    assert all("id" not in c and "name" not in c["function"] for c in calls[1:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(), lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=8),
+       st.sampled_from([None, 2]))
+def test_json_end_finds_the_end_of_any_value_and_none_in_its_prefixes(value, indent):
+    text = json.dumps(value, indent=indent)
+    assert json_end(text + " tail", 0) == len(text)
+    for k in range(len(text)):
+        end = json_end(text[:k], 0)
+        assert end is None or json.loads(text[:end]) is not None or text[:end] == "null"
+
+
