@@ -17,10 +17,11 @@ import time
 from aiohttp import web
 
 from orchestrator import openai_api as api
-from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError, apply_chat_template
+from orchestrator.chat import ChatTemplateError, apply_chat_template
 from orchestrator.client import WorkerError
 from orchestrator.engine import Busy, Engine, Job
 from orchestrator.sampling import SamplingParams
+from orchestrator.startup import chat_template
 from orchestrator.tokenizer import TokenizerError
 
 PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}  # llama-server's endpoints open without a key
@@ -38,7 +39,7 @@ class Service:
         self.name = model.path.name
         self.api_key, self.metrics_enabled = api_key, metrics
         self.engine: Engine | None = None
-        self.template = model.get("tokenizer.chat_template", str, None) or CHATML_TEMPLATE
+        self.template = chat_template(model)  # the start-up's: the file's or ChatML
 
     def ready(self) -> Engine:
         if self.engine is None:
