@@ -158,10 +158,10 @@ def run(*, rpc, workers, threads, **options) -> int:
     from orchestrator.local_workers import LocalWorkers  # noqa: PLC0415
 
     if rpc:
-        return generate_text([e.strip() for e in rpc.split(",") if e.strip()], **options)
+        return complete_prompt([e.strip() for e in rpc.split(",") if e.strip()], **options)
     log(f"no --rpc given: starting {workers} local Python worker(s)")
     with LocalWorkers(workers, threads, log=log) as local:
-        return generate_text(local.endpoints, **options)
+        return complete_prompt(local.endpoints, **options)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -187,7 +187,7 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
     return int(match.group(1)), -bias if match.group(2) == "-" else bias
 
 
-def generate_text(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size,
+def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size,
                   ubatch_size, gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn, cache_type_k,
                   cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
                   no_ring, verbose, **sampling) -> int:
