@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wire.ggml import FA_TILE_Q, GGMLType, flash_attn_path
+from orchestrator import context_shift
 from orchestrator.kv import Batch, Group, padded_cells
 
 ROWS = "one_chunk"  # the path that computes each row on its own (wire.ggml.flash_attn_path)
@@ -68,6 +69,9 @@ class Planner:
 
     def base(self, slot: int) -> int:
         return slot * self.size
+
+    def can_shift(self) -> bool:
+        return False  # the slots' cells never move
 
     def n_kv(self, extent: int) -> int:
         """The cells a slot's node attends once its first `extent` positions are in use."""
@@ -173,3 +177,45 @@ class Planner:
         cells they attend, and those the sliding-window layers attend."""
         mine = (rel >= 0) & (rel <= pos) & (rel < self.size)
         return mine, (mine & (pos - rel < self.n_swa)) if self.n_swa else None
+
+
+class OneSequence:
+    """The layout of the CLI's engine, with the Planner's interface: one slot over the pipeline's whole
+    cache, as llama-completion's one sequence. Position i in cell i (with --context-shift, the cells
+    llama.cpp's cache places, Pipeline.cells), the sliding-window layers' cells as its iSWA cache places
+    them (Pipeline.sequence_batch), and the prompt read as llama-completion feeds llama_decode: n_batch
+    chunks of n_ubatch pieces. The last cell is never filled (llama-completion stops at n_past + 1 ==
+    n_ctx), so a slot holds n_ctx - 1 tokens."""
+
+    n_slots = 1
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.size = pipe.n_ctx - 1
+
+    def base(self, slot: int) -> int:
+        return 0
+
+    def path(self, n_q: int, end: int) -> str:
+        return ROWS  # the path is whatever llama.cpp's would be for the same batch: nothing to keep apart
+
+    def prompt_paths(self, n: int) -> list[str]:
+        return [ROWS] * n
+
+    def keep(self, cached: list[int], cached_paths: list[str], prompt: list[int], paths: list[str]) -> int:
+        return 0  # one job per engine: nothing cached to reuse
+
+    def piece(self, start: int, n_prompt: int, paths: list[str], budget: int) -> int:
+        end_of_chunk = start // self.pipe.n_batch * self.pipe.n_batch + self.pipe.n_batch
+        return min(n_prompt, end_of_chunk, start + self.pipe.n_ubatch, start + budget) - start
+
+    def batch(self, pieces: list[Piece], extents: dict[int, int] | None = None) -> tuple[Batch, list[Piece]]:
+        (piece,) = pieces
+        return self.pipe.sequence_batch(piece.tokens, piece.start), pieces
+
+    def can_shift(self) -> bool:
+        return self.pipe.cells is not None
+
+    def shift(self, slot: int, n_keep: int, n_discard: int, n_past: int) -> None:
+        """Drops positions [n_keep, n_keep + n_discard) and moves the later ones down, on every worker."""
+        context_shift.shift(self.pipe, n_keep, n_discard, n_past)

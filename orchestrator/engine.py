@@ -1,7 +1,19 @@
-"""Many sequences over one pipeline at once: llama-server's slots with continuous batching.
+"""The one token loop: sequences over one pipeline, each in a slot, for the server and the CLI alike.
 
-The engine runs on a thread of its own (the pipeline's RPC is blocking) and serves Jobs from a bounded
-queue. Each step it gives the idle slots the oldest waiting jobs, then, when the first stage is free
+`orchestrator serve` runs llama-server's slots with continuous batching; the `orchestrator` command is the
+same engine with one slot (Engine.one_sequence), run on its own thread by generate(). What differs is
+how a step runs and where a slot's cells lie, not how a token is made: every token, sampled from logits
+or picked by the workers, goes through one path (_take: the sampler accepts it, end of generation,
+n_predict, a full context that stops or shifts) and reaches the job's emit.
+
+The ways of running a step: Waves (the server: up to one batch per stage in flight, relayed),
+Stepwise (the CLI: one batch through every stage, pushed where a link pushes) and, for the CLI's greedy
+sequence when every link pushes, the ring (orchestrator/ring.py: the workers pick the tokens and the
+orchestrator only reads them). The layouts: the server's Planner (a run of cells per slot, batches
+grouped for attention: orchestrator/batching.py) and the CLI's OneSequence (llama-completion's cells).
+
+The server's engine runs on a thread of its own (the pipeline's RPC is blocking) and serves Jobs from a
+bounded queue. Each step it gives the idle slots the oldest waiting jobs, then, when the first stage is free
 and fewer batches are in flight than there are stages, starts a batch: the next token of each
 generating slot and chunks of the prompts still being read, up to n_ubatch tokens, so a long prompt is
 read over several steps while the others keep generating. With several stages the slots are shared out
@@ -24,90 +36,21 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from orchestrator.batching import Piece, Planner
+from orchestrator.batching import OneSequence, Piece, Planner
 from orchestrator.client import WorkerError
-from orchestrator.cxx import expf, logf, std_partial_sort
-from orchestrator.sampling import Sampler, SamplingParams
+from orchestrator.ring import Ring
+from orchestrator.sampling import Sampler
 from orchestrator.sampling.gbnf import GrammarError
-from orchestrator.waves import Waves
+from orchestrator.slots import Finish, Job, Metrics, Slot, log_probs
+from orchestrator.waves import Stepwise, Waves
+
+__all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Finish:
-    """How a job ended, with llama-server's timings."""
-
-    reason: str  # "stop" (end of generation), "length" (n_predict or the slot's context), "cancelled"
-    prompt_n: int  # prompt tokens computed (the cached ones not counted)
-    cache_n: int  # prompt tokens whose cells were kept from the slot's previous job
-    prompt_ms: float
-    predicted_n: int
-    predicted_ms: float
-    slot: int = -1  # the slot that served the job
-
-    def timings(self) -> dict:
-        def per(ms: float, n: int) -> tuple[float, float]:
-            return (ms / n if n else 0.0), (1e3 * n / ms if ms > 0 else 0.0)
-
-        p_tok, p_sec = per(self.prompt_ms, self.prompt_n)
-        g_tok, g_sec = per(self.predicted_ms, self.predicted_n)
-        return {"cache_n": self.cache_n, "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
-                "prompt_per_token_ms": p_tok, "prompt_per_second": p_sec, "predicted_n": self.predicted_n,
-                "predicted_ms": self.predicted_ms, "predicted_per_token_ms": g_tok, "predicted_per_second": g_sec}
-
-
-@dataclass
-class Job:
-    """One request: its prompt tokens and sampling. `emit(kind, value)` is called on the engine's thread:
-    ("token", (id, logprobs)) for each generated token, then ("done", Finish) or ("error", message).
-    logprobs is None unless n_probs > 0: then (the token's log-probability, [(id, log-probability)] of
-    the n_probs most likely), from the softmax of the raw logits as llama-server reports them."""
-
-    prompt: list[int]
-    params: SamplingParams
-    n_predict: int  # -1: until end of generation or the slot's context is full
-    emit: Callable[[str, object], None]
-    ignore_eos: bool = False
-    n_probs: int = 0
-    cancelled: bool = False
-    cache_n: int = 0  # set when a slot takes the job: prompt tokens it keeps cached (read before the first token)
-
-
-@dataclass
-class Slot:
-    index: int
-    tokens: list[int] = field(default_factory=list)  # its sequence: prompt, then each sampled token
-    n_cached: int = 0  # how many of them are in the KV cache (the rest are fed in the next steps)
-    paths: list[str] = field(default_factory=list)  # the attention path each cached token was computed on
-    want: list[str] = field(default_factory=list)  # the path each prompt token is to be computed on
-    job: Job | None = None
-    sampler: Sampler | None = None
-    n_generated: int = 0
-    cache_n: int = 0
-    t_start: float = 0.0
-    t_first: float | None = None  # when its first token was sampled
-    awaiting: bool = False  # a batch in flight holds its last fed token, whose logits it waits for
-
-    @property
-    def generating(self) -> bool:
-        return self.t_first is not None
-
-
-@dataclass
-class Metrics:
-    """Counters for /metrics (llama-server's names)."""
-
-    prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
-    tokens_predicted: int = 0
-    tokens_predicted_seconds: float = 0.0
-    n_decode: int = 0
 
 
 class Busy(Exception):
@@ -115,15 +58,25 @@ class Busy(Exception):
 
 
 class Engine:
-    def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int, vocab=None):
-        if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
-            raise ValueError("the engine's sliding-window layers share the global cells: build the Pipeline with swa_full")
+    """Engine(pipe, eog, n_parallel=4, max_queue=16): the server's, slots over the Planner's cells, steps
+    in Waves. Engine.one_sequence(pipe, eog): the CLI's."""
+
+    def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int, planner=None, runner=None,
+                 vocab=None):
+        if planner is None:
+            if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
+                raise ValueError("the engine's sliding-window layers share the global cells: build the Pipeline "
+                                 "with swa_full")
+            planner = Planner(n_parallel, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
+                              cache_types=pipe.cache_types, n_swa=pipe.n_swa)
         self.pipe, self.eog = pipe, sorted(eog_ids)
+        self._eog = frozenset(self.eog)
         self.vocab = vocab  # for grammar-constrained requests
         self.n_vocab = pipe.model.hparams.n_vocab
-        self.planner = Planner(n_parallel, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
-                               cache_types=pipe.cache_types, n_swa=pipe.n_swa)
-        self.waves = Waves(pipe)
+        self.planner = planner
+        self.runner = runner if runner is not None else Waves(pipe)  # how a batch goes through the stages
+        self.ring: Ring | None = None  # the CLI's greedy sequence, when the workers pick its tokens
+        self.on_ring_off: Callable[[str], None] | None = None  # told why, when a ring breaks
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.n_ctx_slot = self.planner.size
         self.max_queue = max_queue
@@ -139,6 +92,41 @@ class Engine:
         self._outbox: list[tuple[Job, str, object]] = []  # what the jobs' clients hear once the step is done
         self._deferred = False  # a prompt piece waited for room: the next batch reads prompts first
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def one_sequence(cls, pipe, eog_ids) -> "Engine":
+        """The CLI's engine: one slot over llama-completion's cells, a batch at a time (Stepwise), to be
+        run with generate(); start_ring() hands greedy generation to the workers."""
+        return cls(pipe, eog_ids, n_parallel=1, max_queue=0, planner=OneSequence(pipe), runner=Stepwise(pipe))
+
+    def start_ring(self, ignore_eos: bool) -> str | None:
+        """Sets up the ring for a greedy job (ignore_eos: the last stage bans the end-of-generation tokens
+        as the sampler would): None when it is on, else why not (a boundary relays, a worker not ours, no
+        room for token_embd on the first, a worker that makes no peer connections)."""
+        ring = Ring(self.pipe, self.eog if ignore_eos else [])
+        why = ring.why_not() or (None if ring.setup() else f"{self.pipe.stages[-1].endpoint} refuses peer links")
+        self.ring = ring if why is None else None
+        return why
+
+    def generate(self, job: Job) -> Finish:
+        """Runs `job` to its end on the caller's thread (the CLI's one sequence: the engine's thread is not
+        started), its events told to job.emit as they come; returns how it ended. A worker's failure
+        raises WorkerError here."""
+        ended: list[Finish] = []
+        emit = job.emit
+
+        def tell(kind: str, value) -> None:
+            if kind == "done":
+                ended.append(value)
+            emit(kind, value)
+
+        job.emit = tell
+        self.submit(job)
+        while not ended:
+            with self._wake:
+                self._admit()
+            self._step()
+        return ended[0]
 
     # -- the side other threads call -------------------------------------------------------------
 
@@ -160,6 +148,8 @@ class Engine:
         """Queues a job; Busy if the queue is full, WorkerError if the engine has failed."""
         if len(job.prompt) >= self.n_ctx_slot:
             raise ValueError(f"the prompt has {len(job.prompt)} tokens; a slot's context holds {self.n_ctx_slot}")
+        if job.n_keep is not None and not self.planner.can_shift():
+            raise ValueError("this engine's cells cannot shift: a job that keeps n_keep tokens needs the CLI's")
         with self._wake:
             if self.failed is not None:
                 raise WorkerError(self.failed)
@@ -194,7 +184,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self.waiting or self.waves.busy or any(s.job for s in self.slots)):
+                while not (self._stopping or self.waiting or self.runner.busy or any(s.job for s in self.slots)):
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -220,7 +210,7 @@ class Engine:
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want)
             slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
             slot.want, slot.paths = want, slot.paths[:keep]
-            slot.job, slot.n_generated, slot.t_first = job, 0, None
+            slot.job, slot.n_generated, slot.t_first, slot.sampling_seconds = job, 0, None, 0.0
             slot.sampler = Sampler(job.params, self.n_vocab, self.vocab)
             for t in job.prompt:
                 slot.sampler.accept(t, is_generated=False)
@@ -232,17 +222,20 @@ class Engine:
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled:
                 self._finish(slot, "cancelled")
-        if self.waves.ready:
+        if self._ring_ready() and not self.runner.busy:
+            self._run_ring(self.slots[0])
+        if self.runner.ready:
             self._start_batch()
-        if self.waves.busy:
+        if self.runner.busy:
             self._advance()
         self._tell()
 
     def _advance(self) -> None:
         """Moves the batches in flight on; samples from those that left the last stage and, before their
         clients hear of the tokens, sends the next batch (the workers compute while the server talks)."""
-        for (outs, n_tokens, n_gen), logits, seconds in self.waves.tick(self._interrupt):
+        for (outs, n_tokens, n_gen), logits, seconds in self.runner.tick(self._interrupt):
             self.metrics.n_decode += 1
+            self.metrics.eval_runs += n_gen > 0
             share = seconds / n_tokens
             self.metrics.prompt_tokens += n_tokens - n_gen
             self.metrics.prompt_seconds += share * (n_tokens - n_gen)
@@ -251,7 +244,7 @@ class Engine:
                 slot.awaiting = False
                 if slot.job is job:  # not cancelled meanwhile
                     self._sample(slot, row)
-        if self._outbox and self.waves.ready:
+        if self._outbox and self.runner.ready:
             with self._wake:
                 self._admit()
             self._start_batch()
@@ -267,8 +260,10 @@ class Engine:
         stage can hold a batch), then pieces of the prompts still being read, up to n_ubatch tokens in all
         (a new prompt does not wait for a batch of its own: its first token comes sooner). A prompt piece
         that found too little room left goes first in the next batch."""
+        if self._ring_ready():  # the ring feeds it
+            return
         ready = [s for s in self.slots if s.job is not None and not s.awaiting and s.n_cached < len(s.tokens)]
-        share = -(-sum(s.job is not None for s in self.slots) // self.waves.width)
+        share = -(-sum(s.job is not None for s in self.slots) // self.runner.width)
         generating, reading = [s for s in ready if s.generating][:share], [s for s in ready if not s.generating]
         pieces: list[Piece] = []
         budget = self.pipe.n_ubatch
@@ -296,10 +291,43 @@ class Engine:
         batch, order = self.planner.batch(pieces, {s.index: s.n_cached for s in self.slots if s.job is not None})
         outs = [(self.slots[p.slot], self.slots[p.slot].job) for p in order if p.output]  # out_ids' order
         n_gen = sum(1 for s, _ in outs if s.generating)
-        self.waves.start(batch, (outs, len(batch.tokens), n_gen))
+        self.runner.start(batch, (outs, len(batch.tokens), n_gen))
+
+    def _ring_ready(self) -> bool:
+        """The ring has the next tokens: it is on and the one slot has a sampled token to feed."""
+        slot = self.slots[0]
+        return self.ring is not None and slot.job is not None and slot.generating and \
+            slot.n_cached == len(slot.tokens) - 1
+
+    def _run_ring(self, slot: Slot) -> None:
+        """The slot's greedy tokens from the ring, each taken as a sampled one is, until the job ends or
+        the ring breaks (then the engine goes on stepwise from the last token the ring gave)."""
+        job, start = slot.job, slot.n_cached
+        room = self.n_ctx_slot - start  # tokens it can feed before the slot is full
+        limit = room if job.n_predict < 0 else min(job.n_predict - slot.n_generated, room)
+        began, n = time.perf_counter(), 0
+        tokens = self.ring.run(slot.tokens[-1], start, limit)
+        try:
+            for token in tokens:
+                n += 1
+                slot.n_cached += 1  # the ring fed the token before this one
+                slot.paths.append(self.planner.path(1, slot.n_cached))
+                self._take(slot, token)
+                self._tell()
+                if slot.job is not job:
+                    break
+        finally:
+            tokens.close()
+            self.metrics.eval_runs += n
+            self.metrics.tokens_predicted_seconds += time.perf_counter() - began
+        if self.ring.broken is not None:
+            why, self.ring = self.ring.broken, None
+            if self.on_ring_off is not None:
+                self.on_ring_off(why)
 
     def _sample(self, slot: Slot, logits: np.ndarray) -> None:
         job = slot.job
+        began = time.perf_counter()
         if job.ignore_eos:
             logits = np.array(logits, dtype=np.float32)
             logits[self.eog] = -np.inf
@@ -311,28 +339,56 @@ class Engine:
             del slot.tokens[slot.n_cached:]
             self._outbox.append((job, "error", str(exc)))
             return
+        slot.sampling_seconds += time.perf_counter() - began
+        self._take(slot, token, logits, accepted=True)
+
+    def _take(self, slot: Slot, token: int, logits: np.ndarray | None = None, accepted: bool = False) -> None:
+        """The slot's next token, sampled from `logits` or picked by the workers (the ring): the sampler
+        accepts it; then it ends the job (end of generation, n_predict, a full context that does not
+        shift) or joins the sequence, to be fed next."""
+        job = slot.job
+        if not accepted:  # a token the workers picked (the ring)
+            began = time.perf_counter()
+            slot.sampler.accept(token)
+            slot.sampling_seconds += time.perf_counter() - began
         if slot.t_first is None:
             slot.t_first = time.perf_counter()
         if job.n_predict == 0:  # the prompt only (it stays cached for the slot's next request)
             self._finish(slot, "length")
             return
-        if token in self.eog and not job.ignore_eos:  # counted, as llama-server counts it (n_decoded), not sent
-            slot.n_generated += 1
+        if token in self._eog and not job.ignore_eos:  # llama-server counts it in its metrics (n_decoded)
             self.metrics.tokens_predicted += 1
-            self._finish(slot, "stop")
+            self._finish(slot, "stop", eog_token=token)
             return
         slot.tokens.append(token)
         slot.n_generated += 1
         self.metrics.tokens_predicted += 1
-        self._outbox.append((job, "token", (token, log_probs(logits, token, job.n_probs) if job.n_probs else None)))
-        if (job.n_predict >= 0 and slot.n_generated >= job.n_predict) or len(slot.tokens) > self.n_ctx_slot:
+        probs = log_probs(logits, token, job.n_probs) if job.n_probs and logits is not None else None
+        self._outbox.append((job, "token", (token, probs)))
+        if job.n_predict >= 0 and slot.n_generated >= job.n_predict:
             self._finish(slot, "length")
+        elif len(slot.tokens) > self.n_ctx_slot:
+            if job.n_keep is None:
+                self._finish(slot, "length", context_full=True)
+            else:
+                self._shift(slot)
 
-    def _finish(self, slot: Slot, reason: str) -> None:
+    def _shift(self, slot: Slot) -> None:
+        """llama-completion's context shift: keeps n_keep positions, drops half of the rest, moves the
+        later ones down (their K cells roped on the workers) and forgets the dropped tokens."""
+        job, n_past = slot.job, slot.n_cached
+        n_discard = (n_past - job.n_keep) // 2
+        self._outbox.append((job, "shift", (n_past, job.n_keep, n_discard)))
+        self.planner.shift(slot.index, job.n_keep, n_discard, n_past)
+        del slot.tokens[job.n_keep:job.n_keep + n_discard], slot.paths[job.n_keep:job.n_keep + n_discard]
+        slot.n_cached -= n_discard
+
+    def _finish(self, slot: Slot, reason: str, *, eog_token: int | None = None, context_full: bool = False) -> None:
         job, now = slot.job, time.perf_counter()
         first = slot.t_first if slot.t_first is not None else now
         finish = Finish(reason, len(job.prompt) - slot.cache_n, slot.cache_n, 1e3 * (first - slot.t_start),
-                        slot.n_generated, 1e3 * (now - first), slot.index)
+                        slot.n_generated, 1e3 * (now - first), slot.index, eog_token, context_full,
+                        1e3 * slot.sampling_seconds)
         slot.job, slot.sampler = None, None  # before the client hears: its next /metrics sees the slot free
         del slot.tokens[slot.n_cached:]  # what was never fed (the last sampled token, an unread prompt tail)
         self._outbox.append((job, "done", finish))
@@ -347,23 +403,6 @@ class Engine:
                 slot.job = None
         for job in jobs:
             job.emit("error", message)
-
-
-def log_probs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The token's log-probability and the n most likely tokens with theirs, in float32 as llama-server
-    computes them (get_token_probabilities): std::partial_sort of the first n by logit, expf of each logit
-    less the highest summed one after the other in the order that leaves (a different order moves the
-    result by up to ~1e-4), each divided by the sum, logf (of 0: -FLT_MAX, the lowest float, as there:
-    JSON has no -inf)."""
-    x = np.asarray(logits, dtype=np.float32)
-    order = list(range(x.size))
-    std_partial_sort(order, x, 0, n, x.size, rest_keys=x[n:])
-    high = x[order[0]]
-    total = np.add.accumulate(expf(x[order] - high), dtype=np.float32)[-1]
-    ids = np.array([token, *order[:n]], dtype=np.int64)
-    p = expf(x[ids] - high) / total
-    lp = [float(logf(v)) if v > 0 else float(np.finfo(np.float32).min) for v in p]
-    return lp[0], [(int(t), v) for t, v in zip(ids[1:], lp[1:])]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -77,7 +77,7 @@ class Ring:
         pipe, stages = self.pipe, self.pipe.stages
         batch = pipe.sequence_batch([0], pos)
         shape = pipe.shape(batch)
-        feed = pipe._inputs(batch)
+        feed = pipe.inputs(batch)
         for i, stage in enumerate(stages):
             stage.prepare(shape, **self._ring_options(i))
         owed = []
@@ -144,18 +144,19 @@ class Ring:
             dst = stage.graph.inputs["tokens" if i == 0 else "embd"]
             peer_write(stage.endpoint, token, self.last_sent, wire_tensor(dst), b"")
 
-    def generate(self, first_token: int, limit: int) -> Iterator[int]:
-        """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded).
-        Stop early by closing the generator: the steps in flight finish and their tokens are dropped.
-        If the ring breaks, the generator ends early with `broken` set; pipe.n_past then counts only the
-        tokens yielded, so the caller decodes the last of them (or first_token) stepwise next."""
+    def run(self, first_token: int, start: int, limit: int) -> Iterator[int]:
+        """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded), which
+        goes in at position `start`. Stop early by closing the generator: the steps in flight finish and
+        their tokens are dropped. If the ring breaks, the generator ends early with `broken` set; the
+        tokens yielded are then the ones decoded, so the caller decodes the last of them (or first_token)
+        stepwise next."""
         pipe = self.pipe
-        start, step0 = pipe.n_past, pipe.step + 1
+        step0 = pipe.step + 1
         limit = min(limit, pipe.n_ctx - start)
         in_flight: deque = deque()
-        sent = done = 0
+        sent = 0
         try:
-            while done < limit:
+            while sent < limit or in_flight:
                 while sent < limit and len(in_flight) < self.window:
                     in_flight.append(self._send(step0 + sent, start + sent, first_token if sent == 0 else None))
                     sent += 1
@@ -163,10 +164,8 @@ class Ring:
                 token = self._receive(in_flight.popleft())
                 if token is None:
                     return
-                done += 1
                 yield token
         finally:
             while in_flight:  # the replies of the steps sent but not wanted
                 self._receive(in_flight.popleft())
             pipe.step = step0 + sent
-            pipe.n_past = start + done

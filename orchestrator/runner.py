@@ -334,7 +334,7 @@ class Pipeline:
         """The KV cells a step attends once `used` cells are filled: padded to KV_PAD, as llama.cpp."""
         return padded_cells(used, self.n_ctx)
 
-    def _inputs(self, batch: Batch) -> dict[str, np.ndarray]:
+    def inputs(self, batch: Batch) -> dict[str, np.ndarray]:
         """The per-step inputs every stage shares, from the batch."""
         feed = {"pos": batch.pos, "out_ids": batch.out_ids}
         for g in batch.groups or ():
@@ -411,7 +411,7 @@ class Pipeline:
         if self.swa is not None and batch.swa_cells is None:
             raise ValueError("this model has sliding-window layers: the batch must place their cells too")
         shape = self.shape(batch)
-        feed = self._inputs(batch)
+        feed = self.inputs(batch)
         for stage in self.stages:
             stage.prepare(shape)
         self.step += 1

@@ -17,8 +17,8 @@ import click
 
 from orchestrator.keyfile import rpc_key_file_option
 
-from orchestrator.cli import (CliError, check_gpu_layers, default_model, gpu_layers_option, log, log_placement,
-                              parse_tensor_split, sampling_options, sampling_params, upload_with_progress_bar)
+from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, gpu_layers_option, log, parse_tensor_split,
+                              sampling_options, sampling_params)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -61,10 +61,12 @@ def serve(**options) -> None:
     from orchestrator.client import WorkerError  # noqa: PLC0415
     from orchestrator.model import ModelError  # noqa: PLC0415
     from orchestrator.placement import PlacementError  # noqa: PLC0415
+    from orchestrator.startup import StartupError  # noqa: PLC0415
+    from orchestrator.tokenizer import TokenizerError  # noqa: PLC0415
 
     try:
         run(**options)
-    except (CliError, WorkerError, ModelError, PlacementError, OSError) as exc:
+    except (CliError, StartupError, WorkerError, ModelError, PlacementError, TokenizerError, OSError) as exc:
         log(f"error: {exc}")
         sys.exit(1)
     except KeyboardInterrupt:
@@ -85,46 +87,32 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
           n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
           chat_template_file, reasoning_format, **sampling) -> None:
     from orchestrator.engine import Engine  # noqa: PLC0415
-    from orchestrator.model import ModelFile  # noqa: PLC0415
-    from orchestrator.runner import Pipeline, cache_type, context_size  # noqa: PLC0415
+    from orchestrator.runner import context_size  # noqa: PLC0415
     from orchestrator.server import Service, serve as serve_http  # noqa: PLC0415
-    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+    from orchestrator.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 
-    model = ModelFile(model_path or default_model())
-    vocab = Vocab.from_gguf(model.reader)
+    loaded = open_model(model_path)
+    model = loaded.model
     check_gpu_layers(gpu_layers, model.hparams.n_layer)
     n_ctx = context_size(ctx_size, model.hparams.n_ctx_train)
     defaults = sampling_params(**sampling, n_ctx=n_ctx)  # llama-server's: for what a request leaves out
-    service = Service(model, vocab, api_key=api_key, metrics=metrics, defaults=defaults, n_predict=n_predict, n_ctx=n_ctx)
+    service = Service(model, loaded.vocab, api_key=api_key, metrics=metrics, defaults=defaults, n_predict=n_predict,
+                      n_ctx=n_ctx)
     if chat_template_file is not None:
         service.template = chat_template_file.read_text(encoding="utf-8")
     service.reasoning_format = reasoning_format
-    split = parse_tensor_split(tensor_split)
+    # swa_full: the engine's sliding-window layers share the global layers' cells (orchestrator/kv.py)
+    options = PipelineOptions(n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
+                              cache_type_k=cache_type_k, cache_type_v=cache_type_v, swa_full=True,
+                              tensor_split=parse_tensor_split(tensor_split), push=not no_push)
+
+    def room_per_slot(pipe) -> None:
+        if pipe.n_ctx // parallel < 8:
+            raise StartupError(f"-c {pipe.n_ctx} over -np {parallel} slots leaves {pipe.n_ctx // parallel} tokens per slot")
 
     def load() -> Engine:
-        # swa_full: the engine's sliding-window layers share the global layers' cells (orchestrator/kv.py)
-        try:
-            pipe = Pipeline(model, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-                            flash_attn=flash_attn != "off", cache_type_k=cache_type(cache_type_k),
-                            cache_type_v=cache_type(cache_type_v), swa_full=True)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        try:
-            pipe.connect(endpoints)
-            pipe.place(split)
-            log_placement(pipe)
-            if pipe.n_ctx // parallel < 8:
-                raise CliError(f"-c {pipe.n_ctx} over -np {parallel} slots leaves {pipe.n_ctx // parallel} tokens per slot")
-            pipe.allocate()
-            for link in pipe.link(push=not no_push):
-                log("  " + link.describe())
-            pipe.on_relay = lambda link: log(f"{link.describe()}: relaying from now on")
-            upload_with_progress_bar(pipe)
-        except BaseException:
-            pipe.close()
-            raise
-        eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
-        engine = Engine(pipe, eog, n_parallel=parallel, max_queue=max_queue, vocab=vocab)
+        pipe = start_pipeline(model, endpoints, options, PrintedReport(), room_per_slot)
+        engine = Engine(pipe, loaded.eog, n_parallel=parallel, max_queue=max_queue, vocab=loaded.vocab)
         engine.start()
         log(f"{parallel} slots of {engine.n_ctx_slot} tokens, up to {max_queue} requests waiting")
         return engine

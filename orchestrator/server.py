@@ -19,10 +19,11 @@ from aiohttp import web
 from orchestrator import anthropic_api as anthropic
 from orchestrator import openai_api as api
 from orchestrator import chat
-from orchestrator.chat import CHATML_TEMPLATE, ChatTemplateError
+from orchestrator.chat import ChatTemplateError
 from orchestrator.client import WorkerError
 from orchestrator.engine import Busy, Engine, Job
 from orchestrator.sampling import SamplingParams
+from orchestrator.startup import chat_template
 from orchestrator.tokenizer import TokenizerError
 
 PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}  # llama-server's endpoints open without a key
@@ -40,7 +41,7 @@ class Service:
         self.name = model.path.name
         self.api_key, self.metrics_enabled = api_key, metrics
         self.engine: Engine | None = None
-        self.template = model.get("tokenizer.chat_template", str, None) or CHATML_TEMPLATE
+        self.template = chat_template(model)  # the start-up's: the file's or ChatML
         self.reasoning_format = "deepseek"  # llama-server's default (common_params.reasoning_format)
         self._chat: tuple | None = None
 
@@ -353,6 +354,8 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             if entry is not None:
                 logprobs.append(entry)
         finish = value
+        if finish.eog_token is not None:  # llama-server counts the end-of-generation token (n_decoded)
+            finish = dataclasses.replace(finish, predicted_n=finish.predicted_n + 1)
         if stopped:  # tokens computed after the stop string's (in flight when it came) do not count
             finish = dataclasses.replace(finish, predicted_n=n_out)
         collected.append(text.finish())

@@ -1,5 +1,7 @@
-"""Batches in flight through the stages at once: while one worker computes a batch, the next computes
-the batch before it.
+"""The engine's ways of running a step: Waves (batches in flight through the stages at once) and Stepwise
+(one batch through every stage, pushed where a link pushes). The greedy ring is the third (ring.py).
+
+Waves: while one worker computes a batch, the next computes the batch before it.
 
 `Pipeline.run` takes one batch through every stage before the next starts, so of two workers one always
 waits. The serving engine has several sequences to step, so it splits them into batches and keeps up to
@@ -72,7 +74,7 @@ class Waves:
             raise RuntimeError("no batch may start now")
         if pipe.swa is not None and batch.swa_cells is None:
             raise ValueError("this model has sliding-window layers: the batch must place their cells too")
-        self.queued[0].append(Flight(batch, tag, pipe.shape(batch), pipe._inputs(batch),
+        self.queued[0].append(Flight(batch, tag, pipe.shape(batch), pipe.inputs(batch),
                                      pipe.model.token_embeddings(batch.tokens), time.perf_counter()))
         self._launch()
 
@@ -107,3 +109,38 @@ class Waves:
                     stage.prepare(flight.shape)
                     stage.launch({**flight.feed, "embd": flight.activation})
                     stage.request_output()
+
+
+class Stepwise:
+    """One batch at a time through every stage (Pipeline.run): each boundary pushes where its link pushes
+    and is relayed elsewhere, and only the last stage's reply is waited for. The interface of Waves with
+    room for one batch: start() takes it, tick() runs it and returns its logits."""
+
+    width = 1
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self._next: tuple[Batch, object] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._next is None
+
+    @property
+    def busy(self) -> bool:
+        return self._next is not None
+
+    @property
+    def in_flight(self) -> int:
+        return int(self.busy)
+
+    def start(self, batch: Batch, tag: object) -> None:
+        if not self.ready:
+            raise RuntimeError("no batch may start now")
+        self._next = (batch, tag)
+
+    def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
+        (batch, tag), self._next = self._next, None
+        started = time.perf_counter()
+        logits = self.pipe.run(batch)
+        return [(tag, logits, time.perf_counter() - started)]

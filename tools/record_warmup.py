@@ -191,7 +191,7 @@ def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False, n_h
         # the ring's graph (orchestrator/ring.py): token ids in, logit bias and greedy token out
         stage, batch = pipe.stages[0], pipe.sequence_batch([1], N_CTX - 1)
         stage.prepare(pipe.shape(batch), token_ids=True, greedy=True, logit_bias=True)
-        stage.launch({**pipe._inputs(batch), "tokens": np.ones(1, np.int32)},
+        stage.launch({**pipe.inputs(batch), "tokens": np.ones(1, np.int32)},
                      {"logit_bias": np.zeros(N_VOCAB, np.float32)})
 
 

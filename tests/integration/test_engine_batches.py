@@ -49,14 +49,14 @@ def test_requests_arriving_apart_settle_into_one_batch_per_stage(engine):
     engine, vocab = engine
     assert len(engine.pipe.stages) == 2
     starts = []  # (tokens in the batch, batches already in flight, all four slots generating)
-    start = engine.waves.start
+    start = engine.runner.start
 
     def recording(batch, tag):
         four = all(s.job is not None and s.generating for s in engine.slots)
-        starts.append((len(batch.tokens), engine.waves.in_flight, four))
+        starts.append((len(batch.tokens), engine.runner.in_flight, four))
         start(batch, tag)
 
-    engine.waves.start = recording
+    engine.runner.start = recording
     done = threading.Semaphore(0)
     counts = [0] * 4
     generating = [threading.Event() for _ in range(4)]
@@ -88,7 +88,7 @@ def test_requests_arriving_apart_settle_into_one_batch_per_stage(engine):
         for _ in range(4):
             assert done.acquire(timeout=300)
     finally:
-        engine.waves.start = start
+        engine.runner.start = start
     assert counts == [N_PREDICT] * 4
     assert max(in_flight for _, in_flight, _ in starts) < 2  # never a third batch behind the two
     # the batches started while all four generate (until the first request ends): after the first few,

@@ -150,3 +150,30 @@ def test_a_sequences_tiled_and_split_nodes_see_its_cells_where_they_lie_alone():
     by_cell0 = {g.cell0: g for g in batch.groups}
     assert by_cell0[pl.base(2)].n_kv == padded_cells(400, pl.size)
     assert by_cell0[pl.base(3)].n_kv == padded_cells(701, pl.size)
+
+
+class _SequencePipe:
+    """What OneSequence reads of a Pipeline."""
+
+    def __init__(self, n_ctx: int, n_batch: int, n_ubatch: int):
+        self.n_ctx, self.n_batch, self.n_ubatch, self.cells = n_ctx, n_batch, min(n_batch, n_ubatch), None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 2048), st.integers(1, 512))
+def test_the_clis_prompt_is_cut_as_llama_completion_feeds_llama_decode(n_prompt, n_batch, n_ubatch):
+    """The CLI's one sequence reads its prompt in the ubatches llama-completion's loop makes: n_batch
+    chunks from the start, each cut into n_ubatch pieces (llama_decode's split)."""
+    from orchestrator.batching import OneSequence  # noqa: PLC0415
+
+    pipe = _SequencePipe(4096, n_batch, n_ubatch)
+    layout = OneSequence(pipe)
+    expected = [min(b + u + pipe.n_ubatch, b + n_batch, n_prompt) - (b + u)
+                for b in range(0, n_prompt, n_batch) for u in range(0, min(n_batch, n_prompt - b), pipe.n_ubatch)]
+    got, start = [], 0
+    while start < n_prompt:
+        n = layout.piece(start, n_prompt, layout.prompt_paths(n_prompt), pipe.n_ubatch)
+        got.append(n)
+        start += n
+    assert got == expected
+    assert layout.size == pipe.n_ctx - 1  # llama-completion never fills the last cell
