@@ -73,7 +73,7 @@ OP_PARAMS: dict[GGMLOp, Layout] = {
 }
 
 
-def encode(op: GGMLOp, **values) -> bytes:
+def encode(op: GGMLOp, /, **values) -> bytes:
     return OP_PARAMS[op].encode(**values)
 
 
