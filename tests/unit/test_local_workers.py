@@ -70,3 +70,12 @@ def test_a_worker_that_exits_is_reported(tmp_path):
     fake = script(tmp_path, "raise SystemExit(3)\n")
     with pytest.raises(WorkerError, match="exited with status 3"):
         LocalWorkers(2, 1, command=lambda port: [sys.executable, str(fake)])
+
+
+def test_default_threads_share_the_cores_only_when_the_workers_compute_at_once(monkeypatch):
+    from orchestrator import local_workers
+
+    for cores, count, together, in_turn in ((2, 2, 1, 2), (8, 2, 4, 8), (2, 3, 1, 2), (1, 1, 1, 1), (16, 3, 5, 16)):
+        monkeypatch.setattr(local_workers, "usable_cores", lambda cores=cores: cores)
+        assert local_workers.default_threads(count, concurrent=True) == together
+        assert local_workers.default_threads(count, concurrent=False) == in_turn
