@@ -101,6 +101,7 @@ class LocalWorkers:
         started = last_progress = time.monotonic()
         last_cpu = cpu_seconds(proc.pid)
         noticed = not first
+        log_path, shown = self.log_dir / f"worker-{port}.log", 0
         while True:
             if proc.poll() is not None:
                 raise WorkerError(f"local worker {endpoint} exited with status {proc.returncode}; "
@@ -114,6 +115,8 @@ class LocalWorkers:
             if not noticed and now - started > NOTICE_AFTER:
                 self.log("compiling the worker kernels (first run only; a few minutes on a busy machine)...")
                 noticed = True
+            if noticed and first:
+                shown = self._relay_progress(log_path, shown)
             cpu = cpu_seconds(proc.pid)
             if cpu is None or cpu != last_cpu:  # unknown counts as progress: the process is alive
                 last_cpu, last_progress = cpu, now
@@ -121,6 +124,17 @@ class LocalWorkers:
                 raise WorkerError(f"local worker {endpoint} has made no progress for {self.stall:.0f}s "
                                   f"and is not listening; see {self.log_dir}")
             time.sleep(0.1)
+
+    def _relay_progress(self, log_path: Path, shown: int) -> int:
+        """Passes on the worker's new "warm-up: ..." lines; returns how many lines have been read."""
+        try:
+            lines = log_path.read_text(errors="replace").split("\n")[:-1]  # complete lines only
+        except OSError:
+            return shown
+        for line in lines[shown:]:
+            if line.startswith("warm-up:"):
+                self.log(f"  {line}")
+        return len(lines)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -73,8 +73,10 @@ def replay(frames: list[tuple[p.Command, bytes]]) -> None:
         session.close()
 
 
-def warm_up() -> float:
-    """Replay the recording; returns the seconds it took. Errors raise WarmupError: they are our bugs."""
+def warm_up(progress=None) -> float:
+    """Replay the recording; returns the seconds it took. Errors raise WarmupError: they are our bugs.
+    `progress(done, total, seconds)` is called after each recorded session (a first run compiles for
+    minutes: the command line says how far it is)."""
     import numba  # noqa: PLC0415
 
     start = time.perf_counter()
@@ -88,8 +90,10 @@ def warm_up() -> float:
     numba.set_num_threads(1)
     try:
         with np.errstate(all="ignore"):
-            for frames in sessions:
+            for done, frames in enumerate(sessions, 1):
                 replay(frames)
+                if progress is not None:
+                    progress(done, len(sessions), time.perf_counter() - start)
         for data in (np.zeros(1, np.uint8), np.frombuffer(bytes(1), np.uint8)):  # writable and read-only
             fnv1a64(data)  # the -c cache hashes what it receives and what it reads back from disk
     except (p.ProtocolError, ValueError) as exc:

@@ -153,10 +153,10 @@ def interference(url: str, samples: int = 5) -> tuple[float, float]:
     return 1e3 * idle, 1e3 * statistics.median(busy)
 
 
-def start_default_server(model: str, log: Path) -> subprocess.Popen:
-    """`orchestrator serve -m MODEL --port P`: its own local workers and every other default."""
+def start_default_server(model: str, log: Path, extra: list[str]) -> subprocess.Popen:
+    """`orchestrator serve -m MODEL --port P`: its own local workers and every other default (but `extra`)."""
     port = reference.free_port()
-    cmd = [sys.executable, "-m", "orchestrator", "serve", "-m", model, "--port", str(port)]
+    cmd = [sys.executable, "-m", "orchestrator", "serve", "-m", model, "--port", str(port), *extra]
     env = {**os.environ, "PYTHONPATH": str(reference.REPO_ROOT)}
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
                             start_new_session=True)
@@ -186,7 +186,7 @@ def one_after_another(url: str, clients: int, n: int) -> float:
 
 def default_command(model: str, clients: int, args) -> int:
     with tempfile.TemporaryDirectory() as logs:
-        server = start_default_server(model, Path(logs) / "serve.log")
+        server = start_default_server(model, Path(logs) / "serve.log", args.extra.split())
         try:
             stream(client(server.url), PROMPT, 4)
             round_of(server.url, clients, args.n_predict)  # each batch size builds its graphs once
@@ -197,14 +197,11 @@ def default_command(model: str, clients: int, args) -> int:
                 rows.append((serial, together))
                 print(f"one after another {serial:.1f} tok/s, at once {together:.1f} tok/s: {together / serial:.2f}x",
                       flush=True)
-            banner = (Path(logs) / "serve.log").read_text(errors="replace")
         finally:
             os.killpg(server.pid, 15)
             server.wait(30)
-    threads = [line.strip() for line in banner.splitlines() if "threads" in line]
-    print(f"\n`orchestrator serve -m {Path(model).name}` (defaults), {clients} prompts of {args.n_predict} greedy "
-          f"tokens, medians of {args.reps} rounds ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
-          f"worker banner: {threads[:1]})\n")
+    print(f"\n`orchestrator serve -m {Path(model).name} {args.extra}`, {clients} prompts of {args.n_predict} greedy "
+          f"tokens, medians of {args.reps} rounds ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})\n")
     print("| one after another tok/s | at once tok/s | at once / one after another |")
     print("|---|---|---|")
     serial, together = (statistics.median(r[i] for r in rows) for i in (0, 1))
@@ -228,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--default-command", action="store_true",
                     help="measure `orchestrator serve -m MODEL` as users run it: --clients (default 4) prompts one "
                          "after another and at once")
+    ap.add_argument("--extra", default="", help="with --default-command: flags added to it, e.g. '-t 2'")
     args = ap.parse_args(argv)
     model = str(args.model or reference.model_path())
     if args.default_command:
