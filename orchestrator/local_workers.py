@@ -108,6 +108,8 @@ class LocalWorkers:
                                   f"see {self.log_dir}")
             try:
                 socket.create_connection((host, int(port)), timeout=1).close()
+                if noticed and first:
+                    self._relay_progress(log_path, shown)  # its last lines, written just before it listened
                 return
             except OSError:
                 pass
