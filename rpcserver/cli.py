@@ -33,7 +33,7 @@ def _idle_threads_sleep() -> None:
 
 
 def _print_progress(done: int, total: int, seconds: float) -> None:
-    print(f"warm-up: {done}/{total} recorded sessions, {seconds:.0f} s", file=sys.stderr, flush=True)
+    print(f"warm-up: {done}/{total} recorded graphs, {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 def _skip_numba_blas_probe() -> None:
