@@ -13,7 +13,6 @@ commands share (orchestrator/startup.py) and the text comes from the serving eng
 from __future__ import annotations
 
 import math
-import os
 import re
 import sys
 import time
@@ -128,8 +127,8 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
 @click.option("-sys", "--system-prompt", default=None, help="system message for --chat")
 @click.option("--display-prompt/--no-display-prompt", default=True, help="echo the prompt on stdout")
 @click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
-@click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
-              help="threads of each local worker")
+@click.option("-t", "--threads", default=None, type=click.IntRange(min=1),
+              help="threads of each local worker [default: every core: one worker computes at a time]")
 @click.option("--no-ring", is_flag=True,
               help="greedy generation too goes through the orchestrator token by token (by default the last "
                    "worker picks the greedy token and passes it to the first one itself)")

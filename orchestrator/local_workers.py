@@ -24,6 +24,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where Linux gives it, else the CPU count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads(count: int, *, concurrent: bool) -> int:
+    """Threads for each of `count` local workers sharing this machine's cores.
+
+    concurrent: the workers compute at the same time (the server keeps a batch in flight in every
+    stage), so each gets its share of the cores: with every worker taking them all, their threads
+    fought (4 requests at once 0.35-0.55x one after another on 2 cores, 2.4-2.7x with one thread
+    each). Otherwise (one sequence passing the stages in turn, the CLI) one stage computes at a time
+    and may use every core; the workers' idle threads sleep (rpc-server sets OMP_WAIT_POLICY=PASSIVE)."""
+    cores = usable_cores()
+    return max(1, cores // max(1, count)) if concurrent else cores
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU time a process has used so far (Linux /proc), or None where that cannot be read."""
     try:
@@ -42,14 +62,17 @@ class LocalWorkers:
     load them from that cache instead of compiling the same code at once. There is no fixed deadline:
     a worker is waited for as long as it is alive and using CPU, and given up on when it exits or
     makes no progress for `stall` seconds. `log` receives the progress lines (the CLI prints them).
+    `threads` None: default_threads(count, concurrent=concurrent).
     """
 
-    def __init__(self, count: int, threads: int, *, log: Callable[[str], None] = lambda line: None,
+    def __init__(self, count: int, threads: int | None = None, *, concurrent: bool = False, log: Callable[[str], None] = lambda line: None,
                  stall: float = STALL_SECONDS, command: Callable[[int], list[str]] | None = None):
         self.procs: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
         self.log = log
         self.stall = stall
+        threads = threads or default_threads(count, concurrent=concurrent)
+        self.threads = threads
         self.log_dir = Path(tempfile.mkdtemp(prefix="orchestrator-workers-"))
         repo_root = str(Path(__file__).resolve().parents[1])
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
@@ -78,12 +101,15 @@ class LocalWorkers:
         started = last_progress = time.monotonic()
         last_cpu = cpu_seconds(proc.pid)
         noticed = not first
+        log_path, shown = self.log_dir / f"worker-{port}.log", 0
         while True:
             if proc.poll() is not None:
                 raise WorkerError(f"local worker {endpoint} exited with status {proc.returncode}; "
                                   f"see {self.log_dir}")
             try:
                 socket.create_connection((host, int(port)), timeout=1).close()
+                if noticed and first:
+                    self._relay_progress(log_path, shown)  # its last lines, written just before it listened
                 return
             except OSError:
                 pass
@@ -91,6 +117,8 @@ class LocalWorkers:
             if not noticed and now - started > NOTICE_AFTER:
                 self.log("compiling the worker kernels (first run only; a few minutes on a busy machine)...")
                 noticed = True
+            if noticed and first:
+                shown = self._relay_progress(log_path, shown)
             cpu = cpu_seconds(proc.pid)
             if cpu is None or cpu != last_cpu:  # unknown counts as progress: the process is alive
                 last_cpu, last_progress = cpu, now
@@ -98,6 +126,17 @@ class LocalWorkers:
                 raise WorkerError(f"local worker {endpoint} has made no progress for {self.stall:.0f}s "
                                   f"and is not listening; see {self.log_dir}")
             time.sleep(0.1)
+
+    def _relay_progress(self, log_path: Path, shown: int) -> int:
+        """Passes on the worker's new "warm-up: ..." lines; returns how many lines have been read."""
+        try:
+            lines = log_path.read_text(errors="replace").split("\n")[:-1]  # complete lines only
+        except OSError:
+            return shown
+        for line in lines[shown:]:
+            if line.startswith("warm-up:"):
+                self.log(f"  {line}")
+        return len(lines)
 
     def stop(self) -> None:
         for proc in self.procs:

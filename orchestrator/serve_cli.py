@@ -9,7 +9,6 @@ Without --rpc it starts two local Python workers; without -m it serves the SmolL
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -54,8 +53,8 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, gpu_lay
 @click.option("--reasoning-format", type=click.Choice(["none", "auto", "deepseek", "deepseek-legacy"]),
               default="auto", help="thoughts (<think>...</think>) into reasoning_content, unless none")
 @click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
-@click.option("-t", "--threads", default=os.cpu_count() or 1, type=click.IntRange(min=1),
-              help="threads of each local worker")
+@click.option("-t", "--threads", default=None, type=click.IntRange(min=1),
+              help="threads of each local worker [default: the cores divided among the workers, which compute at once]")
 def serve(**options) -> None:
     """Serve a GGUF model split across llama.cpp RPC workers over llama-server's OpenAI-compatible API."""
     from orchestrator.client import WorkerError  # noqa: PLC0415
@@ -79,7 +78,7 @@ def run(*, rpc, workers, threads, **options) -> None:
     if rpc:
         return start([e.strip() for e in rpc.split(",") if e.strip()], **options)
     log(f"no --rpc given: starting {workers} local Python worker(s)")
-    with LocalWorkers(workers, threads, log=log) as local:
+    with LocalWorkers(workers, threads, concurrent=True, log=log) as local:
         return start(local.endpoints, **options)
 
 

@@ -64,17 +64,24 @@ def decode(data: bytes) -> list[list[tuple[p.Command, bytes]]]:
     return sessions
 
 
-def replay(frames: list[tuple[p.Command, bytes]]) -> None:
+GRAPHS = (p.Command.GRAPH_COMPUTE, p.Command.GRAPH_RECOMPUTE)  # the frames that compile kernels
+
+
+def replay(frames: list[tuple[p.Command, bytes]], after_graph=None) -> None:
     session = Session(WorkerConfig(MemoryBudget(BUDGET)))
     try:
         for command, payload in frames:
             session.handle(command, p.decode_request(command, memoryview(payload)))
+            if after_graph is not None and command in GRAPHS:
+                after_graph()
     finally:
         session.close()
 
 
-def warm_up() -> float:
-    """Replay the recording; returns the seconds it took. Errors raise WarmupError: they are our bugs."""
+def warm_up(progress=None) -> float:
+    """Replay the recording; returns the seconds it took. Errors raise WarmupError: they are our bugs.
+    `progress(done, total, seconds)` is called after each recorded graph (a first run compiles for
+    minutes: the command line says how far it is)."""
     import numba  # noqa: PLC0415
 
     start = time.perf_counter()
@@ -88,8 +95,16 @@ def warm_up() -> float:
     numba.set_num_threads(1)
     try:
         with np.errstate(all="ignore"):
+            total, done = sum(command in GRAPHS for frames in sessions for command, _ in frames), 0
+
+            def after_graph():
+                nonlocal done
+                done += 1
+                if progress is not None:
+                    progress(done, total, time.perf_counter() - start)
+
             for frames in sessions:
-                replay(frames)
+                replay(frames, after_graph)
         for data in (np.zeros(1, np.uint8), np.frombuffer(bytes(1), np.uint8)):  # writable and read-only
             fnv1a64(data)  # the -c cache hashes what it receives and what it reads back from disk
     except (p.ProtocolError, ValueError) as exc:

@@ -1,6 +1,11 @@
 """Serving benchmark: our `orchestrator serve` against `llama-server --rpc`, on the same workers.
 
     python tools/bench_serve.py [--clients 1,2,4,8] [-n 64] [-np 4] [--workers 2] [--worker reference,ours]
+    python tools/bench_serve.py --default-command [--clients 4]   # `orchestrator serve -m MODEL`, as users run it
+
+--default-command measures the command a user types, with its own local workers and every default (no -t,
+-c, -np): the same --clients prompts sent one after another, then all at once, side by side in each of
+--reps rounds; it prints the aggregate tokens/s of both and their ratio (the median over the rounds).
 
 For each kind of worker in turn (llama.cpp's ggml-rpc-server, then ours), starts the workers, then, for
 each server in turn (llama-server, ours; same workers, model, -c and -np), streams requests with the
@@ -148,6 +153,62 @@ def interference(url: str, samples: int = 5) -> tuple[float, float]:
     return 1e3 * idle, 1e3 * statistics.median(busy)
 
 
+def start_default_server(model: str, log: Path, extra: list[str]) -> subprocess.Popen:
+    """`orchestrator serve -m MODEL --port P`: its own local workers and every other default (but `extra`)."""
+    port = reference.free_port()
+    cmd = [sys.executable, "-m", "orchestrator", "serve", "-m", model, "--port", str(port), *extra]
+    env = {**os.environ, "PYTHONPATH": str(reference.REPO_ROOT)}
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    proc.url = f"http://{reference.LOCALHOST}:{port}"
+    deadline = time.monotonic() + 1800  # a first run compiles the kernels
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"orchestrator serve exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(proc.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"orchestrator serve not healthy: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.5)
+
+
+def one_after_another(url: str, clients: int, n: int) -> float:
+    """Aggregate tokens/s of the same prompts as round_of's, each sent when the one before has ended."""
+    apis = [client(url) for _ in range(clients)]
+    start = time.perf_counter()
+    tokens = sum(stream(apis[i], f"{PROMPT} {i}", n)["tokens"] for i in range(clients))
+    return tokens / (time.perf_counter() - start)
+
+
+def default_command(model: str, clients: int, args) -> int:
+    with tempfile.TemporaryDirectory() as logs:
+        server = start_default_server(model, Path(logs) / "serve.log", args.extra.split())
+        try:
+            stream(client(server.url), PROMPT, 4)
+            round_of(server.url, clients, args.n_predict)  # each batch size builds its graphs once
+            rows = []
+            for _ in range(args.reps):
+                serial = one_after_another(server.url, clients, args.n_predict)
+                together = round_of(server.url, clients, args.n_predict)["aggregate"]
+                rows.append((serial, together))
+                print(f"one after another {serial:.1f} tok/s, at once {together:.1f} tok/s: {together / serial:.2f}x",
+                      flush=True)
+        finally:
+            os.killpg(server.pid, 15)
+            server.wait(30)
+    print(f"\n`orchestrator serve -m {Path(model).name} {args.extra}`, {clients} prompts of {args.n_predict} greedy "
+          f"tokens, medians of {args.reps} rounds ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})\n")
+    print("| one after another tok/s | at once tok/s | at once / one after another |")
+    print("|---|---|---|")
+    serial, together = (statistics.median(r[i] for r in rows) for i in (0, 1))
+    print(f"| {serial:.1f} | {together:.1f} | {statistics.median(t / s for s, t in rows):.2f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None)
@@ -161,8 +222,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="rounds per number of clients (medians)")
     ap.add_argument("--worker", default="reference,ours",
                     help="whose rpc-server both servers run on, in turn: llama.cpp's (reference), ours")
+    ap.add_argument("--default-command", action="store_true",
+                    help="measure `orchestrator serve -m MODEL` as users run it: --clients (default 4) prompts one "
+                         "after another and at once")
+    ap.add_argument("--extra", default="", help="with --default-command: flags added to it, e.g. '-t 2'")
     args = ap.parse_args(argv)
     model = str(args.model or reference.model_path())
+    if args.default_command:
+        return default_command(model, int(args.clients) if "," not in args.clients else 4, args)
     clients = [int(c) for c in args.clients.split(",")]
     kinds = args.worker.split(",")
     if not set(kinds) <= {"reference", "ours"}:

