@@ -58,8 +58,22 @@ class StagePlan:
 
 
 def check_fit(plans: list[StagePlan]) -> None:
+    """Refuses a plan in which some worker's share exceeds its free memory, naming the shortfall: in
+    total (what the model needs against what the workers offer together) and per worker."""
     short = [s for s in plans if s.blocks and s.total > s.free]
-    if short:
-        mib = 1 << 20
-        lines = [f"worker {s.endpoint} needs {s.total / mib:.1f} MiB but has {s.free / mib:.1f} MiB free" for s in short]
-        raise PlacementError("the model does not fit: " + "; ".join(lines))
+    if not short:
+        return
+    mib = 1 << 20
+    needed, offered = sum(s.total for s in plans), sum(s.free for s in plans)
+    weights, kv, compute = (sum(getattr(s, f) for s in plans) for f in ("weight_bytes", "kv_bytes", "compute_bytes"))
+    parts = (f"weights {weights / mib:.1f} + KV {kv / mib:.1f} + compute {compute / mib:.1f} MiB")
+    if needed > offered:
+        head = (f"the model does not fit: its {len(plans)} stage(s) need {needed / mib:.1f} MiB ({parts}) but "
+                f"the workers offer {offered / mib:.1f} MiB free together, {(needed - offered) / mib:.1f} MiB "
+                f"({needed - offered} bytes) short")
+    else:
+        head = (f"the model does not fit as split: the workers offer {offered / mib:.1f} MiB free together, "
+                f"enough for its {needed / mib:.1f} MiB ({parts}), but not in these shares (--tensor-split "
+                f"moves layers)")
+    lines = [f"worker {s.endpoint} needs {s.total / mib:.1f} MiB but has {s.free / mib:.1f} MiB free" for s in short]
+    raise PlacementError(head + "; " + "; ".join(lines))
