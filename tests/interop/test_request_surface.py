@@ -232,7 +232,12 @@ def stream_shape(stream):
             out.append((name, "text_delta"))
         elif name == "message_start":
             message = data["message"]
-            out.append((name, message["role"], message["content"], message["stop_reason"], message["usage"]))
+            # the prompt's tokens, whichever part of them a slot had cached: llama-server reuses a cached
+            # prefix to its last token, ours only where the new prompt computes it on the same attention
+            # path (docs/serving.md), so the split between input and cache_read differs after a repeat
+            usage = dict(message["usage"])
+            usage["input_tokens"] += usage.pop("cache_read_input_tokens", 0)
+            out.append((name, message["role"], message["content"], message["stop_reason"], usage))
         else:
             if "content_block" in data:
                 data = {**data, "content_block": without_ids([data["content_block"]])[0]}
