@@ -355,9 +355,11 @@ def test_bad_requests_get_openai_style_400s(ours):
              ("/v1/completions", {"prompt": "hi", "logit_bias": {"12": "high"}}, None),
              ("/v1/completions", {"prompt": "hi", "grammar": 'root ::= yes'}, None),  # an undefined rule
              ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, None),
-             # honoured by llama-server, not here: refused rather than ignored
-             ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-              None)]
+             # tools with a grammar of the client's own, refused as llama-server refuses them
+             ("/v1/chat/completions", {"messages": CHAT, "grammar": "root ::= \"a\"",
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, None),
+             # the deprecated 'functions': refused rather than ignored
+             ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, None)]
     for path, body, raw in cases:
         status, _, reply = call(ours, path, body, raw=raw)
         assert status == 400 and reply["error"]["code"] == 400 and reply["error"]["message"], (path, body, reply)
