@@ -47,7 +47,10 @@ def workers(bin_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(bin_dir, model_path, workers, tmp_path_factory):
     server = started(LlamaServer(bin_dir, model_path, tmp_path_factory.mktemp("agents") / "llama-server.log",
-                                 ["--rpc", workers[0].address, "-ngl", 99, "--jinja", *GREEDY], n_ctx=N_CTX))
+                                 ["--rpc", workers[0].address, "-ngl", 99, "--jinja", *GREEDY,
+                                  # the pinned llama-server does not read pi's max_completion_tokens: without
+                                  # -n a request ran on for thousands of tokens (10 t/s here)
+                                  "-n", MAX_TOKENS], n_ctx=N_CTX))
     yield server
     server.stop()
 
