@@ -41,6 +41,22 @@ from tools import reference  # noqa: E402
 PROMPT = "Here are three simple tips for staying healthy:\n1."
 
 
+def healthy(proc, log, what: str, *, timeout: float, poll: float):
+    """Waits until the server answers GET /health with 200; its log's tail if it exits or never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(proc.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not healthy: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(poll)
+
 def start_server(kind: str, model: str, rpc: str, args, log: Path) -> subprocess.Popen:
     port = reference.free_port()
     common = ["-m", model, "--host", reference.LOCALHOST, "--port", str(port), "-c", str(args.ctx), "-np", str(args.parallel)]
@@ -55,19 +71,7 @@ def start_server(kind: str, model: str, rpc: str, args, log: Path) -> subprocess
         env = {**os.environ, "PYTHONPATH": str(reference.REPO_ROOT)}
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
     proc.url = f"http://{reference.LOCALHOST}:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited: {log.read_text(errors='replace')[-2000:]}")
-        try:
-            with urllib.request.urlopen(proc.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{kind} not healthy: {log.read_text(errors='replace')[-2000:]}")
-        time.sleep(0.25)
+    return healthy(proc, log, kind, timeout=600, poll=0.25)
 
 
 def client(url: str):
@@ -161,19 +165,7 @@ def start_default_server(model: str, log: Path, extra: list[str]) -> subprocess.
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     proc.url = f"http://{reference.LOCALHOST}:{port}"
-    deadline = time.monotonic() + 1800  # a first run compiles the kernels
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"orchestrator serve exited: {log.read_text(errors='replace')[-2000:]}")
-        try:
-            with urllib.request.urlopen(proc.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"orchestrator serve not healthy: {log.read_text(errors='replace')[-2000:]}")
-        time.sleep(0.5)
+    return healthy(proc, log, "orchestrator serve", timeout=1800, poll=0.5)  # a first run compiles the kernels
 
 
 def one_after_another(url: str, clients: int, n: int) -> float:
