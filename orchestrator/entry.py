@@ -1,4 +1,4 @@
-"""The `orchestrator` command: `orchestrator serve ...` is the HTTP server (serve_cli.py), anything else
+"""The `orchestrator` command: `orchestrator serve ...` is the HTTP server (serving/cli.py), anything else
 generates text (cli.py)."""
 
 import signal
@@ -14,7 +14,7 @@ def main() -> None:
     # Python dies at once and the local workers it started live on, each holding its port and memory
     signal.signal(signal.SIGTERM, _terminated)
     if sys.argv[1:2] == ["serve"]:
-        from orchestrator.serve_cli import serve  # noqa: PLC0415 - each command imports only what it needs
+        from orchestrator.serving.cli import serve  # noqa: PLC0415 - each command imports only what it needs
 
         serve(args=sys.argv[2:], prog_name="orchestrator serve")
     else:

@@ -10,7 +10,7 @@ time of a whole step and, from a second pass that times every plan step separate
 which is what distinguishes a step's wall time from its kernels' time.
 
 With --seqs S the cache holds S sequences, in cells and attention groups as the serving engine has them
-(orchestrator/batching.py), and each step carries the next token of --batch of them (default all): a
+(orchestrator/engine/batching.py), and each step carries the next token of --batch of them (default all): a
 server's decode step (`orchestrator serve -np 4` over two workers steps two sequences at a time).
 """
 
@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.registry import op_label, sub_op  # noqa: E402
 import numpy as np  # noqa: E402
 
-from orchestrator.client import InProcessClient  # noqa: E402
-from orchestrator.batching import Piece, Planner  # noqa: E402
-from orchestrator.model import ModelFile  # noqa: E402
-from orchestrator.runner import Pipeline  # noqa: E402
+from orchestrator.pipeline.client import InProcessClient  # noqa: E402
+from orchestrator.engine.batching import Piece, Planner  # noqa: E402
+from orchestrator.graph.model import ModelFile  # noqa: E402
+from orchestrator.pipeline.runner import Pipeline  # noqa: E402
 from rpcserver.memory import MemoryBudget  # noqa: E402
 from rpcserver.session import Session, WorkerConfig  # noqa: E402
 from tools import reference  # noqa: E402
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
 class Sequences:
     """Several sequences in one cache, as the serving engine keeps and groups them
-    (orchestrator/batching.py): each reads its prompt, then every step feeds the next token of `batch`
+    (orchestrator/engine/batching.py): each reads its prompt, then every step feeds the next token of `batch`
     of them in turn."""
 
     def __init__(self, pipe: Pipeline, n_seqs: int, batch: int, token: int, n_prompt: int):

@@ -25,11 +25,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from wire.ggml import FLAG_INPUT, TYPE_TRAITS, GGMLOp, GGMLType, contiguous_strides, nbytes  # noqa: E402
-from orchestrator.client import InProcessClient  # noqa: E402
-from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor, wire_tensor  # noqa: E402
-from orchestrator.model import HParams, WeightInfo  # noqa: E402
-from orchestrator.planner import round_up  # noqa: E402
-from orchestrator.runner import Pipeline  # noqa: E402
+from orchestrator.pipeline.client import InProcessClient  # noqa: E402
+from orchestrator.graph.ggml import Graph, RemoteBuffer, new_tensor, wire_tensor  # noqa: E402
+from orchestrator.graph.model import HParams, WeightInfo  # noqa: E402
+from orchestrator.graph.planner import round_up  # noqa: E402
+from orchestrator.pipeline.runner import Pipeline  # noqa: E402
 from wire import protocol as p  # noqa: E402
 from rpcserver import warmup  # noqa: E402
 from rpcserver.memory import MemoryBudget  # noqa: E402
@@ -188,7 +188,7 @@ def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False, n_h
         pipe.run(pipe.sequence_batch([1], N_CTX // 2))
         if moe:
             return
-        # the ring's graph (orchestrator/ring.py): token ids in, logit bias and greedy token out
+        # the ring's graph (orchestrator/pipeline/ring.py): token ids in, logit bias and greedy token out
         stage, batch = pipe.stages[0], pipe.sequence_batch([1], N_CTX - 1)
         stage.prepare(pipe.shape(batch), token_ids=True, greedy=True, logit_bias=True)
         stage.launch({**pipe.inputs(batch), "tokens": np.ones(1, np.int32)},

@@ -197,7 +197,7 @@ ROPE_MODE_IMROPE = 40
 
 # FLASH_ATTN_EXT: ggml-cpu computes a node by one of three paths whose results differ in the last bits
 # (kernels/ops/attention.py); which one depends only on the node's shape and cache types. The serving engine
-# reads the same rule to keep each sequence on the path it would take alone (orchestrator/batching.py).
+# reads the same rule to keep each sequence on the path it would take alone (orchestrator/engine/batching.py).
 FA_SPLIT_KV_MIN = 512  # n_kv from which ggml splits a single query over threads
 FA_TILE_Q = 64  # GGML_FA_TILE_Q: queries from which ggml uses the tiled path
 FA_TILE_KV = 64  # GGML_FA_TILE_KV

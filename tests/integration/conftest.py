@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from orchestrator.client import RpcClient
+from orchestrator.pipeline.client import RpcClient
 from wire import protocol as p
 from wire.ggml import FLAG_COMPUTE, GGMLOp, GGMLType, contiguous_strides, nbytes
 from tools import reference

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.client import WorkerError
+from orchestrator.pipeline.client import WorkerError
 from wire import protocol as p
 from wire.ggml import GGMLOp, GGMLType
 from wire.protocol import Command

@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from orchestrator.engine import Engine, Job
-from orchestrator.model import ModelFile
-from orchestrator.runner import Pipeline
+from orchestrator.engine.loop import Engine, Job
+from orchestrator.graph.model import ModelFile
+from orchestrator.pipeline.runner import Pipeline
 from orchestrator.sampling import SamplingParams
 from orchestrator.tokenizer import Vocab
 from tools import reference
@@ -100,7 +100,7 @@ def test_requests_arriving_apart_settle_into_one_batch_per_stage(engine):
 
 
 def test_a_prompt_that_needs_a_whole_small_ubatch_is_not_starved_by_generating_slots(engine):
-    """With -ub 64 a 64-token chunk is read tiled only whole (orchestrator/batching.py), and the generating
+    """With -ub 64 a 64-token chunk is read tiled only whole (orchestrator/engine/batching.py), and the generating
     slots' tokens leave less room than that in every batch: the deferred prompt goes first in the next
     one, instead of waiting until every generation has ended."""
     big, vocab = engine

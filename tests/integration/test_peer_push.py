@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.client import RpcClient, WorkerError
+from orchestrator.pipeline.client import RpcClient, WorkerError
 from wire import protocol as p
 from wire.protocol import Command
 from wire.ggml import GGMLOp, GGMLType

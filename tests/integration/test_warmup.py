@@ -29,7 +29,7 @@ def numba_signatures() -> dict[str, int]:
 
 
 def _reference_model(locate):
-    from orchestrator.model import ModelFile
+    from orchestrator.graph.model import ModelFile
 
     try:
         return ModelFile(locate())
@@ -54,8 +54,8 @@ def run_after_warm_up(model, flash_attn: bool, n_ctx: int = 1024):
     single tokens, a token deep into the context, where ggml splits a long cache over threads, and one at
     the cache's last cell): the last logits, and the numba functions that compiled new signatures
     meanwhile."""
-    from orchestrator.client import InProcessClient
-    from orchestrator.runner import Pipeline
+    from orchestrator.pipeline.client import InProcessClient
+    from orchestrator.pipeline.runner import Pipeline
 
     warmup.warm_up()
     before = numba_signatures()
@@ -97,7 +97,7 @@ def test_gemma3_after_the_warm_up_needs_no_new_kernel_signatures(gemma3, flash_a
 def test_a_mixture_of_experts_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, tmp_path):
     """A random qwen3moe in Q4_K_M (tools/make_model.py): MUL_MAT_ID, ARGSORT and the routing weights' ops
     were compiled at start-up, so a first MoE client does not wait for numba."""
-    from orchestrator.model import ModelFile
+    from orchestrator.graph.model import ModelFile
     from tools.make_model import write_model
 
     model = ModelFile(write_model(tmp_path / "moe.gguf", "qwen3moe", n_layer=2, n_embd=256, n_ff=256, n_expert=8,

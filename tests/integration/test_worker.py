@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.client import RpcClient, WorkerError
+from orchestrator.pipeline.client import RpcClient, WorkerError
 from wire import protocol as p
 from wire.ggml import GGMLOp, GGMLType
 from wire.protocol import Command

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from wire.ggml import GGMLType, contiguous_strides
-from orchestrator.client import RpcClient, WorkerError
+from orchestrator.pipeline.client import RpcClient, WorkerError
 from wire import protocol as p
 from wire.protocol import Command
 from tools import reference

@@ -26,8 +26,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from orchestrator.client import RpcClient
-from orchestrator.ggml_graph import Graph, RemoteBuffer, Tensor, new_tensor, wire_tensor
+from orchestrator.pipeline.client import RpcClient
+from orchestrator.graph.ggml import Graph, RemoteBuffer, Tensor, new_tensor, wire_tensor
 from wire.ggml import TYPE_TRAITS, GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 T = GGMLType

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.client import RpcClient, WorkerError
+from orchestrator.pipeline.client import RpcClient, WorkerError
 from wire.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 from . import differential as d

@@ -65,7 +65,7 @@ def test_embedding_type(make, workers, cpu_text, embd_type):
     """The orchestrator's own lookup (the prompt's rows) bit for bit as gguf-py's independent dequantizer
     gives them, then the text: the prompt's rows looked up here, the generated tokens' by the first worker
     (GET_ROWS in the ring), the logits through token_embd as the tied output on the last."""
-    from orchestrator.model import ModelFile  # noqa: PLC0415
+    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
 
     path = make(f"embd-{embd_type}", embd_type=embd_type)
     model = ModelFile(path)

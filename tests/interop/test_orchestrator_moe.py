@@ -19,10 +19,10 @@ import gguf
 import pytest
 
 from wire.ggml import GGMLType
-from orchestrator.ggml_graph import new_tensor
-from orchestrator.llama_graph import Shape
-from orchestrator.model import ModelFile
-from orchestrator.runner import BUILDERS
+from orchestrator.graph.ggml import new_tensor
+from orchestrator.graph.llama import Shape
+from orchestrator.graph.model import ModelFile
+from orchestrator.pipeline.runner import BUILDERS
 from wire import protocol as p
 from tools.trace_proxy import TraceProxy, describe_graph
 

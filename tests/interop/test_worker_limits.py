@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from orchestrator.client import RpcClient
+from orchestrator.pipeline.client import RpcClient
 from wire import protocol as p
 from wire.protocol import Command
 

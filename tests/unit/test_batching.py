@@ -1,4 +1,4 @@
-"""The serving engine's batch plans (orchestrator/batching.py), checked against ggml's rule for the path
+"""The serving engine's batch plans (orchestrator/engine/batching.py), checked against ggml's rule for the path
 of a FLASH_ATTN_EXT node (wire.ggml.flash_attn_path): every node a batch makes takes the path each of
 its rows would take if its sequence were alone, each row sees exactly its own sequence's positions up to
 its own, and prompts are cut only where their chunk's path survives."""
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from wire.ggml import GGMLType, flash_attn_path
-from orchestrator.batching import Piece, Planner
-from orchestrator.kv import padded_cells
+from orchestrator.engine.batching import Piece, Planner
+from orchestrator.pipeline.kv import padded_cells
 
 pytestmark = pytest.mark.unit
 
@@ -164,7 +164,7 @@ class _SequencePipe:
 def test_the_clis_prompt_is_cut_as_llama_completion_feeds_llama_decode(n_prompt, n_batch, n_ubatch):
     """The CLI's one sequence reads its prompt in the ubatches llama-completion's loop makes: n_batch
     chunks from the start, each cut into n_ubatch pieces (llama_decode's split)."""
-    from orchestrator.batching import OneSequence  # noqa: PLC0415
+    from orchestrator.engine.batching import OneSequence  # noqa: PLC0415
 
     pipe = _SequencePipe(4096, n_batch, n_ubatch)
     layout = OneSequence(pipe)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.engine import Engine, Job
-from orchestrator.kv import Batch
+from orchestrator.engine.loop import Engine, Job
+from orchestrator.pipeline.kv import Batch
 from orchestrator.sampling import SamplingParams
 
 pytestmark = pytest.mark.unit

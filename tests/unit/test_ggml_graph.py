@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor
+from orchestrator.graph.ggml import Graph, RemoteBuffer, new_tensor
 from wire import protocol as p
 from wire.ggml import FLAG_COMPUTE, GGMLOp, GGMLType
 

@@ -21,7 +21,7 @@ ALLOWED = {
     "wire": set(),
     "kernels": {"wire"},
     "rpcserver": {"wire", "kernels"},
-    "orchestrator": {"wire", "kernels.hashing", "kernels.formats.dequantize"},
+    "orchestrator": {"wire", "kernels.hashing", "kernels.formats.dequantize"},  # the numba hash of weights; embeddings
 }
 
 
@@ -98,6 +98,30 @@ def test_orchestrator_and_worker_do_not_import_each_other():
     assert "rpcserver" not in ALLOWED["orchestrator"] and "orchestrator" not in ALLOWED["rpcserver"]
 
 
+# inside the orchestrator: each layer stands on those before it; the front ends (cli.py, entry.py and
+# serving/cli.py) on all of them. chat, sampling, tokenizer and cxx are libraries below every layer.
+ORCHESTRATOR_LAYERS = ("graph", "pipeline", "engine", "serving")
+LIBRARIES = ("chat", "sampling", "tokenizer", "cxx")
+
+
+def layer(module: str) -> int:
+    part = module.split(".")[1] if module.count(".") else ""
+    if part in LIBRARIES:
+        return -1
+    if module in ("orchestrator.serving.cli", "orchestrator.cli", "orchestrator.entry", "orchestrator.__main__"):
+        return len(ORCHESTRATOR_LAYERS)
+    return ORCHESTRATOR_LAYERS.index(part) if part in ORCHESTRATOR_LAYERS else len(ORCHESTRATOR_LAYERS)
+
+
+def test_orchestrator_layers_point_down():
+    """graph (model, builders, planner) <- pipeline (client, placement, kv, push, ring, runner, waves) <-
+    engine (the token loop, slots, start-up) <- serving (HTTP) and the front ends."""
+    upward = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if m.startswith("orchestrator.")
+                    for d in deps if d.startswith("orchestrator.") and layer(d) > layer(m))
+    assert not upward, "orchestrator imports against its layers:\n" + "\n".join(upward)
+    assert "orchestrator.graph.llama" in GRAPH["orchestrator.pipeline.runner"]  # the check reads real edges
+
+
 def test_no_import_cycle():
     # package __init__ modules are left out of the edges into them: importing kernels.x runs kernels/__init__
     edges = {m: {d for d in deps if d not in PACKAGES} for m, deps in GRAPH.items()}
@@ -139,6 +163,6 @@ def test_op_modules_do_not_import_each_other():
 def test_the_graph_is_read():
     """The checks above see the real imports (a parser that found nothing would pass them vacuously)."""
     assert "wire.record" in GRAPH["wire.protocol"]
-    assert "wire.op_params" in GRAPH["orchestrator.ggml_graph"] and "wire.op_params" in GRAPH["kernels.ops.rope"]
-    assert "wire.protocol" in GRAPH["orchestrator.client"]
+    assert "wire.op_params" in GRAPH["orchestrator.graph.ggml"] and "wire.op_params" in GRAPH["kernels.ops.rope"]
+    assert "wire.protocol" in GRAPH["orchestrator.pipeline.client"]
     assert "kernels.registry" in GRAPH["kernels.ops.matmul"]

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from orchestrator.client import WorkerError
-from orchestrator.local_workers import NOTICE_AFTER, LocalWorkers
+from orchestrator.pipeline.client import WorkerError
+from orchestrator.pipeline.local_workers import NOTICE_AFTER, LocalWorkers
 
 pytestmark = pytest.mark.unit
 
@@ -73,7 +73,7 @@ def test_a_worker_that_exits_is_reported(tmp_path):
 
 
 def test_default_threads_share_the_cores_only_when_the_workers_compute_at_once(monkeypatch):
-    from orchestrator import local_workers
+    from orchestrator.pipeline import local_workers
 
     for cores, count, together, in_turn in ((2, 2, 1, 2), (8, 2, 4, 8), (2, 3, 1, 2), (1, 1, 1, 1), (16, 3, 5, 16)):
         monkeypatch.setattr(local_workers, "usable_cores", lambda cores=cores: cores)
@@ -103,7 +103,7 @@ PROGRESS_THEN_LISTEN = textwrap.dedent("""
 
 
 def test_the_first_workers_warm_up_progress_is_passed_on_whole_lines_once(tmp_path, monkeypatch):
-    from orchestrator import local_workers
+    from orchestrator.pipeline import local_workers
 
     monkeypatch.setattr(local_workers, "NOTICE_AFTER", 0.0)
     fake = script(tmp_path, PROGRESS_THEN_LISTEN)

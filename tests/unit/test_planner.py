@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.ggml_graph import Graph, RemoteBuffer, new_tensor
-from orchestrator.planner import plan_memory
+from orchestrator.graph.ggml import Graph, RemoteBuffer, new_tensor
+from orchestrator.graph.planner import plan_memory
 from wire.ggml import GGMLType
 
 ALIGN = 32

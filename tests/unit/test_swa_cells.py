@@ -1,4 +1,4 @@
-"""The sliding-window layers' cache (orchestrator/kv.py SwaCells, llama.cpp's llama_kv_cache with n_swa):
+"""The sliding-window layers' cache (orchestrator/pipeline/kv.py SwaCells, llama.cpp's llama_kv_cache with n_swa):
 cells are placed and reused as llama.cpp's find_slot / apply_ubatch place them, and every token sees
 exactly the last n_swa positions of its sequence. (That the placement is llama.cpp's, bit for bit, the
 interop test tests/interop/test_orchestrator_gemma3.py shows with a cache smaller than the text.)"""
@@ -6,7 +6,7 @@ interop test tests/interop/test_orchestrator_gemma3.py shows with a cache smalle
 import numpy as np
 import pytest
 
-from orchestrator.kv import FREE, KvFull, SwaCells
+from orchestrator.pipeline.kv import FREE, KvFull, SwaCells
 
 pytestmark = pytest.mark.unit
 

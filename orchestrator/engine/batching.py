@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from wire.ggml import FA_TILE_Q, GGMLType, flash_attn_path
-from orchestrator import context_shift
-from orchestrator.kv import Batch, Group, padded_cells
+from orchestrator.engine import context_shift
+from orchestrator.pipeline.kv import Batch, Group, padded_cells
 
 ROWS = "one_chunk"  # the path that computes each row on its own (wire.ggml.flash_attn_path)
 GEMM = "gemm"  # without flash attention: a product of several rows (tinyBLAS)

@@ -2,7 +2,7 @@
 
 The server listens at once and loads the model (connect, place, upload) on a thread; until then every
 endpoint answers 503 "Loading model", as llama-server does. Requests become engine Jobs
-(orchestrator/engine.py); tokens come back through an asyncio queue and go out as one JSON response
+(orchestrator/engine/loop.py); tokens come back through an asyncio queue and go out as one JSON response
 or as server-sent events. A client that hangs up cancels its job (aiohttp cancels the handler), which
 frees its slot at the engine's next step.
 """
@@ -16,14 +16,14 @@ import time
 
 from aiohttp import web
 
-from orchestrator import anthropic_api as anthropic
-from orchestrator import openai_api as api
+from orchestrator.serving import anthropic_api as anthropic
+from orchestrator.serving import openai_api as api
 from orchestrator import chat
 from orchestrator.chat import ChatTemplateError
-from orchestrator.client import WorkerError
-from orchestrator.engine import Busy, Engine, Job
+from orchestrator.pipeline.client import WorkerError
+from orchestrator.engine.loop import Busy, Engine, Job
 from orchestrator.sampling import SamplingParams
-from orchestrator.startup import chat_template
+from orchestrator.engine.startup import chat_template
 from orchestrator.tokenizer import TokenizerError
 
 PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}  # llama-server's endpoints open without a key

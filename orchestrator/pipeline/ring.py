@@ -23,9 +23,9 @@ from typing import Iterator
 
 import numpy as np
 
-from orchestrator.client import WorkerError, await_reply, name_the_dead
-from orchestrator.ggml_graph import wire_tensor
-from orchestrator.push import open_link, peer_write
+from orchestrator.pipeline.client import WorkerError, await_reply, name_the_dead
+from orchestrator.graph.ggml import wire_tensor
+from orchestrator.pipeline.push import open_link, peer_write
 from wire import protocol as p
 from wire.protocol import Command
 

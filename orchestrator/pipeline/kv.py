@@ -1,7 +1,7 @@
 """The KV cache's bookkeeping on the orchestrator side, and the batch one decode step carries.
 
 The CLI's one sequence holds position i in cell i, and attends the used cells padded to 256, as
-llama.cpp; the serving engine gives each slot a run of cells of its own (orchestrator/batching.py). A
+llama.cpp; the serving engine gives each slot a run of cells of its own (orchestrator/engine/batching.py). A
 token attends the cells of its own sequence at positions up to its own. The K and V tensors live on
 the workers; only this map is here.
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.client import replies_waiting
-from orchestrator.kv import Batch
-from orchestrator.llama_graph import Shape
+from orchestrator.pipeline.client import replies_waiting
+from orchestrator.pipeline.kv import Batch
+from orchestrator.graph.llama import Shape
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.openai_api import ApiError
+from orchestrator.serving.openai_api import ApiError
 
 DEFAULT_MAX_TOKENS = 4096  # llama-server's when the request leaves max_tokens out (Anthropic requires it)
 PASSED_ON = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
@@ -121,7 +121,7 @@ def _event(kind: str, data: dict) -> bytes:
 
 
 class Messages:
-    """The OpenAI chat route's output (`c.reshape` in orchestrator/server.py) in Anthropic's shapes: the whole
+    """The OpenAI chat route's output (`c.reshape` in orchestrator/serving/server.py) in Anthropic's shapes: the whole
     answer as one message, or the chunks of a stream as Anthropic's events. Blocks are numbered as
     llama-server numbers them: thinking, then text, then one per tool call; all are closed at the end."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.ggml_graph import Graph, RemoteBuffer, Tensor
+from orchestrator.graph.ggml import Graph, RemoteBuffer, Tensor
 
 
 def round_up(n: int, multiple: int) -> int:

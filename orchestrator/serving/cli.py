@@ -1,4 +1,4 @@
-"""`orchestrator serve`: the OpenAI-compatible server (orchestrator/server.py) over RPC workers.
+"""`orchestrator serve`: the OpenAI-compatible server (orchestrator/serving/server.py) over RPC workers.
 
     orchestrator serve --rpc host:port,host:port -m model.gguf --port 8080 -np 4
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from orchestrator.keyfile import rpc_key_file_option
+from orchestrator.pipeline.keyfile import rpc_key_file_option
 
 from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, gpu_layers_option, log, parse_tensor_split,
                               sampling_options, sampling_params)
@@ -57,10 +57,10 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, gpu_lay
               help="threads of each local worker [default: the cores divided among the workers, which compute at once]")
 def serve(**options) -> None:
     """Serve a GGUF model split across llama.cpp RPC workers over llama-server's OpenAI-compatible API."""
-    from orchestrator.client import WorkerError  # noqa: PLC0415
-    from orchestrator.model import ModelError  # noqa: PLC0415
-    from orchestrator.placement import PlacementError  # noqa: PLC0415
-    from orchestrator.startup import StartupError  # noqa: PLC0415
+    from orchestrator.pipeline.client import WorkerError  # noqa: PLC0415
+    from orchestrator.graph.model import ModelError  # noqa: PLC0415
+    from orchestrator.pipeline.placement import PlacementError  # noqa: PLC0415
+    from orchestrator.engine.startup import StartupError  # noqa: PLC0415
     from orchestrator.tokenizer import TokenizerError  # noqa: PLC0415
 
     try:
@@ -73,7 +73,7 @@ def serve(**options) -> None:
 
 
 def run(*, rpc, workers, threads, **options) -> None:
-    from orchestrator.local_workers import LocalWorkers  # noqa: PLC0415
+    from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
 
     if rpc:
         return start([e.strip() for e in rpc.split(",") if e.strip()], **options)
@@ -85,10 +85,10 @@ def run(*, rpc, workers, threads, **options) -> None:
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
           n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
           chat_template_file, reasoning_format, **sampling) -> None:
-    from orchestrator.engine import Engine  # noqa: PLC0415
-    from orchestrator.runner import context_size  # noqa: PLC0415
-    from orchestrator.server import Service, serve as serve_http  # noqa: PLC0415
-    from orchestrator.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
+    from orchestrator.engine.loop import Engine  # noqa: PLC0415
+    from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
+    from orchestrator.serving.server import Service, serve as serve_http  # noqa: PLC0415
+    from orchestrator.engine.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 
     loaded = open_model(model_path)
     model = loaded.model
@@ -100,7 +100,7 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
     if chat_template_file is not None:
         service.template = chat_template_file.read_text(encoding="utf-8")
     service.reasoning_format = reasoning_format
-    # swa_full: the engine's sliding-window layers share the global layers' cells (orchestrator/kv.py)
+    # swa_full: the engine's sliding-window layers share the global layers' cells (orchestrator/pipeline/kv.py)
     options = PipelineOptions(n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
                               cache_type_k=cache_type_k, cache_type_v=cache_type_v, swa_full=True,
                               tensor_split=parse_tensor_split(tensor_split), push=not no_push)

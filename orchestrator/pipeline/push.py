@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.client import RpcClient, WorkerError
+from orchestrator.pipeline.client import RpcClient, WorkerError
 from wire import protocol as p
 from wire.protocol import Command
 

@@ -1,6 +1,6 @@
 """One worker's share of a Gemma 3 graph, node for node as llama.cpp builds it (src/models/gemma3.cpp).
 
-What differs from the llama layer (orchestrator/llama_graph.py, which also holds what Gemma 3 shares with
+What differs from the llama layer (orchestrator/graph/llama.py, which also holds what Gemma 3 shares with
 the others: the token rows scaled by sqrt(n_embd), the sliding-window layers' own cache and mask, their
 own rope base, the final logit soft-capping):
 - Q and K get per-head RMS norms before rope, and Q is scaled by the attention scale before attention,
@@ -12,8 +12,8 @@ own rope base, the final logit soft-capping):
 
 from __future__ import annotations
 
-from orchestrator.ggml_graph import Graph, Tensor
-from orchestrator.llama_graph import LayerBuilder, Shape
+from orchestrator.graph.ggml import Graph, Tensor
+from orchestrator.graph.llama import LayerBuilder, Shape
 from wire.ggml import GGMLGluOp
 
 

@@ -16,8 +16,8 @@ qwen3moe has no shared expert and llama.cpp reads no expert weight scale for it 
 
 from __future__ import annotations
 
-from orchestrator.ggml_graph import Graph, Tensor
-from orchestrator.llama_graph import LayerBuilder
+from orchestrator.graph.ggml import Graph, Tensor
+from orchestrator.graph.llama import LayerBuilder
 
 F16_MIN_NORMAL = 6.103515625e-5  # build_moe_ffn clamps the weight sums to this before dividing
 

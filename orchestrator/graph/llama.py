@@ -2,10 +2,10 @@
 
 A worker owns a contiguous range of "blocks": 0..n_layer-1 are the repeating layers, block n_layer is
 the output head (final norm and the vocabulary projection). The token embeddings are looked up on the
-orchestrator, as llama.cpp keeps its input layer on the CPU; in the ring (orchestrator/ring.py) the first
+orchestrator, as llama.cpp keeps its input layer on the CPU; in the ring (orchestrator/pipeline/ring.py) the first
 stage looks them up itself (GET_ROWS of token ids) and the last one ends in the greedy token (ARGMAX). Matching llama.cpp's ops, types and
 shapes exactly is what makes the generated tokens identical to its own. Gemma 3's layer is in
-orchestrator/gemma3_graph.py; what it shares with the stage around it is here: the token rows' scale,
+orchestrator/graph/gemma3.py; what it shares with the stage around it is here: the token rows' scale,
 the sliding-window layers' cache inputs and mask, their rope base, the final logit soft-capping.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.ggml_graph import Graph, Tensor, new_tensor
-from orchestrator.model import HParams
+from orchestrator.graph.ggml import Graph, Tensor, new_tensor
+from orchestrator.graph.model import HParams
 from wire import op_params
 from wire.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLOp, GGMLType, GGMLUnaryOp, row_size
 
@@ -30,7 +30,7 @@ class Shape:
     n_outputs: int
     n_kv_swa: int = 0  # cells the sliding-window layers attend (their cache is another one: llama.cpp's iSWA)
     # the serving engine's attention groups in row order, one attention node per group and layer
-    # (orchestrator/kv.py Group.shape: rows, first cell, cells, streams, stream stride); empty: one node,
+    # (orchestrator/pipeline/kv.py Group.shape: rows, first cell, cells, streams, stream stride); empty: one node,
     # all rows over cells [0, n_kv)
     groups: tuple[tuple[int, int, int, int, int], ...] = ()
 

@@ -14,9 +14,9 @@ import numpy as np
 
 from wire import op_params
 from wire.ggml import FLAG_INPUT, FLAG_OUTPUT, TYPE_TRAITS, GGMLOp, GGMLType, row_size
-from orchestrator.ggml_graph import Graph, new_tensor, wire_tensor
-from orchestrator.kv import SwaCells
-from orchestrator.planner import plan_memory
+from orchestrator.graph.ggml import Graph, new_tensor, wire_tensor
+from orchestrator.pipeline.kv import SwaCells
+from orchestrator.graph.planner import plan_memory
 
 NO_WINDOW = np.iinfo(np.int32).max  # SwaCells as llama.cpp's ordinary (not sliding-window) cache
 

@@ -1,0 +1,1 @@
+"""The one token loop (loop.Engine), the slots it serves, and the start-up both commands share."""

@@ -1,0 +1,1 @@
+"""Building ggml graphs: the GGUF model, one builder per architecture, the compute-buffer planner."""
