@@ -73,11 +73,15 @@ def _skip_numba_blas_probe() -> None:
                    "on this host; avx2: GGML_NATIVE=OFF) [env: PYRPC_ISA]")
 @click.option("--no-warmup", is_flag=True,
               help="listen at once instead of loading/compiling the kernels first (the first graph is then slow)")
+@click.option("--warmup-tier", type=click.Choice(["all", "demo"]), default="all", show_default=True,
+              # warmup.TIERS (not imported here: it loads every kernel module; a unit test compares them)
+              help="which kernels the warm-up loads: all a llama graph needs, or the demo model's alone (the "
+                   "orchestrator's local workers: numba compiles the rest on first use)")
 @click.option("--no-peer", is_flag=True,
               help="never connect to other workers: refuse SET_PEER, so clients relay every activation (peer "
                    "writes from other workers are still accepted, with a token of the client's session)")
 def main(host, port, threads, device, cache, mem, client_mem, allow, max_connections, idle_timeout, key_file, verbose,
-         isa, no_warmup, no_peer):
+         isa, no_warmup, warmup_tier, no_peer):
     """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for dev in device.split(","):
@@ -107,7 +111,7 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
 
         print("loading the kernels (the first run compiles them: a minute or more)...", file=sys.stderr, flush=True)
         try:
-            logging.getLogger("rpcserver").info("warm-up took %.1f s", warm_up(_print_progress))
+            logging.getLogger("rpcserver").info("warm-up took %.1f s", warm_up(_print_progress, warmup_tier))
         except WarmupError as exc:
             raise click.ClickException(f"warm-up: {exc} (--no-warmup starts without it)") from None
     from .memory import MemoryBudget

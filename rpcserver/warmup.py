@@ -66,6 +66,12 @@ def decode(data: bytes) -> list[list[tuple[p.Command, bytes]]]:
 
 GRAPHS = (p.Command.GRAPH_COMPUTE, p.Command.GRAPH_RECOMPUTE)  # the frames that compile kernels
 
+# how many of the recording's sessions each tier replays (tools/record_warmup.py keeps the order):
+# "all" every kernel signature a llama graph needs; "demo" the first session only, the demo model's
+# (Q4_1 layers, Q8_0 head, flash attention on: a quarter of the compile), for workers the orchestrator
+# starts itself; anything else a client sends is then compiled (or loaded) by numba on first use
+TIERS = {"all": None, "demo": 1}
+
 
 def replay(frames: list[tuple[p.Command, bytes]], after_graph=None) -> None:
     session = Session(WorkerConfig(MemoryBudget(BUDGET)))
@@ -78,15 +84,15 @@ def replay(frames: list[tuple[p.Command, bytes]], after_graph=None) -> None:
         session.close()
 
 
-def warm_up(progress=None) -> float:
-    """Replay the recording; returns the seconds it took. Errors raise WarmupError: they are our bugs.
-    `progress(done, total, seconds)` is called after each recorded graph (a first run compiles for
-    minutes: the command line says how far it is)."""
+def warm_up(progress=None, tier: str = "all") -> float:
+    """Replay the recording's sessions of `tier` (TIERS); returns the seconds it took. Errors raise
+    WarmupError: they are our bugs. `progress(done, total, seconds)` is called after each recorded graph
+    (a first run compiles for minutes: the command line says how far it is)."""
     import numba  # noqa: PLC0415
 
     start = time.perf_counter()
     try:
-        sessions = decode(RECORDING.read_bytes())
+        sessions = decode(RECORDING.read_bytes())[:TIERS[tier]]
     except (OSError, zlib.error, struct.error, ValueError) as exc:
         raise WarmupError(f"cannot read {RECORDING}: {exc}") from None
     threads = numba.get_num_threads()

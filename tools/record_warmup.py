@@ -10,7 +10,9 @@ and records each request's frame: weights upload, KV cache clear, GRAPH_COMPUTE 
 context (ggml splits a long cache over threads), GRAPH_RECOMPUTE, GET_TENSOR, with flash attention on
 and off (off adds SOFT_MAX, CPY and F16 products), with one KV head (then a K/V view is contiguous, a
 layout numba compiles for apart), and a small qwen3moe (MUL_MAT_ID, ARGSORT, SUM_ROWS, CLAMP, DIV). Its
-layers carry the weight types llama.cpp's common files use. rpcserver/warmup.py replays the recording.
+layers carry the weight types llama.cpp's common files use. The first session is the demo's model alone
+(Q4_1 layers, Q8_0 head, flash attention on): the tier a worker started by the orchestrator replays, so
+a first run compiles what the demo needs and nothing else. rpcserver/warmup.py replays the recording.
 
 Weight data is not kept (a SET_TENSOR over SMALL bytes keeps only its header; the replay writes zeros):
 which kernels run depends on shapes, types and layouts, not on values.
@@ -61,13 +63,18 @@ PROMPTS = (8, 2)  # tokens per prompt step; then two single-token steps (the sec
 BUDGET = 64 << 20
 
 
+# the demo's model (SmolLM2-135M-Instruct Q4_1: every layer Q4_1, the tied Q8_0 head): the recording's
+# first session, all a worker started by the orchestrator warms up before it listens
+DEMO_LAYER_TYPES = ({"*": GGMLType.Q4_1},)
+
+
 class _Model:
     """What the orchestrator's Pipeline reads of a ModelFile, for a small random llama (or, with
     moe=True, a qwen3moe: Q/K norms and N_EXPERT routed experts in place of the dense FFN)."""
 
-    def __init__(self, moe: bool = False, n_head_kv: int = N_HEAD_KV):
+    def __init__(self, moe: bool = False, n_head_kv: int = N_HEAD_KV, layer_types=None):
         head_dim = N_EMBD // N_HEAD
-        layer_types = MOE_LAYER_TYPES if moe else LAYER_TYPES
+        layer_types = layer_types or (MOE_LAYER_TYPES if moe else LAYER_TYPES)
         self.hparams = HParams(
             arch="qwen3moe" if moe else "llama", n_layer=len(layer_types), n_embd=N_EMBD, n_ff=N_FF, n_head=N_HEAD,
             n_head_kv=n_head_kv, head_dim_k=head_dim, head_dim_v=head_dim, n_rot=head_dim, n_vocab=N_VOCAB,
@@ -172,10 +179,11 @@ def record_input_nodes(client: RecordingClient) -> None:
     client.get_tensor(wire_tensor(table), table.nbytes)
 
 
-def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False, n_head_kv: int = N_HEAD_KV) -> None:
+def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False, n_head_kv: int = N_HEAD_KV,
+               layer_types=None) -> None:
     """A llama (qwen3moe) client's requests: upload, prompts of each length in PROMPTS, then single tokens,
     the last one deep into the context."""
-    pipe = Pipeline(_Model(moe, n_head_kv), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
+    pipe = Pipeline(_Model(moe, n_head_kv, layer_types), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
     pipe.connect([client])
     pipe.place()
     pipe.allocate()
@@ -206,9 +214,10 @@ def _recorded(drive) -> list[tuple[int, bytes, int]]:
 
 
 def record() -> bytes:
-    """The warm-up frames of both flash-attention settings, of one KV head, of a qwen3moe and of the input
-    nodes, encoded for rpcserver.warmup."""
-    sessions = [_recorded(lambda c, fa=fa: _run_llama(c, fa)) for fa in (True, False)]
+    """The warm-up frames of the demo's model (first: rpcserver.warmup.TIERS), of both flash-attention
+    settings, of one KV head, of a qwen3moe and of the input nodes, encoded for rpcserver.warmup."""
+    sessions = [_recorded(lambda c: _run_llama(c, True, layer_types=DEMO_LAYER_TYPES))]  # flash attention auto = on
+    sessions += [_recorded(lambda c, fa=fa: _run_llama(c, fa)) for fa in (True, False)]
     sessions.append(_recorded(lambda c: _run_llama(c, True, n_head_kv=1)))
     sessions.append(_recorded(lambda c: _run_llama(c, True, moe=True)))
     sessions.append(_recorded(record_input_nodes))

@@ -59,7 +59,13 @@ class LocalWorkers:
 
     The first worker starts alone: before it listens, its warm-up compiles the kernels into numba's
     on-disk cache (a minute or more the first time, longer on a busy machine), and the others then
-    load them from that cache instead of compiling the same code at once. There is no fixed deadline:
+    load them from that cache instead of compiling the same code at once (numba's cache is not safe for
+    processes adding different signatures of one function at once: each rewrites the index and may
+    pick the same data file name). Workers that compute one at a time (the CLI: a stage's graph runs
+    after the one before it) warm up the demo model's tier only (rpcserver.warmup.TIERS), about a
+    quarter of every kernel: another model's other kernels compile on first use, in the CLI's untimed
+    warm-up run, one worker at a time. Concurrent ones (the server) warm up every kernel. There is no
+    fixed deadline:
     a worker is waited for as long as it is alive and using CPU, and given up on when it exits or
     makes no progress for `stall` seconds. `log` receives the progress lines (the CLI prints them).
     `threads` None: default_threads(count, concurrent=concurrent).
@@ -73,11 +79,12 @@ class LocalWorkers:
         self.stall = stall
         threads = threads or default_threads(count, concurrent=concurrent)
         self.threads = threads
+        tier = "all" if concurrent else "demo"
         self.log_dir = Path(tempfile.mkdtemp(prefix="orchestrator-workers-"))
         repo_root = str(Path(__file__).resolve().parents[1])
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
         self.command = command or (lambda port: [sys.executable, "-m", "rpcserver", "-H", HOST, "-p", str(port),
-                                                 "-t", str(threads)])
+                                                 "-t", str(threads), "--warmup-tier", tier])
         try:
             self._wait(*self._start(), first=True)
             rest = [self._start() for _ in range(count - 1)]

@@ -31,9 +31,9 @@ def label(op: int, params: np.ndarray) -> str:
     return name
 
 
-def recorded_ops() -> set[tuple]:
+def recorded_ops(tier: str = "all") -> set[tuple]:
     ops = set()
-    for frames in warmup.decode(warmup.RECORDING.read_bytes()):
+    for frames in warmup.decode(warmup.RECORDING.read_bytes())[:warmup.TIERS[tier]]:
         for command, payload in frames:
             if command != p.Command.GRAPH_COMPUTE:
                 continue
@@ -53,9 +53,26 @@ def test_the_recording_covers_a_real_clients_ops():
     assert not missing, f"ops llama-cli sends that the warm-up recording never runs: {sorted(missing)}"
 
 
+def test_the_demo_tier_covers_the_demo_models_ops():
+    """The census is of SmolLM2 Q4_1, the demo's model: the demo tier (what the orchestrator's local
+    workers replay) runs all of it but the two input nodes only llama.cpp's own graphs start with."""
+    census = {(op, dst, tuple(srcs)) for (op, dst, srcs), _count in json.loads(CENSUS.read_text())["ops"]}
+    llama_cpp_inputs = {("DUP", "F32", ("F32",)), ("SET_ROWS", "F32", ("F32", "I64", "F32"))}
+    missing = census - llama_cpp_inputs - recorded_ops("demo")
+    assert not missing, f"ops of the demo's model that the demo tier never runs: {sorted(missing)}"
+
+
+def test_the_worker_offers_every_tier():
+    from rpcserver.cli import main
+
+    option = next(o for o in main.params if o.name == "warmup_tier")
+    assert list(option.type.choices) == list(warmup.TIERS)
+
+
 def test_the_recording_replays_through_a_session():
     sessions = warmup.decode(warmup.RECORDING.read_bytes())
-    assert len(sessions) == 5  # flash attention on, off; one KV head; a qwen3moe; llama.cpp graphs' input nodes
+    # the demo's model; flash attention on, off; one KV head; a qwen3moe; llama.cpp graphs' input nodes
+    assert len(sessions) == 6
     commands = {command for frames in sessions for command, _ in frames}
     assert {p.Command.SET_TENSOR, p.Command.GRAPH_COMPUTE, p.Command.GRAPH_RECOMPUTE, p.Command.GET_TENSOR} <= commands
 
