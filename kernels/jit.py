@@ -17,7 +17,11 @@ JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
 class RowLoop:
     """A row driver compiled twice from one Python function: `parallel` (prange runs on numba's
     threads) and `serial` (prange is a plain range). Called like the function with one more, last,
-    argument: whether to run in parallel, e.g. `_norm_rows(op, src, dst, ..., parallel)`."""
+    argument: whether to run in parallel, e.g. `_norm_rows(op, src, dst, ..., parallel)`.
+
+    A prange index is uint64 in the parallel variant (and its body is typed once more with int64):
+    a driver passes it on as `np.int64(r)`, so the row function it calls compiles once for both
+    variants instead of twice (the same integer values: rows number far below 2**63)."""
 
     def __init__(self, py_func):
         self.py_func = py_func

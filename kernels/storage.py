@@ -184,7 +184,7 @@ def _copy_row(src, dst, skind, dkind, r):
 def _copy_rows(src, dst, skind, dkind):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     for r in prange(n_rows):
-        _copy_row(src, dst, skind, dkind, r)
+        _copy_row(src, dst, skind, dkind, np.int64(r))
 
 
 def copy_arrays(src: np.ndarray, dst: np.ndarray, skind: int, dkind: int) -> None:
@@ -262,9 +262,9 @@ def _widen(buf, off, ne, st, out, transpose):
     n = ne[3] * ne[2] if transpose else ne[3] * ne[2] * ne[1]
     for r in prange(n):
         if transpose:
-            _widen_plane_transposed(r, buf, off, ne, st, out)
+            _widen_plane_transposed(np.int64(r), buf, off, ne, st, out)
         else:
-            _widen_row(r, buf, off, ne, st, out)
+            _widen_row(np.int64(r), buf, off, ne, st, out)
 
 
 def u16_view(t: Tensor) -> np.ndarray:

@@ -27,6 +27,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tier", choices=list(warmup.TIERS), default="demo")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--signatures", metavar="TEXT", help="also print the argument types of every compile of a "
+                                                               "function whose name contains TEXT")
     args = parser.parse_args()
 
     per_function: dict[str, float] = collections.defaultdict(float)
@@ -42,6 +44,8 @@ def main() -> int:
             name, start, nested = stack.pop()
             took = time.process_time() - start
             per_function[name] += took - nested
+            if args.signatures and args.signatures in name:
+                print(f"{name} {took - nested:.1f} s: {ev.data['args']}")
             signatures[name] += 1
             if stack:
                 stack[-1][2] += took

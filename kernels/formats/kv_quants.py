@@ -359,7 +359,7 @@ def _quantize_row(kind, x, r, out, values):
 @row_loop
 def _quantize_rows(kind, x, out, values):
     for r in prange(x.shape[0]):
-        _quantize_row(kind, x, r, out, values)
+        _quantize_row(kind, x, np.int64(r), out, values)
 
 
 def quantize_rows(type_: GGMLType, x: np.ndarray, parallel: bool = False) -> np.ndarray:

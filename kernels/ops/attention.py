@@ -71,8 +71,10 @@ def _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, s
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
     mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
     vkq = np.empty(v.shape[3], F32)
-    M, S = row_one_chunk(q[iq3, iq2, iq1], k2, kkind, v2, vkind, mrow, TYPE_F16, has_mask, slope, scale, softcap,
-                         0, k.shape[2], f16_v, vkq, lanes)
+    # the query row as layout 'A' and ic0 not a literal 0: row_one_chunk (its costliest compile, ~15 s
+    # each) then has one signature for every caller, whether q is contiguous or a view (same values)
+    M, S = row_one_chunk(q[iq3, iq2, iq1][::1], k2, kkind, v2, vkind, mrow, TYPE_F16, has_mask, slope, scale,
+                         softcap, np.int64(0), k.shape[2], f16_v, vkq, lanes)
     finish_row(M, S, vkq, sinks, has_sinks, out, iq3, iq1, iq2)
 
 
@@ -82,7 +84,7 @@ def _fa_one_chunk(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale
     """Every query row by itself; k, v and mask as stored (mask F16 bits)."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     for r in prange(n_rows):
-        _one_chunk_row(r, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
+        _one_chunk_row(np.int64(r), q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap,
                        f16_v, out, lanes)
 
 
@@ -129,8 +131,8 @@ def _fa_one_chunk_qk(kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has
                      max_bias, softcap, f16_v, out):
     n_rows = q_shape[0] * q_shape[1] * q_shape[2]
     for r in prange(n_rows):
-        _one_chunk_row_qk(r, kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks, has_sinks,
-                          scale, max_bias, softcap, f16_v, out)
+        _one_chunk_row_qk(np.int64(r), kind, kmem, kgeom, yq, yd, ys, q_shape, v, vkind, mask, has_mask, sinks,
+                          has_sinks, scale, max_bias, softcap, f16_v, out)
 
 
 def _quantized_query(q: np.ndarray, k_type: GGMLType):
@@ -162,8 +164,8 @@ def _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_s
     k2 = k[0, h // (n_head // k.shape[1])]
     v2 = v[0, h // (n_head // v.shape[1])]
     vkq = part[h, c, 2:]
-    M, S = row_one_chunk(q[0, h, 0], k2, kkind, v2, vkind, mask[0, h % mask.shape[1], 0], TYPE_F16, has_mask, slope,
-                         scale, softcap, ic0, min(ic0 + chunk, n_kv), f16_v, vkq, lanes)
+    M, S = row_one_chunk(q[0, h, 0][::1], k2, kkind, v2, vkind, mask[0, h % mask.shape[1], 0], TYPE_F16, has_mask,
+                         slope, scale, softcap, ic0, min(ic0 + chunk, n_kv), f16_v, vkq, lanes)
     if has_sinks and c == 0:  # ggml applies the sink with the first slice only
         M, S = apply_sink(sinks[h], M, S, vkq, False)
     part[h, c, 0] = M
@@ -200,10 +202,10 @@ def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale,
     n_head = q.shape[1]
     part = np.zeros((n_head, n_chunks, 2 + v.shape[3]), F32)
     for w in prange(n_head * n_chunks):
-        _split_part(w, n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
+        _split_part(np.int64(w), n_chunks, q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale, max_bias,
                     softcap, f16_v, part, lanes)
     for h in prange(n_head):
-        _split_merge(h, part, out)
+        _split_merge(np.int64(h), part, out)
 
 
 @numba.njit(**JIT)
@@ -269,7 +271,7 @@ def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softc
     """kt is K transposed per head, (n_seq, n_head_kv, DK, n_kv), so a tile's scores vectorize."""
     n_rows = q.shape[0] * q.shape[1] * q.shape[2]
     for r in prange(n_rows):
-        _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
+        _tiled_row(np.int64(r), q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
 
 
 class _Parts:

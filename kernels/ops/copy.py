@@ -192,7 +192,7 @@ def _set_rows(values, idx, dst, vkind, dkind):
             return False
     n_planes = values.shape[0] * values.shape[1]
     for p in prange(n_planes):
-        _set_rows_plane(values, idx, dst, vkind, dkind, p)
+        _set_rows_plane(values, idx, dst, vkind, dkind, np.int64(p))
     return True
 
 

@@ -138,7 +138,7 @@ def _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r):
 def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, lanes):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     for r in prange(n_rows):
-        _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r)
+        _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, np.int64(r))
 
 
 def _unary_code(node: Node) -> int:
@@ -220,7 +220,7 @@ def _binary_row(op, a, b, dst, r):
 def _binary_rows(op, a, b, dst):
     n_rows = a.shape[0] * a.shape[1] * a.shape[2]
     for r in prange(n_rows):
-        _binary_row(op, a, b, dst, r)
+        _binary_row(op, a, b, dst, np.int64(r))
 
 
 def _check_binary(node: Node) -> None:

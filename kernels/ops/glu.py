@@ -62,7 +62,7 @@ def _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, r):
 def _glu_rows(op, x, g, dst, gelu_tab, quick_tab, lanes):
     n_rows = dst.shape[0] * dst.shape[1] * dst.shape[2]
     for r in prange(n_rows):
-        _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, r)
+        _glu_row(op, x, g, dst, gelu_tab, quick_tab, lanes, np.int64(r))
 
 
 def _contiguous_1(t: Tensor) -> bool:

@@ -134,7 +134,7 @@ def _norm_row(op, src, dst, eps, contiguous, lanes, r):
 def _norm_rows(op, src, dst, eps, contiguous, lanes):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     for r in prange(n_rows):
-        _norm_row(op, src, dst, eps, contiguous, lanes, r)
+        _norm_row(op, src, dst, eps, contiguous, lanes, np.int64(r))
 
 
 def _check_norm(node: Node) -> None:

@@ -118,7 +118,7 @@ def _rope_row(r, src, dst, cache, n_dims, n_offs, neox, kind):
 def _rope_rows(src, dst, cache, n_dims, n_offs, neox, kind):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     for r in prange(n_rows):
-        _rope_row(r, src, dst, cache, n_dims, n_offs, neox, kind)
+        _rope_row(np.int64(r), src, dst, cache, n_dims, n_offs, neox, kind)
 
 
 def check_rope(node: Node) -> None:

@@ -69,7 +69,7 @@ def _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias
 def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes):
     n_rows = src.shape[0] * src.shape[1] * src.shape[2]
     for r in prange(n_rows):
-        _soft_max_row(r, src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes)
+        _soft_max_row(np.int64(r), src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, lanes)
 
 
 def _soft_max_parts(node: Node):
