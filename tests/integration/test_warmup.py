@@ -49,7 +49,7 @@ def gemma3():
     return _reference_model(reference.gemma3_model_path)
 
 
-def run_after_warm_up(model, flash_attn: bool, n_ctx: int = 1024):
+def run_after_warm_up(model, flash_attn: bool, n_ctx: int = 1024, tier: str = "all"):
     """The warm-up, then llama-completion's shapes through a session (its 2-token warm-up decode, a prompt,
     single tokens, a token deep into the context, where ggml splits a long cache over threads, and one at
     the cache's last cell): the last logits, and the numba functions that compiled new signatures
@@ -57,7 +57,7 @@ def run_after_warm_up(model, flash_attn: bool, n_ctx: int = 1024):
     from orchestrator.pipeline.client import InProcessClient
     from orchestrator.pipeline.runner import Pipeline
 
-    warmup.warm_up()
+    warmup.warm_up(tier=tier)
     before = numba_signatures()
     assert sum(before.values()) > 10  # the warm-up did load kernels
     client = InProcessClient(Session(WorkerConfig(MemoryBudget())))
@@ -85,6 +85,13 @@ def test_a_real_model_after_the_warm_up_needs_no_new_kernel_signatures(smollm2, 
     logits, grown = run_after_warm_up(smollm2, flash_attn, n_ctx)
     assert logits.shape == (smollm2.hparams.n_vocab,)
     assert not grown, f"compiled after the warm-up: {grown}"
+
+
+def test_the_demo_model_after_the_demo_tier_needs_no_new_kernel_signatures(smollm2):
+    """The tier the orchestrator's local workers replay covers the demo's model with the CLI's defaults
+    (flash attention on, F16 cache), the split long cache included."""
+    _, grown = run_after_warm_up(smollm2, flash_attn=True, n_ctx=1024, tier="demo")
+    assert not grown, f"compiled after the demo tier: {grown}"
 
 
 @pytest.mark.parametrize("flash_attn", [True, False])
