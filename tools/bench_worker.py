@@ -2,7 +2,7 @@
 
     python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--gemma3] [--moe]
                                  [--all]
-    python tools/bench_worker.py --gguf-dir [-r 3] [-m MODEL ... | --synthetic TYPE ...]
+    python tools/bench_worker.py --gguf-dir [-r 3] [--link-mbit 1000 ...] [-m MODEL ... | --synthetic TYPE ...]
 
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
 TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize;
@@ -20,7 +20,8 @@ qwen3moe in Q4_K_M shaped like a small Qwen3-30B-A3B: 16 experts of 768, 4 route
 (Pipeline.upload, the digest of the model included): sending them (SET_TENSOR) to a worker without the
 file, against a worker started with `--gguf-dir` holding a hard link to it (LOAD_TENSOR, each tensor's
 FNV-1a checked on both sides). Default model: a ~300 MB random llama in Q8_0 (`--synthetic` or `-m` for
-others). Both run on this machine, so the upload crosses loopback, its best case.
+others). Both run on this machine, so the upload crosses loopback, its best case; `--link-mbit 1000`
+also runs both through a forwarder paced to 1 Gbit/s each way (a worker on another host of a LAN).
 Ratios are ours/reference; only ratios measured side by side in one run mean anything. The load
 average before and after is printed too: numbers taken while others compile are noisy.
 """
@@ -35,7 +36,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -162,6 +165,50 @@ def bench_model(model: Path, args, logs: Path) -> None:
         print(f"| {label} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |", flush=True)
 
 
+class ThrottledLink:
+    """A TCP forwarder to `address` carrying at most `mbit` megabits a second each way, for a worker on
+    the far side of a network link (each direction paced in 64 KiB pieces)."""
+
+    PIECE = 64 << 10
+
+    def __init__(self, address: str, mbit: float):
+        host, _, port = address.rpartition(":")
+        self.target, self.rate = (host, int(port)), mbit * 1e6 / 8
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        due = time.perf_counter()
+        try:
+            while data := src.recv(self.PIECE):
+                due = max(due, time.perf_counter()) + len(data) / self.rate
+                dst.sendall(data)
+                if (wait := due - time.perf_counter()) > 0:
+                    time.sleep(wait)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
 def load_weights_once(model: Path, worker) -> tuple[float, int, int]:
     """Seconds of Pipeline.upload onto one worker (the model's digest computed afresh), bytes the worker
     read from its disk, weight bytes in all."""
@@ -172,7 +219,7 @@ def load_weights_once(model: Path, worker) -> tuple[float, int, int]:
     disk_weights._digests.clear()
     pipe = Pipeline(ModelFile(model), n_ctx=256, n_batch=64, n_ubatch=64, flash_attn=False)
     try:
-        pipe.connect([worker.address])
+        pipe.connect([worker if isinstance(worker, str) else worker.address])
         pipe.place()
         pipe.allocate()
         pipe.link()
@@ -196,28 +243,37 @@ def bench_gguf_dir(model: Path, args, logs: Path) -> None:
     workers = {"upload (SET_TENSOR)": reference.start_worker("ours", logs, threads=args.threads, timeout=600),
                "worker's disk (LOAD_TENSOR)": reference.start_worker(
                    "ours", logs, threads=args.threads, timeout=600, extra=("--gguf-dir", str(held)))}
-    samples: dict[str, list[float]] = {kind: [] for kind in workers}
+    links = {"loopback": None, **{f"{mbit:g} Mbit/s": mbit for mbit in args.link_mbit}}
+    samples: dict[tuple[str, str], list[float]] = {}
     from_disk, total = {}, 0
     load_before = load_average()
     try:
         for rep in range(args.repetitions):
-            for kind, worker in workers.items():
-                seconds, from_disk[kind], total = load_weights_once(model, worker)
-                samples[kind].append(seconds)
-                print(f"rep {rep + 1} {kind:28} {seconds:7.2f} s, {from_disk[kind] >> 20} MiB from disk",
-                      file=sys.stderr, flush=True)
+            for link, mbit in links.items():
+                for kind, worker in workers.items():
+                    throttled = ThrottledLink(worker.address, mbit) if mbit else None
+                    try:
+                        seconds, from_disk[kind], total = load_weights_once(
+                            model, throttled.address if throttled else worker)
+                    finally:
+                        if throttled:
+                            throttled.close()
+                    samples.setdefault((link, kind), []).append(seconds)
+                    print(f"rep {rep + 1} {link:12} {kind:28} {seconds:7.2f} s, {from_disk[kind] >> 20} MiB from disk",
+                          file=sys.stderr, flush=True)
     finally:
         for worker in workers.values():
             worker.stop()
     print(f"\nmodel: {model.name} ({total / (1 << 20):.0f} MiB of weights), repetitions: {args.repetitions}, "
           f"load average before/after: {load_before} / {load_average()}")
-    print("| weights by | median s | MiB/s | MiB read from the worker's disk |")
-    print("|---|---|---|---|")
-    for kind, values in samples.items():
-        med = statistics.median(values)
-        print(f"| {kind} | {med:.2f} | {total / (1 << 20) / med:.0f} | {from_disk[kind] / (1 << 20):.0f} |")
-    upload, disk = (statistics.median(v) for v in samples.values())
-    print(f"disk / upload: {disk / upload:.3f}", flush=True)
+    print("| link | weights by | median s | MiB/s | MiB read from the worker's disk | disk / upload |")
+    print("|---|---|---|---|---|---|")
+    for link in links:
+        upload = statistics.median(samples[(link, next(iter(workers)))])
+        for kind in workers:
+            med = statistics.median(samples[(link, kind)])
+            print(f"| {link} | {kind} | {med:.2f} | {total / (1 << 20) / med:.0f} | "
+                  f"{from_disk[kind] / (1 << 20):.0f} | {med / upload:.3f} |", flush=True)
 
 
 def main(argv=None) -> int:
@@ -231,6 +287,8 @@ def main(argv=None) -> int:
                     help="SmolLM2, Gemma 3, every synthetic type and the MoE (the issue's full set)")
     ap.add_argument("--gguf-dir", action="store_true",
                     help="compare uploading the weights with our worker reading them from its --gguf-dir")
+    ap.add_argument("--link-mbit", type=float, action="append", default=[],
+                    help="with --gguf-dir: also through a link of this many Mbit/s each way (repeatable)")
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)

@@ -9,6 +9,8 @@ matches, or on a worker without the feature) are sent with SET_TENSOR as before.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -44,8 +46,8 @@ def worker_file(client, features: int, model_path: Path) -> int | None:
 
 def load_weights(stage, file_id: int, progress: Callable[[int], None]) -> set[str]:
     """Has the stage's worker read each of its weights from file `file_id`; the names it loaded (whose
-    bytes hashed as ours). Up to WINDOW requests are in flight, so the worker reads and hashes one
-    tensor while we hash the next, and the replies we have not read stay few."""
+    bytes hashed as ours). Up to WINDOW requests are in flight, so the worker reads and hashes while we
+    hash the next ones, and the replies we have not read stay few."""
     names, loaded, answered = list(stage.weights), set(), 0
 
     def answer() -> None:
@@ -56,12 +58,15 @@ def load_weights(stage, file_id: int, progress: Callable[[int], None]) -> set[st
             loaded.add(name)
             progress(stage.model.weights[name].data.nbytes)
 
-    for i, name in enumerate(names):
-        info = stage.model.weights[name]
-        stage.client.load_tensor(wire_tensor(stage.weights[name]), file_id, info.offset, info.data.nbytes,
-                                 fnv1a64(info.data))
-        if i - answered >= WINDOW:
-            answer()
+    # the hashes are computed ahead on every core (the compiled hash releases the GIL), in order
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        digests = pool.map(lambda name: fnv1a64(stage.model.weights[name].data), names)
+        for i, (name, digest) in enumerate(zip(names, digests)):
+            info = stage.model.weights[name]
+            stage.client.load_tensor(wire_tensor(stage.weights[name]), file_id, info.offset, info.data.nbytes,
+                                     digest)
+            if i - answered >= WINDOW:
+                answer()
     while answered < len(names):
         answer()
     return loaded

@@ -257,6 +257,7 @@ class Pipeline:
         self.idle: list[str] = []  # endpoints of the workers place() gave no blocks
         self.peer_addresses: dict[str, str] = {}  # endpoint -> how the other workers reach it
         self.features: dict[str, int] = {}  # endpoint -> the extensions it offers (EXT_HELLO)
+        self.from_disk = 0  # weight bytes the workers read from their own copy of the model (upload())
         self.links: list[Link] = []  # one per stage boundary, from link()
         self.on_relay: Callable[[Link], None] | None = None  # told when a failed push turns a link to relay
         self.step = 0
@@ -314,7 +315,8 @@ class Pipeline:
             stage.allocate(plan.compute_bytes)
 
     def upload(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Sends every stage its weights; progress(done, total), in bytes, after each tensor."""
+        """Sends every stage its weights, or has its worker read them from its copy of the model
+        (pipeline/disk_weights.py); progress(done, total), in bytes, after each tensor."""
         total, done = sum(s.weight_bytes for s in self.stages), 0
 
         def sent(n: int) -> None:
@@ -323,7 +325,7 @@ class Pipeline:
             if progress is not None:
                 progress(done, total)
 
-        self.from_disk = 0  # bytes the workers read from their own copy of the model
+        self.from_disk = 0
         for stage in self.stages:
             file_id = worker_file(stage.client, self.features.get(stage.endpoint, 0), self.model.path)
             loaded = load_weights(stage, file_id, sent) if file_id is not None else set()
