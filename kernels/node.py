@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from wire import op_params
 from wire.ggml import MAX_DIMS, PLAIN_DTYPES, TYPE_TRAITS, GGMLOp, GGMLType, row_size
 from .target import AVX2, Target
 
@@ -108,18 +109,19 @@ class Node:
         self.dst = dst
         self.src = tuple(src)
         p = np.zeros(16, dtype=np.int32)
-        if params is not None:
+        if isinstance(params, (bytes, bytearray)):  # as wire.op_params.encode writes them
+            p.view(np.uint8)[: len(params)] = np.frombuffer(params, np.uint8)
+        elif params is not None:
             raw = np.asarray(params)
             p[: raw.size] = raw.view(np.int32) if raw.dtype.itemsize == 4 else raw.astype(np.int32)
         self.params = p
         self.name = name
         self.target = target
 
-    def param_i32(self, i: int) -> int:
-        return int(self.params[i])
-
-    def param_f32(self, i: int) -> float:
-        return float(self.params[i : i + 1].view(np.float32)[0])
+    def param(self, name: str):
+        """A field of the op's parameters, by its name in wire.op_params (the layout the orchestrator encodes
+        with): `node.param("eps")`."""
+        return getattr(op_params.decode(self.op, self.params.tobytes()), name)
 
     def srcs(self, n: int) -> tuple:
         """The first n sources, refusing the node if any of them is missing."""

@@ -58,11 +58,7 @@ def register(op: GGMLOp, sub: int = 0):
 
 
 def sub_op(node: Node) -> int:
-    if node.op == GGMLOp.UNARY:
-        return node.param_i32(0)
-    if node.op == GGMLOp.GLU:
-        return node.param_i32(0)
-    return 0
+    return node.param("op") if node.op in (GGMLOp.UNARY, GGMLOp.GLU) else 0
 
 
 def op_label(op: int, sub: int) -> str:

@@ -314,8 +314,9 @@ class PrintedReport:
             print(f"\ruploading weights [{'#' * (percent * 30 // 100):30}] {percent:3d}% "
                   f"{done / (1 << 20):7.1f}/{total / (1 << 20):.1f} MiB", end="", file=sys.stderr, flush=True)
 
-    def uploaded(self, seconds: float) -> None:
-        print(f"  ({seconds:.1f} s)", file=sys.stderr, flush=True)
+    def uploaded(self, seconds: float, from_disk: int = 0) -> None:
+        disk = f", {from_disk / (1 << 20):.1f} MiB of them read from the workers' disks" if from_disk else ""
+        print(f"  ({seconds:.1f} s{disk})", file=sys.stderr, flush=True)
 
     def relay(self, link) -> None:
         log(f"{chr(10) if self.mid_line else ''}{link.describe()}: relaying from now on")

@@ -67,6 +67,9 @@ def _skip_numba_blas_probe() -> None:
 @click.option("--key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="require clients and pushing workers to prove they hold this pre-shared key (HMAC "
                    "challenge-response; llama.cpp clients cannot, see docs/security.md)")
+@click.option("--gguf-dir", type=click.Path(exists=True, file_okay=False), default=None, metavar="DIR",
+              help="offer the *.gguf files directly in DIR (no links, no subdirectories) to our orchestrator, "
+                   "which then has this worker read the weights from them instead of sending them")
 @click.option("-v", "--verbose", is_flag=True, help="log every connection")
 @click.option("--isa", type=click.Choice(["auto", *TARGETS]), default="auto", show_default=True, envvar="PYRPC_ISA",
               help="compute as llama.cpp's ggml-cpu built for this instruction set does (auto: as a native build "
@@ -80,8 +83,8 @@ def _skip_numba_blas_probe() -> None:
 @click.option("--no-peer", is_flag=True,
               help="never connect to other workers: refuse SET_PEER, so clients relay every activation (peer "
                    "writes from other workers are still accepted, with a token of the client's session)")
-def main(host, port, threads, device, cache, mem, client_mem, allow, max_connections, idle_timeout, key_file, verbose,
-         isa, no_warmup, warmup_tier, no_peer):
+def main(host, port, threads, device, cache, mem, client_mem, allow, max_connections, idle_timeout, key_file, gguf_dir,
+         verbose, isa, no_warmup, warmup_tier, no_peer):
     """A llama.cpp RPC worker in Python: serves ggml graphs to llama.cpp clients over TCP."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for dev in device.split(","):
@@ -114,6 +117,7 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
             logging.getLogger("rpcserver").info("warm-up took %.1f s", warm_up(_print_progress, warmup_tier))
         except WarmupError as exc:
             raise click.ClickException(f"warm-up: {exc} (--no-warmup starts without it)") from None
+    from .gguf_dir import GgufDir
     from .memory import MemoryBudget
     from .server import serve
     from .session import WorkerConfig
@@ -123,6 +127,7 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
         cache_dir.mkdir(parents=True, exist_ok=True)
     budget = MemoryBudget(mem * 1024 * 1024 if mem else None, client_mem * 1024 * 1024 if client_mem else None)
     free, total = budget.free_and_total()
+    files = GgufDir(gguf_dir) if gguf_dir else None
     print("Starting RPC server v%d.%d.%d" % PROTOCOL_VERSION)
     print(f"  endpoint       : {host}:{port}")
     print(f"  local cache    : {cache_dir or 'n/a'}")
@@ -135,6 +140,7 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
     print(f"  float orders   : ggml-cpu built for {target.name}")
     print(f"  peer push      : {'off (--no-peer)' if no_peer else 'on'}")
     print(f"  key            : {'required (--key-file)' if key else 'none'}")
+    print(f"  weights on disk: {files.describe() if files else 'none (--gguf-dir)'}")
     if admission.allow is not None:
         print(f"  allowed clients: {', '.join(map(str, admission.allow))}")
     if host != "127.0.0.1":
@@ -148,7 +154,8 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
     except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
         runner = asyncio.run
     try:
-        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target, peer_push=not no_peer, key=key),
+        runner(serve(host, port, WorkerConfig(budget, cache_dir, threads, target, peer_push=not no_peer, key=key,
+                                                 gguf_dir=files),
                      admission=admission))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

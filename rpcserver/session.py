@@ -18,6 +18,7 @@ import numpy as np
 
 from wire import protocol as p
 from wire.ggml import type_traits
+from wire.gguf_files import encode_gguf_files
 from .auth import verify
 from .graph import Plan, build_plan, run_plan
 from kernels.hashing import fnv1a64
@@ -35,8 +36,9 @@ N_DEVICES = 1
 
 class WorkerConfig:
     def __init__(self, budget: MemoryBudget, cache_dir: Path | None = None, threads: int | None = None,
-                 target: Target = AVX2, peer_push: bool = True, key: bytes | None = None):
+                 target: Target = AVX2, peer_push: bool = True, key: bytes | None = None, gguf_dir=None):
         self.budget = budget
+        self.gguf_dir = gguf_dir  # --gguf-dir: a GgufDir whose files LOAD_TENSOR reads (None: no files)
         self.key = key  # --key-file: a connection must prove it holds it before anything else
         self.peer_push = peer_push  # False: SET_PEER refuses, this worker opens no connections
         self.tokens = TokenTable()  # worker-wide: PEER_WRITE finds its session by token
@@ -218,7 +220,8 @@ class Session:
         run_plan(self.plan)
 
     def handle_ext_hello(self, req: p.Empty) -> bytes:
-        features = p.FEATURE_PEER_PUSH | (p.FEATURE_AUTH if self.config.key is not None else 0)
+        features = p.FEATURE_PEER_PUSH | (p.FEATURE_AUTH if self.config.key is not None else 0) \
+            | (p.FEATURE_GGUF_FILES if self.config.gguf_dir is not None else 0)
         return p.ExtHelloResponse(p.EXT_MAGIC, features).encode()
 
     # -- pre-shared key (protocol_spec.md §8.2) ----------------------------------------------------
@@ -235,6 +238,20 @@ class Session:
             raise RequestError("wrong key (AUTH_PROOF does not match the challenge)")
         self.authorized = True
         return p.U8Response(1).encode()
+
+    # -- weights from the worker's disk (protocol_spec.md §8.3) -------------------------------------
+
+    def handle_gguf_files(self, req: p.Empty) -> bytes:
+        return encode_gguf_files(self.config.gguf_dir.entries if self.config.gguf_dir is not None else [])
+
+    def handle_load_tensor(self, req: p.LoadTensorRequest) -> bytes:
+        if self.config.gguf_dir is None:
+            raise RequestError("LOAD_TENSOR to a worker without --gguf-dir")
+        # both ranges checked before a byte moves: the file's (against its size at start-up) and the
+        # tensor's (inside the tensor and a buffer of this connection, exactly as SET_TENSOR)
+        fd = self.config.gguf_dir.check(req.file_id, req.file_offset, req.size)
+        dst = self.buffers.region(req.tensor, req.offset, req.size)
+        return p.U8Response(int(self.config.gguf_dir.load(fd, req.file_offset, dst, req.hash))).encode()
 
     # -- peer push (protocol_spec.md §8.1; the commands needing the event loop are in peers.py) --------
 
@@ -291,5 +308,5 @@ HANDLERS = {command: getattr(Session, f"handle_{command.name.lower()}") for comm
 HEAVY = frozenset({
     Command.SET_TENSOR, Command.SET_TENSOR_HASH, Command.GET_TENSOR, Command.COPY_TENSOR,
     Command.MEMSET_TENSOR, Command.BUFFER_CLEAR, Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE,
-    Command.FREE_BUFFER, Command.PEER_WRITE,
+    Command.FREE_BUFFER, Command.PEER_WRITE, Command.LOAD_TENSOR,
 })

@@ -33,3 +33,25 @@ def pytest_collection_modifyitems(config, items):
         tier = _TIER_BY_DIR.get(pathlib.Path(item.fspath).parent.name)
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+# Time per tier (setup + call + teardown of its tests, fixtures included), printed at the end of every run:
+# the CI log then says how long each tier took on that machine (docs/testing.md keeps a table of them).
+_TIER_SECONDS: dict[str, float] = {}
+_TIER_TESTS: dict[str, set] = {}
+
+
+def pytest_runtest_logreport(report):
+    tier = next((t for t in _TIER_BY_DIR.values() if t in report.keywords), "other")
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+    _TIER_TESTS.setdefault(tier, set()).add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _TIER_SECONDS:
+        return
+    terminalreporter.section("time per tier")
+    for tier, seconds in sorted(_TIER_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{tier:12s} {len(_TIER_TESTS[tier]):5d} tests {seconds / 60:7.1f} min")
+    terminalreporter.write_line(f"{'all':12s} {sum(map(len, _TIER_TESTS.values())):5d} tests "
+                                f"{sum(_TIER_SECONDS.values()) / 60:7.1f} min")

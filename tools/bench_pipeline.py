@@ -3,6 +3,8 @@ pushing stepwise and running the ring, with an ideal line per design.
 
     python tools/bench_pipeline.py [--nodes 1,2,3,4] [--latency-ms 0,5,10,20] [--mode transfer] [--apart]
         [--serial] [--tokens 32] [--prompt TEXT] [--reps 3] [--designs llamacpp,ours,push,ring] [-m MODEL]
+    python tools/bench_pipeline.py --baseline /tmp/base --designs ring@base,ring,push@base,push --nodes 2
+        # before/after: another commit's orchestrator against this one's, alternately, on the same workers
 
 For each node count N, N workers of each kind a design needs are started once (ggml-rpc-server for
 llama.cpp, ours for our orchestrator, `-t 1` by default) and warmed up by one untimed run per design
@@ -94,9 +96,16 @@ def llamacpp_command(args, endpoints: list[str], tokens: int) -> list[str]:
             "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-fit", "off"]
 
 
-def ours_command(*flags: str) -> Callable:
+def ours_command(*flags: str, checkout: Path | None = None) -> Callable:
+    """Our orchestrator's command line; with `checkout`, the orchestrator of that source tree (another
+    commit's worktree) runs instead of this one's, against the same workers."""
+    if checkout is None:
+        program = ["-m", "orchestrator"]
+    else:
+        program = ["-c", f"import sys; sys.path.insert(0, {str(checkout)!r}); from orchestrator.entry import main; main()"]
+
     def command(args, endpoints: list[str], tokens: int) -> list[str]:
-        return [sys.executable, "-m", "orchestrator", "--rpc", ",".join(endpoints), "-m", str(args.model),
+        return [sys.executable, *program, "--rpc", ",".join(endpoints), "-m", str(args.model),
                 "-p", args.prompt, "-n", str(tokens), "--temp", "0", "-s", "1", "--ignore-eos", *flags]
     return command
 
@@ -110,6 +119,19 @@ DESIGNS: dict[str, Design] = {
     "push": Design("ours push", "ours", "push", push_hops, ours_command("--no-ring")),
     "ring": Design("ours ring", "ours", "ring", ring_hops, ours_command()),
 }
+OUR_FLAGS = {"ours": ("--no-push",), "push": ("--no-ring",), "ring": ()}
+
+
+def add_baseline(checkout: Path) -> list[str]:
+    """Designs `ours@base`, `push@base`, `ring@base`: the orchestrator of another checkout on the same
+    workers, measured alternately with this one's (before/after a change, side by side in one run)."""
+    names = []
+    for name, flags in OUR_FLAGS.items():
+        d = DESIGNS[name]
+        DESIGNS[f"{name}@base"] = Design(f"{d.label} (base)", d.worker_kind, d.topology, d.hops,
+                                         ours_command(*flags, checkout=checkout))
+        names.append(f"{name}@base")
+    return names
 
 
 # -- measuring ----------------------------------------------------------------------------------------
@@ -358,8 +380,15 @@ def parse_args(argv):
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker and of llama-completion")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one client run may take")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed run per design and worker set")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another checkout (e.g. `git worktree add /tmp/base COMMIT`): adds designs ours@base, "
+                         "push@base, ring@base running its orchestrator on the same workers")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every proxy connection's summary")
     args = ap.parse_args(argv)
+    if args.baseline is not None:
+        if not (args.baseline / "orchestrator" / "entry.py").is_file():
+            ap.error(f"--baseline {args.baseline}: not a checkout of this project (no orchestrator/entry.py)")
+        add_baseline(args.baseline.resolve())
     args.designs = [d.strip() for d in args.designs.split(",") if d.strip()]
     unknown = [d for d in args.designs if d not in DESIGNS]
     if unknown or not args.designs:

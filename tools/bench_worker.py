@@ -2,6 +2,7 @@
 
     python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--gemma3] [--moe]
                                  [--all]
+    python tools/bench_worker.py --gguf-dir [-r 3] [--link-mbit 1000 ...] [-m MODEL ... | --synthetic TYPE ...]
 
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
 TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize;
@@ -15,6 +16,12 @@ qwen3moe in Q4_K_M shaped like a small Qwen3-30B-A3B: 16 experts of 768, 4 route
     as it reports them with -v), so "RSS / allocated" reads off directly;
   * time to first token of a fresh worker: from starting the worker process to the end of a
     one-token llama-completion through it (our JIT warm-up included), once per repetition.
+`--gguf-dir` instead compares two ways of getting the weights onto our worker, through our orchestrator
+(Pipeline.upload, the digest of the model included): sending them (SET_TENSOR) to a worker without the
+file, against a worker started with `--gguf-dir` holding a hard link to it (LOAD_TENSOR, each tensor's
+FNV-1a checked on both sides). Default model: a ~300 MB random llama in Q8_0 (`--synthetic` or `-m` for
+others). Both run on this machine, so the upload crosses loopback, its best case; `--link-mbit 1000`
+also runs both through a forwarder paced to 1 Gbit/s each way (a worker on another host of a LAN).
 Ratios are ours/reference; only ratios measured side by side in one run mean anything. The load
 average before and after is printed too: numbers taken while others compile are noisy.
 """
@@ -23,11 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +53,8 @@ SYNTHETIC_1B = dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192)
 # 128 experts and 4 of its 8 routed, 8 layers: about 0.7B parameters, 0.1B active per token
 SYNTHETIC_MOE = dict(n_layer=8, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=768, n_expert=16,
                      n_expert_used=4)
+# about 0.3B parameters, ~300 MB in Q8_0: the --gguf-dir comparison's default model
+SYNTHETIC_300M = dict(n_layer=12, n_embd=1024, n_head=16, n_head_kv=4, n_ff=4096)
 LOAD_TIME_RE = re.compile(r"load time =\s*([\d.]+) ms")
 # e.g. "llama_kv_cache: RPC0[127.0.0.1:50052] KV buffer size =   180.00 MiB"
 RPC_BUFFER_RE = re.compile(r"RPC\d+\[[^\]]*\] \w+ buffer size =\s*([\d.]+) MiB")
@@ -86,12 +99,12 @@ def peak_rss_mib(worker) -> float:
     return int(re.search(r"VmHWM:\s*(\d+) kB", status).group(1)) / 1024
 
 
-def synthetic_model(weight_type: str, arch: str = "llama") -> Path:
-    """A ~1B random llama (or the small qwen3moe) in weight_type, made once and cached."""
+def synthetic_model(weight_type: str, arch: str = "llama", stem: str = "") -> Path:
+    """A ~1B random llama (or the small qwen3moe, or the 300M llama) in weight_type, made once and cached."""
     from tools.make_model import write_model  # noqa: PLC0415
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    stem = "synthetic-1b" if arch == "llama" else f"synthetic-{arch}"
+    stem = stem or ("synthetic-1b" if arch == "llama" else f"synthetic-{arch}")
     path = CACHE / f"{stem}-{weight_type}.gguf"
     if path.is_file():
         return path
@@ -99,7 +112,7 @@ def synthetic_model(weight_type: str, arch: str = "llama") -> Path:
     base = CACHE / f"{stem}-{base_type}.gguf"
     if not base.is_file():
         print(f"writing {base} (once)...", file=sys.stderr, flush=True)
-        shape = SYNTHETIC_1B if arch == "llama" else SYNTHETIC_MOE
+        shape = SYNTHETIC_300M if stem == "synthetic-300m" else SYNTHETIC_1B if arch == "llama" else SYNTHETIC_MOE
         write_model(base.with_suffix(".tmp"), arch, weight_type=base_type, vocab_from=reference.model_path(),
                     **shape)
         base.with_suffix(".tmp").rename(base)
@@ -152,6 +165,117 @@ def bench_model(model: Path, args, logs: Path) -> None:
         print(f"| {label} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |", flush=True)
 
 
+class ThrottledLink:
+    """A TCP forwarder to `address` carrying at most `mbit` megabits a second each way, for a worker on
+    the far side of a network link (each direction paced in 64 KiB pieces)."""
+
+    PIECE = 64 << 10
+
+    def __init__(self, address: str, mbit: float):
+        host, _, port = address.rpartition(":")
+        self.target, self.rate = (host, int(port)), mbit * 1e6 / 8
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((client, upstream), (upstream, client)):
+                a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        due = time.perf_counter()
+        try:
+            while data := src.recv(self.PIECE):
+                due = max(due, time.perf_counter()) + len(data) / self.rate
+                dst.sendall(data)
+                if (wait := due - time.perf_counter()) > 0:
+                    time.sleep(wait)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def load_weights_once(model: Path, worker) -> tuple[float, int, int]:
+    """Seconds of Pipeline.upload onto one worker (the model's digest computed afresh), bytes the worker
+    read from its disk, weight bytes in all."""
+    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
+    from orchestrator.pipeline import disk_weights  # noqa: PLC0415
+    from orchestrator.pipeline.runner import Pipeline  # noqa: PLC0415
+
+    disk_weights._digests.clear()
+    pipe = Pipeline(ModelFile(model), n_ctx=256, n_batch=64, n_ubatch=64, flash_attn=False)
+    try:
+        pipe.connect([worker if isinstance(worker, str) else worker.address])
+        pipe.place()
+        pipe.allocate()
+        pipe.link()
+        start = time.perf_counter()
+        pipe.upload()
+        return time.perf_counter() - start, pipe.from_disk, sum(s.weight_bytes for s in pipe.stages)
+    finally:
+        pipe.close()
+
+
+def bench_gguf_dir(model: Path, args, logs: Path) -> None:
+    """Sending the weights against the worker reading its own copy, alternating, -r repetitions each."""
+    held = logs / "gguf-dir"
+    held.mkdir(exist_ok=True)
+    copy = held / model.name
+    if not copy.exists():
+        try:  # the same bytes without a second copy on disk (a symbolic link would not be offered)
+            os.link(model.resolve(), copy)
+        except OSError:
+            shutil.copy(model, copy)
+    workers = {"upload (SET_TENSOR)": reference.start_worker("ours", logs, threads=args.threads, timeout=600),
+               "worker's disk (LOAD_TENSOR)": reference.start_worker(
+                   "ours", logs, threads=args.threads, timeout=600, extra=("--gguf-dir", str(held)))}
+    links = {"loopback": None, **{f"{mbit:g} Mbit/s": mbit for mbit in args.link_mbit}}
+    samples: dict[tuple[str, str], list[float]] = {}
+    from_disk, total = {}, 0
+    load_before = load_average()
+    try:
+        for rep in range(args.repetitions):
+            for link, mbit in links.items():
+                for kind, worker in workers.items():
+                    throttled = ThrottledLink(worker.address, mbit) if mbit else None
+                    try:
+                        seconds, from_disk[kind], total = load_weights_once(
+                            model, throttled.address if throttled else worker)
+                    finally:
+                        if throttled:
+                            throttled.close()
+                    samples.setdefault((link, kind), []).append(seconds)
+                    print(f"rep {rep + 1} {link:12} {kind:28} {seconds:7.2f} s, {from_disk[kind] >> 20} MiB from disk",
+                          file=sys.stderr, flush=True)
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    print(f"\nmodel: {model.name} ({total / (1 << 20):.0f} MiB of weights), repetitions: {args.repetitions}, "
+          f"load average before/after: {load_before} / {load_average()}")
+    print("| link | weights by | median s | MiB/s | MiB read from the worker's disk | disk / upload |")
+    print("|---|---|---|---|---|---|")
+    for link in links:
+        upload = statistics.median(samples[(link, next(iter(workers)))])
+        for kind in workers:
+            med = statistics.median(samples[(link, kind)])
+            print(f"| {link} | {kind} | {med:.2f} | {total / (1 << 20) / med:.0f} | "
+                  f"{from_disk[kind] / (1 << 20):.0f} | {med / upload:.3f} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", action="append", default=[], help="GGUF file (repeatable)")
@@ -161,6 +285,10 @@ def main(argv=None) -> int:
     ap.add_argument("--moe", action="store_true", help="also bench the random qwen3moe in Q4_K_M")
     ap.add_argument("--all", action="store_true",
                     help="SmolLM2, Gemma 3, every synthetic type and the MoE (the issue's full set)")
+    ap.add_argument("--gguf-dir", action="store_true",
+                    help="compare uploading the weights with our worker reading them from its --gguf-dir")
+    ap.add_argument("--link-mbit", type=float, action="append", default=[],
+                    help="with --gguf-dir: also through a link of this many Mbit/s each way (repeatable)")
     ap.add_argument("-p", "--n-prompt", type=int, default=128)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
@@ -168,6 +296,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     synthetic = ["Q4_0", "Q8_0", "Q4_K_M"] if args.all else args.synthetic
     models = [Path(m) for m in args.model]
+    if args.gguf_dir:
+        models += [synthetic_model(t) for t in synthetic]
+        with tempfile.TemporaryDirectory() as logs:
+            for model in models or [synthetic_model("Q8_0", stem="synthetic-300m")]:
+                bench_gguf_dir(model, args, Path(logs))
+        return 0
     if not models and (args.all or not (synthetic or args.gemma3 or args.moe)):
         models.append(reference.model_path())
     if args.gemma3 or args.all:

@@ -58,6 +58,7 @@ OP_PARAMS: dict[GGMLOp, Layout] = {
     GGMLOp.PERMUTE: _layout("axis0:i axis1:i axis2:i axis3:i"),
     GGMLOp.RMS_NORM: _layout("eps:f"),
     GGMLOp.NORM: _layout("eps:f"),
+    GGMLOp.L2_NORM: _layout("eps:f"),
     GGMLOp.ROPE: _layout("unused0:i n_dims:i mode:i unused3:i n_ctx_orig:i freq_base:f freq_scale:f ext_factor:f"
                          " attn_factor:f beta_fast:f beta_slow:f section0:i section1:i section2:i section3:i"
                          " n_offs:i"),

@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from wire.ggml import MAX_SRC
+from .gguf_files import LoadTensorRequest
 from .record import TENSOR_DTYPE, TENSOR_SIZE, RpcTensor  # noqa: F401 - the codec's names
 
 PROTOCOL_VERSION = (7, 0, 0)
@@ -62,6 +63,8 @@ class Command(enum.IntEnum):
     WAIT_PUSH = 133
     AUTH_NONCE = 134  # pre-shared key (feature bit 1), protocol_spec.md §8.2
     AUTH_PROOF = 135
+    GGUF_FILES = 136  # weights from the worker's disk (feature bit 2), protocol_spec.md §8.3
+    LOAD_TENSOR = 137
 
 
 UPSTREAM_COMMAND_COUNT = 18
@@ -342,6 +345,7 @@ class ExtHelloResponse(Message):
 EXT_MAGIC = int.from_bytes(b"PYRPCEXT", "little")
 FEATURE_PEER_PUSH = 1 << 0
 FEATURE_AUTH = 1 << 1  # this worker serves nothing but the handshake until AUTH_PROOF succeeds
+FEATURE_GGUF_FILES = 1 << 2  # GGUF_FILES, LOAD_TENSOR: weights from the worker's --gguf-dir
 TOKEN_SIZE = 16
 NONCE_SIZE = 32
 MIN_KEY_BYTES = 16  # of a --key-file's stripped contents
@@ -470,6 +474,8 @@ COMMANDS: dict[Command, CommandSpec] = {
     Command.WAIT_PUSH: CommandSpec(WaitPushRequest, U8Response),
     Command.AUTH_NONCE: CommandSpec(Empty, AuthNonceResponse),
     Command.AUTH_PROOF: CommandSpec(AuthProofRequest, U8Response),
+    Command.GGUF_FILES: CommandSpec(Empty, bytes),  # wire.gguf_files.decode_gguf_files
+    Command.LOAD_TENSOR: CommandSpec(LoadTensorRequest, U8Response),
 }
 
 

@@ -281,7 +281,7 @@ class _Parts:
         self.q, self.k, self.v = node.src[:3]
         self.mask = node.src[3] if len(node.src) > 3 else None
         self.sinks = node.src[4] if len(node.src) > 4 else None
-        self.scale, self.max_bias, self.softcap = (F32(node.param_f32(i)) for i in range(3))
+        self.scale, self.max_bias, self.softcap = (F32(node.param(n)) for n in ("scale", "max_bias", "softcap"))
         if self.softcap != 0:
             self.scale = F32(self.scale / self.softcap)
 
@@ -344,8 +344,8 @@ def check_flash_attn_ext(node: Node) -> None:
         raise InvalidNode("FLASH_ATTN_EXT: max_bias (ALiBi) needs a mask")
     if sinks is not None and (sinks.type != GGMLType.F32 or sinks.ne != (q.ne[2], 1, 1, 1)):
         raise InvalidNode("FLASH_ATTN_EXT: sinks must be an F32 vector with one value per head")
-    if node.param_i32(3) not in (PREC_DEFAULT, PREC_F32):
-        raise InvalidNode(f"FLASH_ATTN_EXT: precision {node.param_i32(3)} is not supported by ggml-cpu")
+    if node.param("prec") not in (PREC_DEFAULT, PREC_F32):
+        raise InvalidNode(f"FLASH_ATTN_EXT: precision {node.param('prec')} is not supported by ggml-cpu")
     expect = (v.ne[0], q.ne[2], q.ne[1], q.ne[3])
     if dst.type != GGMLType.F32 or dst.ne != expect or not dst.is_contiguous():
         raise InvalidNode(f"FLASH_ATTN_EXT: dst must be contiguous F32 {expect}, got {dst.type.name} {dst.ne}")

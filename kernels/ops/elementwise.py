@@ -143,13 +143,13 @@ def _unary_rows(op, src, dst, gelu_tab, quick_tab, s, bias, lanes):
 
 def _unary_code(node: Node) -> int:
     return {GGMLOp.SQR: _SQR, GGMLOp.SQRT: _SQRT, GGMLOp.SCALE: _SCALE, GGMLOp.CLAMP: _CLAMP}.get(node.op) or \
-        node.param_i32(0)
+        node.param("op")
 
 
 def _check_unary(node: Node) -> None:
     (src,) = node.srcs(1)
     dst = node.dst
-    label = node.op.name if node.op != GGMLOp.UNARY else f"UNARY:{U(node.param_i32(0)).name}"
+    label = node.op.name if node.op != GGMLOp.UNARY else f"UNARY:{U(node.param('op')).name}"
     if src.type != GGMLType.F32 or dst.type != GGMLType.F32:
         raise InvalidNode(f"{label}: only F32 -> F32 is supported, got {src.type.name} -> {dst.type.name}")
     if src.ne != dst.ne:
@@ -165,7 +165,8 @@ def _prepare_unary(node: Node):
         return nothing
     gelu, quick = gelu_tables()
     code = _unary_code(node)
-    s, bias = (F32(node.param_f32(0)), F32(node.param_f32(1))) if code in (_SCALE, _CLAMP) else (F32(1.0), F32(0.0))
+    names = {_SCALE: ("scale", "bias"), _CLAMP: ("min", "max")}.get(code)
+    s, bias = (F32(node.param(names[0])), F32(node.param(names[1]))) if names else (F32(1.0), F32(0.0))
     parallel = st.parallel_worthwhile(src.size, cost=1 if code == _SCALE else 8)
     return partial(_unary_rows, code, src, node.dst.array(), gelu, quick, s, bias, node.target.lanes, parallel)
 
@@ -299,7 +300,7 @@ def _check_scale(node: Node) -> None:
 
 def _reference_scale(node: Node) -> None:
     x = node.src[0].array().astype(np.float64)
-    s, bias = node.param_f32(0), node.param_f32(1)
+    s, bias = node.param("scale"), node.param("bias")
     # a*s + b in double is the exact product plus one rounding: the same as f32 fma for these inputs
     # except in double-rounding corner cases, which the tests' tolerance covers
     y = x * s if bias == 0.0 else x * s + bias
@@ -323,7 +324,7 @@ def _check_clamp(node: Node) -> None:
 
 def _reference_clamp(node: Node) -> None:
     x = node.src[0].array()
-    lo, hi = F32(node.param_f32(0)), F32(node.param_f32(1))
+    lo, hi = F32(node.param("min")), F32(node.param("max"))
     t = np.where(x < hi, x, hi)
     node.dst.array()[...] = np.where(t > lo, t, lo)
 

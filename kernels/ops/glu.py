@@ -83,14 +83,14 @@ def _glu_operands(node: Node) -> tuple[np.ndarray, np.ndarray]:
         return a, node.src[1].array()
     nc = node.dst.ne[0]
     first, second = a[..., :nc], a[..., nc : 2 * nc]
-    return (second, first) if node.param_i32(1) else (first, second)
+    return (second, first) if node.param("swapped") else (first, second)
 
 
 def _check_glu(node: Node) -> None:
     (a,) = node.srcs(1)
     b = node.src[1] if len(node.src) > 1 else None
     dst = node.dst
-    label = f"GLU:{G(node.param_i32(0)).name}"
+    label = f"GLU:{G(node.param('op')).name}"
     if a.type != GGMLType.F32 or dst.type != GGMLType.F32 or (b is not None and b.type != GGMLType.F32):
         raise InvalidNode(f"{label}: only F32 is supported")
     expect = a.ne if b is not None else (a.ne[0] // 2,) + a.ne[1:]
@@ -110,7 +110,7 @@ def _prepare_glu(node: Node):
         return nothing
     gelu, quick = gelu_tables()
     parallel = st.parallel_worthwhile(dst.size, cost=8)
-    return partial(_glu_rows, node.param_i32(0), x, g, dst, gelu, quick, node.target.lanes, parallel)
+    return partial(_glu_rows, node.param("op"), x, g, dst, gelu, quick, node.target.lanes, parallel)
 
 
 _forward_glu = prepared(_prepare_glu)
@@ -122,7 +122,7 @@ _GLU_ACTIVATION = {G.SWIGLU: U.SILU, G.REGLU: U.RELU, G.GEGLU: U.GELU, G.GEGLU_Q
 
 def _reference_glu(node: Node) -> None:
     x, g = _glu_operands(node)
-    op = node.param_i32(0)
+    op = node.param("op")
     out = reference_unary_values(_GLU_ACTIVATION[op], x, node.target.lanes) * g
     # ggml writes a plain 0 where the activation's own result is 0 (never 0 * g)
     zero_where = x <= 0 if op == G.REGLU else (x <= -10 if op == G.GEGLU else np.zeros(x.shape, bool))

@@ -49,7 +49,7 @@ def check(node: Node) -> None:
     dst = node.dst
     if src0.type not in WEIGHT_TYPES:
         raise InvalidNode(f"MUL_MAT: unsupported weight type {src0.type.name}")
-    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
+    if node.param("hint") == HINT_SRC0_IS_HADAMARD:
         check_fwht(node)
         return
     if src1.type != GGMLType.F32 or dst.type != GGMLType.F32:
@@ -206,7 +206,7 @@ def prepare(node: Node):
     dst = node.dst
     if 0 in src0.ne or 0 in dst.ne:
         return nothing
-    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
+    if node.param("hint") == HINT_SRC0_IS_HADAMARD:
         return partial(forward_fwht, node)
     x = src1.array()
     out = dst.array()
@@ -289,7 +289,7 @@ def reference(node: Node) -> None:
     src0, src1 = node.src[:2]
     if 0 in src0.ne or 0 in node.dst.ne:
         return
-    if node.param_i32(1) == HINT_SRC0_IS_HADAMARD:
+    if node.param("hint") == HINT_SRC0_IS_HADAMARD:
         reference_fwht(node)
         return
     out = node.dst.array()

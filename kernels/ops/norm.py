@@ -145,7 +145,7 @@ def _check_norm(node: Node) -> None:
         raise InvalidNode(f"{name}: only F32 is supported, got {src.type.name} -> {dst.type.name}")
     if src.ne != dst.ne:
         raise InvalidNode(f"{name}: result shape {dst.ne} differs from source {src.ne}")
-    eps = node.param_f32(0)
+    eps = node.param("eps")
     if not eps >= 0.0:
         raise InvalidNode(f"{name}: eps must be >= 0, got {eps}")
     if node.op == GGMLOp.RMS_NORM and (src.nb[0] != 4 or dst.nb[0] != 4):
@@ -159,7 +159,7 @@ def _prepare(node: Node):
     # NORM has a fast path for rows contiguous on both sides and a scalar one otherwise
     contiguous = node.src[0].nb[0] == 4 and node.dst.nb[0] == 4
     parallel = parallel_worthwhile(src.size, cost=2)
-    eps = F32(node.param_f32(0))
+    eps = F32(node.param("eps"))
     return partial(_norm_rows, _CODES[node.op], src, dst, eps, contiguous, node.target.lanes, parallel)
 
 
@@ -207,7 +207,7 @@ def _np_norm_strided(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _reference(node: Node) -> None:
     """ggml's statistics in ggml's order and precision (the target's lanes for NORM's variance)."""
     x = node.src[0].array()
-    eps = np.float32(node.param_f32(0))
+    eps = np.float32(node.param("eps"))
     if 0 in x.shape:
         return
     n0 = x.shape[-1]

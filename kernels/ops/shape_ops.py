@@ -42,7 +42,7 @@ CONCAT_ROW_COPY_TYPES = (T.I64, T.F64)
 def _check_concat(node: Node) -> None:
     a, b = node.srcs(2)
     dst = node.dst
-    dim = node.param_i32(0)
+    dim = node.param("dim")
     if not 0 <= dim < MAX_DIMS:
         raise InvalidNode(f"CONCAT: dim {dim} outside [0, {MAX_DIMS})")
     if a.type not in CONCAT_STRIDED_TYPES + CONCAT_ROW_COPY_TYPES:
@@ -61,7 +61,7 @@ def _check_concat(node: Node) -> None:
 
 def _forward_concat(node: Node) -> None:
     a, b = node.src[:2]
-    axis = 3 - node.param_i32(0)  # numpy views are (ne3, ne2, ne1, ne0)
+    axis = 3 - node.param("dim")  # numpy views are (ne3, ne2, ne1, ne0)
     out = raw_storage(node.dst)
     split = a.ne[3 - axis]
     head = [slice(None)] * 4
@@ -73,7 +73,7 @@ def _forward_concat(node: Node) -> None:
 
 def _reference_concat(node: Node) -> None:
     a, b = node.src[:2]
-    raw_storage(node.dst)[...] = np.concatenate((raw_storage(a), raw_storage(b)), axis=3 - node.param_i32(0))
+    raw_storage(node.dst)[...] = np.concatenate((raw_storage(a), raw_storage(b)), axis=3 - node.param("dim"))
 
 
 register(GGMLOp.CONCAT)(OpKernel(_check_concat, _forward_concat, _reference_concat))

@@ -75,7 +75,7 @@ def _soft_max_rows(src, dst, mask, has_mask, sinks, has_sinks, scale, max_bias, 
 def _soft_max_parts(node: Node):
     src, mask = node.src[0], node.src[1] if len(node.src) > 1 else None
     sinks = node.src[2] if len(node.src) > 2 else None
-    return src, mask, sinks, node.param_f32(0), node.param_f32(1)
+    return src, mask, sinks, node.param("scale"), node.param("max_bias")
 
 
 def check_soft_max(node: Node) -> None:

@@ -42,8 +42,8 @@ def check(node: Node) -> None:
     want = src.ne if node.op == GGMLOp.ARGSORT else (dst.ne[0], *src.ne[1:])
     if dst.ne != want or (node.op == GGMLOp.TOP_K and dst.ne[0] > src.ne[0]):
         raise InvalidNode(f"{name}: result shape {dst.ne} does not fit source {src.ne}")
-    if node.op == GGMLOp.ARGSORT and node.param_i32(0) not in (SORT_ASC, SORT_DESC):
-        raise InvalidNode(f"ARGSORT: invalid sort order {node.param_i32(0)}")
+    if node.op == GGMLOp.ARGSORT and node.param("order") not in (SORT_ASC, SORT_DESC):
+        raise InvalidNode(f"ARGSORT: invalid sort order {node.param('order')}")
     if src.nb[0] != 4 or dst.nb[0] != 4:
         raise InvalidNode(f"{name}: rows must be contiguous")
     if not (_evenly_spaced_rows(src) and _evenly_spaced_rows(dst)):
@@ -242,7 +242,7 @@ def prepare(node: Node):
     x, out = _rows(src, np.float32), _rows(dst, np.int32)
     parallel = parallel_worthwhile(x.size, cost=8)
     if node.op == GGMLOp.ARGSORT:
-        desc = node.param_i32(0) == SORT_DESC
+        desc = node.param("order") == SORT_DESC
         return lambda: _argsort_rows(x, out, desc, parallel)
     scratch = np.empty(x.shape, np.int32)
     return lambda: _top_k_rows(x, out, scratch, parallel)
@@ -257,7 +257,7 @@ def reference(node: Node) -> None:
         return
     x, out = _rows(src, np.float32), _rows(dst, np.int32)
     if node.op == GGMLOp.ARGSORT:
-        out[...] = np.argsort(-x if node.param_i32(0) == SORT_DESC else x, axis=1, kind="stable")
+        out[...] = np.argsort(-x if node.param("order") == SORT_DESC else x, axis=1, kind="stable")
         return
     top = np.argsort(-x, axis=1, kind="stable")[:, : out.shape[1]]
     if top.shape[1] > 1:

@@ -95,8 +95,8 @@ class Report:
     def upload(self, done: int, total: int) -> None:
         """Weight bytes sent so far, after each tensor."""
 
-    def uploaded(self, seconds: float) -> None:
-        """The weights are on the workers."""
+    def uploaded(self, seconds: float, from_disk: int = 0) -> None:
+        """The weights are on the workers, `from_disk` bytes of them read from the workers' own disks."""
 
     def relay(self, link: Link) -> None:
         """A push over `link` failed: it relays from now on."""
@@ -126,7 +126,7 @@ def start_pipeline(model: ModelFile, endpoints: list, options: PipelineOptions, 
         pipe.on_relay = report.relay
         start = time.perf_counter()
         pipe.upload(report.upload)
-        report.uploaded(time.perf_counter() - start)
+        report.uploaded(time.perf_counter() - start, pipe.from_disk)
     except BaseException:
         pipe.close()
         raise

@@ -95,6 +95,7 @@ class WeightInfo:
     type: GGMLType
     ne: tuple[int, int, int, int]
     data: np.ndarray  # uint8 view into the memory-mapped file
+    offset: int = 0  # of data in the file
 
     @property
     def nbytes(self) -> int:
@@ -238,7 +239,7 @@ class ModelFile:
             start, size = int(t.data_offset), info.nbytes
             if ne[0] % TYPE_TRAITS[type_].block_size or start + size > len(self.reader.data):
                 raise ModelError(f"{self.path.name}: tensor {t.name} is truncated or misshapen")
-            weights[t.name] = WeightInfo(t.name, type_, ne, self.reader.data[start:start + size])
+            weights[t.name] = WeightInfo(t.name, type_, ne, self.reader.data[start:start + size], start)
         return weights
 
     def layer_tensor_names(self, il: int) -> dict[str, str]:

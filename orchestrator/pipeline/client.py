@@ -9,6 +9,7 @@ import socket
 import time
 
 from wire import framing, protocol as p
+from wire.gguf_files import GgufFile, LoadTensorRequest, decode_gguf_files
 from wire.protocol import Command, ProtocolError
 
 MAX_RESPONSE = 1 << 34
@@ -160,6 +161,18 @@ class RpcClient:
         """True if the worker had bytes with this FNV-1a hash in its cache and wrote them to the tensor."""
         reply = self.call(Command.SET_TENSOR_HASH, p.SetTensorHashRequest(tensor, offset, digest))
         return p.U8Response.decode(reply).result == 1
+
+    def gguf_files(self) -> list[GgufFile]:
+        """The GGUF files a worker with --gguf-dir offers (protocol_spec.md §8.3); file id = position."""
+        try:
+            return decode_gguf_files(self.call(Command.GGUF_FILES))
+        except ValueError as exc:
+            raise WorkerError(f"worker {self.endpoint}: {exc}") from None
+
+    def load_tensor(self, tensor: p.RpcTensor, file_id: int, file_offset: int, size: int, digest: int) -> None:
+        """Asks the worker to read the tensor's bytes from its file; receive() gives 1 (done) or 0 (their
+        FNV-1a hash is not `digest`: send them with SET_TENSOR)."""
+        self.send(Command.LOAD_TENSOR, LoadTensorRequest(tensor, 0, file_id, file_offset, size, digest))
 
     def get_tensor(self, tensor: p.RpcTensor, size: int, offset: int = 0) -> bytes:
         return self.call(Command.GET_TENSOR, p.GetTensorRequest(tensor, offset, size))

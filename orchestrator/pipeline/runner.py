@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from orchestrator.pipeline.disk_weights import load_weights, worker_file
 from orchestrator.pipeline.client import RpcClient, WorkerError, name_the_dead
 from orchestrator.pipeline.kv import KV_PAD, Batch, SwaCells, padded_cells
 from orchestrator.graph.gemma3 import Gemma3Builder
@@ -128,9 +129,12 @@ class Stage:
         self.client.buffer_clear(kv.handle, 0)  # empty cells must hold finite values (llama.cpp clears too)
         self.compute = self._allocate(compute_bytes, "compute buffer")
 
-    def upload(self, progress: Callable[[int], None]) -> None:
-        """Sends the stage's weights (SET_TENSOR_HASH first for large ones); progress(bytes) after each tensor."""
+    def upload(self, progress: Callable[[int], None], loaded: frozenset = frozenset()) -> None:
+        """Sends the stage's weights but those `loaded` from the worker's disk (SET_TENSOR_HASH first for
+        large ones); progress(bytes) after each tensor."""
         for name, tensor in self.weights.items():
+            if name in loaded:
+                continue
             data = self.model.weights[name].data
             wire = wire_tensor(tensor)
             if not (data.nbytes > HASH_THRESHOLD and self.client.set_tensor_hash(wire, fnv1a64(data))):
@@ -253,6 +257,7 @@ class Pipeline:
         self.idle: list[str] = []  # endpoints of the workers place() gave no blocks
         self.peer_addresses: dict[str, str] = {}  # endpoint -> how the other workers reach it
         self.features: dict[str, int] = {}  # endpoint -> the extensions it offers (EXT_HELLO)
+        self.from_disk = 0  # weight bytes the workers read from their own copy of the model (upload())
         self.links: list[Link] = []  # one per stage boundary, from link()
         self.on_relay: Callable[[Link], None] | None = None  # told when a failed push turns a link to relay
         self.step = 0
@@ -310,7 +315,8 @@ class Pipeline:
             stage.allocate(plan.compute_bytes)
 
     def upload(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Sends every stage its weights; progress(done, total), in bytes, after each tensor."""
+        """Sends every stage its weights, or has its worker read them from its copy of the model
+        (pipeline/disk_weights.py); progress(done, total), in bytes, after each tensor."""
         total, done = sum(s.weight_bytes for s in self.stages), 0
 
         def sent(n: int) -> None:
@@ -319,8 +325,12 @@ class Pipeline:
             if progress is not None:
                 progress(done, total)
 
+        self.from_disk = 0
         for stage in self.stages:
-            stage.upload(sent)
+            file_id = worker_file(stage.client, self.features.get(stage.endpoint, 0), self.model.path)
+            loaded = load_weights(stage, file_id, sent) if file_id is not None else set()
+            self.from_disk += sum(self.model.weights[name].data.nbytes for name in loaded)
+            stage.upload(sent, loaded)
 
     def link(self, push: bool = True) -> list[Link]:
         """Decides, per stage boundary, whether the worker pushes its activation to the next (both ours,

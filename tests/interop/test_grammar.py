@@ -10,11 +10,7 @@ agree with that set. Lazy grammars are checked the same way, through their trigg
 from __future__ import annotations
 
 import ctypes
-import inspect
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -25,8 +21,7 @@ from orchestrator.sampling.gbnf import GrammarError
 from orchestrator.sampling.grammar import GrammarSampler
 from orchestrator.tokenizer import Vocab
 
-from .conftest import reference
-from .test_tokenizer import _ModelParams
+from . import libllama_child
 
 ORACLE_TIMEOUT = 600
 
@@ -72,18 +67,9 @@ BAD = ["root ::= foo", "root ::= \"a", "root ::= [a", "root := \"a\"", "root ::=
        "root ::= \"a\"{3000}", "root ::= \"\\q\"", "start ::= \"a\"", "root ::= (\"a\"", "root ::= <[12>"]
 
 
-def _oracle_main(bin_dir: str, model: str) -> None:
+def _oracle_main(lib, vocab, request) -> list:
     import numpy as np
-    request = json.load(sys.stdin)
-    lib = ctypes.CDLL(str(Path(bin_dir) / "libllama.so"))
-    log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_: None)
-    lib.llama_log_set(log_callback, None)
-    lib.llama_model_default_params.restype = _ModelParams
-    lib.llama_model_load_from_file.argtypes = [ctypes.c_char_p, _ModelParams]
-    lib.llama_model_load_from_file.restype = ctypes.c_void_p
     vp = ctypes.c_void_p
-    lib.llama_model_get_vocab.argtypes = [vp]
-    lib.llama_model_get_vocab.restype = vp
     lib.llama_vocab_n_tokens.argtypes = [vp]
     lib.llama_vocab_is_eog.argtypes = [vp, ctypes.c_int32]
     lib.llama_vocab_is_eog.restype = ctypes.c_bool
@@ -104,10 +90,6 @@ def _oracle_main(bin_dir: str, model: str) -> None:
     lib.llama_sampler_apply.argtypes = [vp, ctypes.POINTER(TokenDataArray)]
     lib.llama_sampler_accept.argtypes = [vp, ctypes.c_int32]
     lib.llama_sampler_free.argtypes = [vp]
-    lib.llama_backend_init()
-    params = lib.llama_model_default_params()
-    params.vocab_only = True
-    vocab = lib.llama_model_get_vocab(lib.llama_model_load_from_file(model.encode(), params))
     n = lib.llama_vocab_n_tokens(vocab)
     dtype = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
     results = []
@@ -148,19 +130,11 @@ def _oracle_main(bin_dir: str, model: str) -> None:
                 break
         lib.llama_sampler_free(smpl)
         results.append({"masks": masks, "path": path})
-    json.dump(results, sys.stdout)
+    return results
 
 
 def run_oracle(bin_dir: Path, model: Path, request: list[dict], stderr: list | None = None) -> list:
-    program = "\n".join(["import ctypes, json, sys", "from pathlib import Path", inspect.getsource(_ModelParams),
-                         inspect.getsource(_oracle_main), "_oracle_main(sys.argv[1], sys.argv[2])"])
-    done = subprocess.run([sys.executable, "-c", program, str(bin_dir), str(model)], capture_output=True,
-                          input=json.dumps(request).encode(), env=reference.llama_env(), timeout=ORACLE_TIMEOUT)
-    if done.returncode != 0:
-        raise AssertionError(f"libllama oracle failed ({done.returncode}):\n{done.stderr.decode(errors='replace')[-3000:]}")
-    if stderr is not None:
-        stderr.append(done.stderr.decode(errors="replace"))
-    return json.loads(done.stdout)
+    return libllama_child.run(_oracle_main, bin_dir, model, request, ORACLE_TIMEOUT, stderr)
 
 
 @pytest.fixture(scope="module")
@@ -228,15 +202,8 @@ CHAIN_CASES = [  # (grammar, lazy patterns, temp, top_k, seed, text pushed by a 
 ]
 
 
-def _chain_oracle_main(bin_dir: str, model: str) -> None:
+def _chain_oracle_main(lib, vocab, request) -> list:
     import numpy as np
-    request = json.load(sys.stdin)
-    lib = ctypes.CDLL(str(Path(bin_dir) / "libllama.so"))
-    log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_: None)
-    lib.llama_log_set(log_callback, None)
-    lib.llama_model_default_params.restype = _ModelParams
-    lib.llama_model_load_from_file.argtypes = [ctypes.c_char_p, _ModelParams]
-    lib.llama_model_load_from_file.restype = ctypes.c_void_p
     vp, F, I32, SIZE = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32, ctypes.c_size_t
 
     class TokenData(ctypes.Structure):
@@ -250,7 +217,7 @@ def _chain_oracle_main(bin_dir: str, model: str) -> None:
         _fields_ = [("no_perf", ctypes.c_bool)]
 
     for name, restype, argtypes in [
-            ("llama_model_get_vocab", vp, [vp]), ("llama_vocab_n_tokens", I32, [vp]),
+            ("llama_vocab_n_tokens", I32, [vp]),
             ("llama_sampler_init_grammar", vp, [vp, ctypes.c_char_p, ctypes.c_char_p]),
             ("llama_sampler_init_grammar_lazy_patterns", vp, [vp, ctypes.c_char_p, ctypes.c_char_p,
                                                              ctypes.POINTER(ctypes.c_char_p), SIZE, ctypes.c_void_p, SIZE]),
@@ -263,10 +230,6 @@ def _chain_oracle_main(bin_dir: str, model: str) -> None:
             ("llama_sampler_accept", None, [vp, I32]), ("llama_sampler_free", None, [vp])]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    lib.llama_backend_init()
-    params = lib.llama_model_default_params()
-    params.vocab_only = True
-    vocab = lib.llama_model_get_vocab(lib.llama_model_load_from_file(model.encode(), params))
     n = lib.llama_vocab_n_tokens(vocab)
     dtype = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
     out = []
@@ -313,7 +276,7 @@ def _chain_oracle_main(bin_dir: str, model: str) -> None:
         out.append(tokens)
         lib.llama_sampler_free(grmr)
         lib.llama_sampler_free(chain)
-    json.dump(out, sys.stdout)
+    return out
 
 
 def test_chain_draws_as_common_sampler_with_libllama(bin_dir, model_path, vocab):
@@ -324,12 +287,8 @@ def test_chain_draws_as_common_sampler_with_libllama(bin_dir, model_path, vocab)
     request = [{"grammar": g, "patterns": pats, "temp": temp, "top_k": k, "seed": seed, "steps": 40,
                 "pushed": vocab.tokenize(text, add_special=False, parse_special=True)}
                for g, pats, temp, k, seed, text in CHAIN_CASES]
-    program = "\n".join(["import ctypes, json, sys", "from pathlib import Path", inspect.getsource(_ModelParams),
-                         inspect.getsource(_chain_oracle_main), "_chain_oracle_main(sys.argv[1], sys.argv[2])"])
-    done = subprocess.run([sys.executable, "-c", program, str(bin_dir), str(model_path)], capture_output=True,
-                          input=json.dumps(request).encode(), env=reference.llama_env(), timeout=ORACLE_TIMEOUT)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
-    for case, expected in zip(request, json.loads(done.stdout)):
+    for case, expected in zip(request, libllama_child.run(_chain_oracle_main, bin_dir, model_path, request,
+                                                          ORACLE_TIMEOUT)):
         assert len(expected) > 10, f"libllama stopped early: {case['grammar'][:40]!r}"
         params = SamplingParams(temp=case["temp"], top_k=case["top_k"], seed=case["seed"], grammar=case["grammar"],
                                 grammar_lazy=case["patterns"] is not None,

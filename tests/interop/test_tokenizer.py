@@ -8,11 +8,8 @@ functions below, sent to `python -c`) so that a crash there fails one test inste
 from __future__ import annotations
 
 import ctypes
-import inspect
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -21,7 +18,7 @@ import pytest
 
 from orchestrator.tokenizer import Vocab, codepoint_flag
 
-from .conftest import reference
+from . import libllama_child
 
 pytestmark = pytest.mark.interop
 
@@ -52,27 +49,7 @@ RAW_TEXTS = [b"abc\xff\xfe def \xe2\x82 xyz", b"\xed\xa0\x80 surrogate \xc0\x80 
 
 # --- the libllama oracle (child process side) -----------------------------------------------------------------
 
-class _ModelParams(ctypes.Structure):
-    """struct llama_model_params of the pinned include/llama.h."""
-    _fields_ = [("devices", ctypes.c_void_p), ("tensor_buft_overrides", ctypes.c_void_p),
-                ("n_gpu_layers", ctypes.c_int32), ("split_mode", ctypes.c_int), ("load_mode", ctypes.c_int),
-                ("lazy_mode", ctypes.c_int), ("main_gpu", ctypes.c_int32), ("tensor_split", ctypes.c_void_p),
-                ("progress_callback", ctypes.c_void_p), ("progress_callback_user_data", ctypes.c_void_p),
-                ("kv_overrides", ctypes.c_void_p), ("vocab_only", ctypes.c_bool), ("check_tensors", ctypes.c_bool),
-                ("use_extra_bufts", ctypes.c_bool), ("no_host", ctypes.c_bool), ("no_alloc", ctypes.c_bool),
-                ("load_mtp", ctypes.c_bool)]
-
-
-def _oracle_main(bin_dir: str, model: str) -> None:
-    request = json.load(sys.stdin)
-    lib = ctypes.CDLL(str(Path(bin_dir) / "libllama.so"))
-    log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_: None)
-    lib.llama_log_set(log_callback, None)
-    lib.llama_model_default_params.restype = _ModelParams
-    lib.llama_model_load_from_file.argtypes = [ctypes.c_char_p, _ModelParams]
-    lib.llama_model_load_from_file.restype = ctypes.c_void_p
-    lib.llama_model_get_vocab.argtypes = [ctypes.c_void_p]
-    lib.llama_model_get_vocab.restype = ctypes.c_void_p
+def _oracle_main(lib, vocab, request) -> dict:
     vp, token = ctypes.c_void_p, ctypes.c_int32
     lib.llama_tokenize.argtypes = [vp, ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(token), ctypes.c_int32,
                                    ctypes.c_bool, ctypes.c_bool]
@@ -83,14 +60,6 @@ def _oracle_main(bin_dir: str, model: str) -> None:
     for name in getters:
         getattr(lib, f"llama_vocab_{name}").argtypes = [vp]
     lib.llama_vocab_get_add_bos.restype = lib.llama_vocab_get_add_eos.restype = ctypes.c_bool
-
-    lib.llama_backend_init()
-    params = lib.llama_model_default_params()
-    params.vocab_only = True
-    handle = lib.llama_model_load_from_file(model.encode(), params)
-    if not handle:
-        sys.exit(f"libllama could not load {model}")
-    vocab = lib.llama_model_get_vocab(handle)
     result = {name: getattr(lib, f"llama_vocab_{name}")(vocab) for name in getters}
     n_tokens = result["n_tokens"]
 
@@ -120,21 +89,13 @@ def _oracle_main(bin_dir: str, model: str) -> None:
             if not runs or runs[-1][1] != flags:
                 runs.append((cp, flags))
         result["flag_runs"] = runs
-    json.dump(result, sys.stdout)
+    return result
 
 
 def run_oracle(bin_dir: Path, model: Path, texts: list[tuple[bytes, list]], flags: bool = False) -> dict:
     """libllama's answers for one vocabulary: tokens of each (text, modes), every piece, specials, EOG set."""
-    program = "\n".join(["import ctypes, json, sys", "from pathlib import Path",
-                         inspect.getsource(_ModelParams), inspect.getsource(_oracle_main),
-                         "_oracle_main(sys.argv[1], sys.argv[2])"])
     request = {"texts": [(text.hex(), modes) for text, modes in texts], "flags": flags}
-    done = subprocess.run([sys.executable, "-c", program, str(bin_dir), str(model)], capture_output=True,
-                          input=json.dumps(request).encode(), env=reference.llama_env(), timeout=ORACLE_TIMEOUT)
-    if done.returncode != 0:
-        raise AssertionError(f"libllama oracle failed ({done.returncode}) on {model}:\n"
-                             f"{done.stderr.decode(errors='replace')[-3000:]}")
-    return json.loads(done.stdout)
+    return libllama_child.run(_oracle_main, bin_dir, model, request, ORACLE_TIMEOUT)
 
 
 # --- vocabularies --------------------------------------------------------------------------------------------

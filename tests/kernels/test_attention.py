@@ -11,6 +11,7 @@ from kernels import storage
 from kernels.formats import kv_quants
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
+from wire import op_params
 from wire.ggml import GGMLOp, GGMLType
 from kernels.target import AVX2, AVX512
 
@@ -29,10 +30,7 @@ def drivers(request, monkeypatch):
 
 
 def fa_params(scale=0.125, max_bias=0.0, softcap=0.0, prec=10):
-    p = np.zeros(16, np.int32)
-    p[:3] = np.array([scale, max_bias, softcap], F32).view(np.int32)
-    p[3] = prec
-    return p
+    return op_params.encode(GGMLOp.FLASH_ATTN_EXT, scale=scale, max_bias=max_bias, softcap=softcap, prec=prec)
 
 
 class Case:
@@ -173,7 +171,8 @@ def test_forward_matches_reference(name, threads, target, drivers):
 
 def attention64(case: Case) -> np.ndarray:
     """Plain float64 attention, one (sequence, head, query) at a time, from the case's raw arrays."""
-    scale, mb, softcap = (float(v) for v in case.params[:3].view(F32))
+    p = op_params.decode(GGMLOp.FLASH_ATTN_EXT, case.params)
+    scale, mb, softcap = p.scale, p.max_bias, p.softcap
     out = np.zeros((case.n_seq, case.n_q, case.n_head, case.dv))
     group = case.n_head // case.n_head_kv
     n_log2 = 2 ** math.floor(math.log2(case.n_head))
@@ -282,7 +281,7 @@ def ggml_node(g, case: Case):
     mask = g.new(T.F16, case.mask.shape[::-1], case.mask) if case.mask is not None else None
     p = at._Parts(case.node())
     out = g.op("ggml_flash_attn_ext", q, view(case.k_cache, case.kt, case.dk), view(case.v_cache, case.vt, case.dv), mask,
-               float(case.params[:1].view(F32)[0]), float(p.max_bias), float(p.softcap))
+               float(p.scale), float(p.max_bias), float(p.softcap))
     g._base.ggml_flash_attn_ext_set_prec(out, 10)
     if case.sinks is not None:
         g._base.ggml_flash_attn_ext_add_sinks(out, g.new(T.F32, (case.n_head,), case.sinks))

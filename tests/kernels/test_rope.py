@@ -10,6 +10,7 @@ from kernels import storage
 from kernels.ops import rope
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
+from wire import op_params
 from wire.ggml import ROPE_MODE_MROPE, ROPE_MODE_NEOX, ROPE_MODE_NORMAL, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
@@ -28,10 +29,9 @@ def drivers(request, monkeypatch):
 
 def rope_params(n_dims, mode, n_ctx_orig=4096, base=10000.0, freq_scale=1.0, ext=0.0, attn=1.0,
                 beta_fast=32.0, beta_slow=1.0, n_offs=0):
-    p = np.zeros(16, np.int32)
-    p[1], p[2], p[4], p[15] = n_dims, mode, n_ctx_orig, n_offs
-    p[5:11] = np.array([base, freq_scale, ext, attn, beta_fast, beta_slow], F32).view(np.int32)
-    return p
+    return op_params.encode(GGMLOp.ROPE, n_dims=n_dims, mode=mode, n_ctx_orig=n_ctx_orig, freq_base=base,
+                            freq_scale=freq_scale, ext_factor=ext, attn_factor=attn, beta_fast=beta_fast,
+                            beta_slow=beta_slow, n_offs=n_offs)
 
 
 def rope_node(ne, seed, type_=T.F32, n_dims=None, mode=ROPE_MODE_NORMAL, freq_factors=False, permuted=False,

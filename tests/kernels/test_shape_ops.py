@@ -98,7 +98,7 @@ def _concat_node(type_, shape, strided_out=False):
 def test_concat_forward_matches_reference_and_numpy(type_, shape):
     node = run_both(lambda: _concat_node(type_, shape))
     a, b = node.src[0].array(), node.src[1].array()
-    expect = np.concatenate((a, b), axis=3 - node.param_i32(0))
+    expect = np.concatenate((a, b), axis=3 - node.param("dim"))
     np.testing.assert_array_equal(node.dst.array().view(np.uint8), expect.view(np.uint8))
 
 

@@ -91,7 +91,7 @@ def test_forward_matches_reference(case, target, drivers):
 def test_reference_against_float64_math(case, target):
     node = soft_max_node(seed=2, target=target, **case)
     got = run(node, "reference")
-    x = node.src[0].array().astype(np.float64) * float(node.param_f32(0))
+    x = node.src[0].array().astype(np.float64) * node.param("scale")
     n_head = x.shape[1]
     if node.src[1] is not None:
         m = node.src[1].array().astype(np.float64)
@@ -262,7 +262,7 @@ def test_bit_exact_with_ggml(case):
         x = g.new(T.F32, mirror.src[0].ne, mirror.src[0].array())
         m = mirror.src[1]
         gm = g.new(m.type, m.ne, m.array()) if m is not None else None
-        out = g.op("ggml_soft_max_ext", x, gm, float(mirror.param_f32(0)), float(mirror.param_f32(1)))
+        out = g.op("ggml_soft_max_ext", x, gm, mirror.param("scale"), mirror.param("max_bias"))
         if len(mirror.src) > 2:
             g._base.ggml_soft_max_add_sinks(out, g.new(T.F32, mirror.src[2].ne, mirror.src[2].array()))
         node = g.mirror(out)

@@ -57,6 +57,8 @@ SAMPLES = {
     Command.WAIT_PUSH: p.WaitPushRequest(9, 250),
     Command.AUTH_NONCE: p.Empty(),
     Command.AUTH_PROOF: p.AuthProofRequest(bytes(range(32))),
+    Command.GGUF_FILES: p.Empty(),
+    Command.LOAD_TENSOR: p.LoadTensorRequest(sample_tensor(), 16, 2, 1 << 40, 4096, 0xFEDCBA9876543210),
 }
 
 
