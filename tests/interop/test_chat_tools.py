@@ -64,6 +64,13 @@ FAMILIES = {
     "glm-4.6": ("GLM-4.6.jinja",
                 "<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>print(1)</arg_value>\n</tool_call>",
                 "<tool_call>special_function\n<arg_key>arg1</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"),
+    "llama-3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja",
+                  '{"name": "python", "parameters": {"code": "print(1)"}}',
+                  'Sure: {"type": "function", "name": "special_function", "parameters": {"arg1": 1}}'),
+    "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                     '[TOOL_CALLS][{"name": "python", "arguments": {"code": "print(1)"}, "id": "a1b2c3d4e"}]',
+                     '[TOOL_CALLS][{"name": "special_function", "arguments": {"arg1": 1}, "id": 7}, '
+                     '{"name": "python", "arguments": {"code": "x"}, "id": "b"}]'),
     "smollm2": (None, "", ""),  # the model's own template: no tools in it, content only
 }
 
@@ -145,6 +152,9 @@ def streamed(reply) -> tuple:
         return status, chunks
     deltas, reason = [], None
     for chunk in chunks:
+        if "error" in chunk:  # the finished text did not parse: llama-server ends the stream with the error
+            deltas.append({"error": chunk["error"]["message"]})
+            continue
         for choice in chunk["choices"]:
             delta = json.loads(json.dumps(choice["delta"]))
             for call in delta.get("tool_calls", []):
