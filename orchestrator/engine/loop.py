@@ -207,7 +207,7 @@ class Engine:
             job = self.waiting.popleft()
             slot = max(idle, key=lambda s: (_common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
             want = self.planner.prompt_paths(len(job.prompt))
-            keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want)
+            keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
             slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
             slot.want, slot.paths = want, slot.paths[:keep]
             slot.job, slot.n_generated, slot.t_first, slot.sampling_seconds = job, 0, None, 0.0
