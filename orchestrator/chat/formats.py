@@ -283,7 +283,7 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
     cur.pos = len(prefix)
     msg = Message()
     tools = req.calls_tools and family.parse_calls is not None
-    if tools:
+    if tools or family.think:  # llama.cpp's parser skips space after the prompt unless it is pure content
         cur.space()
     if params.extracts_reasoning:
         parse_reasoning(cur, msg, *family.think)

@@ -25,7 +25,7 @@ compute while the server writes to its clients.
 Each slot owns n_ctx / n_parallel cells of the KV cache, and batches are cut and grouped for attention
 so that no sequence's numbers depend on the others' (orchestrator/engine/batching.py). A slot keeps its cells
 when its job ends, and the next job given to it keeps the part of them that the new prompt shares
-(cache_prompt). A job that is cancelled (its client went away, a stop string was found)
+(cache_prompt; a job with cache_prompt False keeps none). A job that is cancelled (its client went away, a stop string was found)
 leaves its slot at the next step.
 """
 

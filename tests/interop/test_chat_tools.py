@@ -190,16 +190,11 @@ def test_prompts_with_tools_match_llama_servers(pair):
 # tool_choice "required": llama-server holds the prefill's continuation to a call with its strict grammar
 # (the end of the turn is not allowed before one); our tool-call grammar for it is not yet the same
 # (orchestrator/chat/grammars.py writes its own rules), so the given texts are compared without it
-# known and not yet mended: with tools offered, our GLM parse keeps a leading newline of the content
-# that llama-server's drops (its texts start '<' where ours start '\\n'), and its tool-call texts differ
-PARSE_DIFFERS = {"glm-4.6": "GLM 4.5/4.6's parse differs from llama-server's (issue 29's note)"}
 PARSED_OPTIONS = [option for option in OPTIONS if option != "required"]
 
 
 @pytest.mark.parametrize("option", PARSED_OPTIONS)
 def test_given_texts_parse_as_llama_servers(pair, option):
-    if pair[0] in PARSE_DIFFERS:
-        pytest.skip(PARSE_DIFFERS[pair[0]])
     name = pair[0]
     texts = TEXTS + [t for t in FAMILIES[name][1:] if t]
     texts += [t[:len(t) // 2] for t in FAMILIES[name][1:] if t]  # a call cut in the middle
@@ -216,8 +211,6 @@ def test_given_texts_parse_as_llama_servers(pair, option):
 
 @pytest.mark.parametrize("option", ["plain", "tools", "thinking-off", "tool_choice=none"])
 def test_greedy_answers_with_tools_match_llama_servers(pair, option):
-    if pair[0] in PARSE_DIFFERS:
-        pytest.skip(PARSE_DIFFERS[pair[0]])
     # cache_prompt false: llama-server computes the prompt afresh, as ours does whatever its slot holds
     # (a reused prefix is computed on another attention path than the prompt alone, docs/serving.md)
     compare(pair, {"messages": HISTORY, "max_tokens": 16, "temperature": 0, "cache_prompt": False,
