@@ -34,6 +34,10 @@ class Family:
     think: tuple[str, str] | None = None  # reasoning tags as the template writes them, whitespace included
     think_tags: tuple[str, str] = ("<think>\n", "\n</think>\n\n")  # the tags, when the template has <think>
     ends_after_calls: bool = True  # text after the calls is an error (False: ignored, as Qwen3-Coder's parser)
+    content_until: str = ""  # where content stops when it is not the call marker (Llama 3.x: the call's "{")
+    json_keys: tuple[str, str, str] = ("name", "arguments", "")  # a JSON call's name, arguments, id keys
+    openai_wrapper: bool = False  # a JSON call may open with "type": "function",
+    array: bool = False  # the JSON calls are in a [...] list after the marker
 
 
 @dataclass
@@ -76,6 +80,35 @@ def _parse_tag_json(cur: Cursor, msg: Message, family: Family, req: ChatRequest)
             return got
         cur.space()
     return True
+
+
+def _parse_json_section(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> bool | None:
+    """MARKER space [ call (space , space call)* ] space END, once, then the end of the text: llama.cpp's
+    standard_json_tools for a template whose calls are bare JSON (Llama 3.x) or a marked list (Mistral Nemo)."""
+    if family.call_start and not (got := cur.literal(family.call_start)):
+        return got
+    cur.space()
+    if family.array:
+        if not (got := cur.literal("[")):
+            return got
+        cur.space()
+    name_key, args_key, id_key = family.json_keys
+    while True:
+        got = parse_json_call(cur, msg, req.tool_names, name_key, args_key, family.openai_wrapper, id_key)
+        if not got:
+            return got
+        cur.space()
+        if not req.parallel_tool_calls or not cur.text.startswith(",", cur.pos):
+            break
+        cur.pos += 1
+        cur.space()
+    if family.array:
+        if not (got := cur.literal("]")):
+            return got
+        cur.space()
+    if family.call_end and not (got := cur.literal(family.call_end)):
+        return got
+    return True if cur.at_end else False
 
 
 def _xml_value(raw: str, string_typed: bool) -> str:
@@ -184,6 +217,14 @@ FAMILIES: tuple[Family, ...] = (
            think_tags=("<think>", "</think>\n")),
     Family("hermes", _has("<tool_call>"), "<tool_call>\n", "</tool_call>", _parse_tag_json, grammars.tag_json,
            ("<tool_call>", "</tool_call>")),
+    # Llama 3.1/3.2/3.3: a bare {"name": …, "parameters": …} (no marker, so no lazy grammar for "auto")
+    Family("llama3-json", _has('{"name": function name', '"parameters"'), "", "", _parse_json_section,
+           grammars.llama3_json, content_until="{", json_keys=("name", "parameters", ""), openai_wrapper=True),
+    # Mistral Nemo: [TOOL_CALLS][{"name": …, "arguments": …, "id": …}] (Mistral Small 3.2, Devstral and
+    # Ministral render [SYSTEM_PROMPT] or [ARGS] and are other formats)
+    Family("mistral-nemo", _has("[TOOL_CALLS]", lacks=("[SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]")), "[TOOL_CALLS]", "",
+           _parse_json_section, grammars.mistral_nemo, ("[TOOL_CALLS]",), json_keys=("name", "arguments", "id"),
+           array=True),
     Family("content", lambda src: True),
 )
 
@@ -227,6 +268,8 @@ def tool_grammar(family: Family, req: ChatRequest) -> tuple[str | None, bool, li
     text = family.grammar(req.tools, req.parallel_tool_calls)
     if text is None:
         return None, False, []
+    if lazy and not family.call_start:  # nothing to trigger on: llama.cpp builds no grammar
+        return None, False, []
     return text, lazy, [("word", family.call_start)] if lazy else []
 
 
@@ -240,7 +283,7 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
     cur.pos = len(prefix)
     msg = Message()
     tools = req.calls_tools and family.parse_calls is not None
-    if tools:
+    if tools or family.think:  # llama.cpp's parser skips space after the prompt unless it is pure content
         cur.space()
     if params.extracts_reasoning:
         parse_reasoning(cur, msg, *family.think)
@@ -248,7 +291,7 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
         msg.content += cur.rest()
         msg.reasoning_content = "" if not msg.reasoning_content.strip() else msg.reasoning_content
         return msg
-    content, _ = cur.until(family.call_start)
+    content, _ = cur.until(family.content_until or family.call_start)
     msg.content += content
     got = family.parse_calls(cur, msg, family, req)
     if got is False and not partial and family.ends_after_calls:

@@ -93,3 +93,35 @@ def glm(tools: list[dict], parallel: bool) -> str | None:
         return None
     builder, alternatives = got
     return _calls(builder, alternatives, "<tool_call>", "</tool_call>", parallel)
+
+
+def _json_calls(tools: list[dict], parallel: bool, start: str, args_key: str, id_key: str, array: bool,
+                wrapper: bool) -> str | None:
+    """START [ {("type": "function",)? "name": "NAME", "ARGS": ARGS (, ("id": ID)?)?} (, …)* ]."""
+    builder = _builder()
+    if builder is None:
+        return None
+    alternatives = []
+    head = '( "\\"type\\"" space ":" space "\\"function\\"" space "," space )? ' if wrapper else ""
+    tail = (f' space "," space ( {_literal(json.dumps(id_key))} space ":" space '
+            '( "\\"" [^"]* "\\"" | "-"? [0-9]+ ) )?' if id_key else "")
+    for tool in tools:
+        name = tool["function"]["name"]
+        args = builder.add_schema(f"tool-{name}-args", _parameters(tool))
+        alternatives.append(builder.add_rule(
+            f"tool-{name}", f'"{{" space {head}"\\"name\\"" space ":" space {_literal(json.dumps(name))} space "," space '
+                            f'{_literal(json.dumps(args_key))} space ":" space {args}{tail} space "}}"'))
+    call = builder.add_rule("tool-call", " | ".join(alternatives))
+    calls = f'{call} ( space "," space {call} )*' if parallel else call
+    if array:
+        calls = f'"[" space {calls} space "]"'
+    builder.add_rule("root", f"{_literal(start)} space {calls} space" if start else f"space {calls} space")
+    return builder.format()
+
+
+def llama3_json(tools: list[dict], parallel: bool) -> str | None:
+    return _json_calls(tools, parallel, "", "parameters", "", False, True)
+
+
+def mistral_nemo(tools: list[dict], parallel: bool) -> str | None:
+    return _json_calls(tools, parallel, "[TOOL_CALLS]", "arguments", "id", True, False)

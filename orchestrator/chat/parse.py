@@ -122,12 +122,66 @@ def parse_reasoning(cur: Cursor, msg: Message, start: str, end: str) -> None:
     msg.reasoning_content += text
 
 
-def parse_json_call(cur: Cursor, msg: Message, names: list[str], name_key: str, args_key: str) -> bool | None:
-    """`{"name": "<tool>", "arguments": {...}}` (keys in that order). True: complete; None: the text
-    ended inside it (partial); False: not a call here."""
+_OPENAI_WRAPPER = ('"type"', ":", '"function"', ",")
+
+
+def _wrapper(cur: Cursor) -> bool | None:
+    """An optional `"type": "function",` before the name (llama.cpp's accept_openai_wrapper)."""
+    if not (got := cur.literal(_OPENAI_WRAPPER[0])):
+        return got if got is None else True
+    for s in _OPENAI_WRAPPER[1:]:
+        cur.space()
+        if not (got := cur.literal(s)):
+            return got
+    cur.space()
+    return True
+
+
+def _call_id(cur: Cursor, call: ToolCall, id_key: str) -> bool | None:
+    """`, "id": "…"` or a number after the arguments; the comma is required and the id optional, as
+    llama.cpp's flat-keys JSON builder sequences them. An id cut short is not taken (atomic)."""
+    if not (got := cur.literal(",")):
+        return got
+    cur.space()
+    saved = cur.pos
+    got = cur.literal(f'"{id_key}"')
+    if got is None:
+        return None
+    if not got:
+        cur.pos = saved
+        return True
+    cur.space()
+    if not (got := cur.literal(":")):
+        return got
+    cur.space()
+    if cur.literal('"'):
+        end = cur.text.find('"', cur.pos)
+        if end < 0:
+            cur.pos = len(cur.text)
+            return None
+        call.id, cur.pos = cur.text[cur.pos:end], end + 1
+        return True
+    digits = len(cur.rest()) - len(cur.rest().lstrip("-0123456789.eE+"))
+    if not digits:
+        return None if cur.at_end else False
+    if cur.pos + digits == len(cur.text):
+        cur.pos = len(cur.text)
+        return None
+    call.id = cur.text[cur.pos:cur.pos + digits]
+    cur.pos += digits
+    return True
+
+
+def parse_json_call(cur: Cursor, msg: Message, names: list[str], name_key: str, args_key: str,
+                    openai_wrapper: bool = False, id_key: str = "") -> bool | None:
+    """`{"name": "<tool>", "arguments": {...}}` (keys in that order; `openai_wrapper`: an optional
+    `"type": "function",` first; `id_key`: `, "id": …` after the arguments). True: complete; None: the
+    text ended inside it (partial); False: not a call here."""
     if not cur.literal("{"):
         return None if cur.at_end else False
     cur.space()
+    if openai_wrapper and not (got := _wrapper(cur)):
+        return got
     got = cur.literal(f'"{name_key}"')
     if not got:
         return got
@@ -163,6 +217,10 @@ def parse_json_call(cur: Cursor, msg: Message, names: list[str], name_key: str, 
     call.arguments = cur.text[start:end]
     cur.pos = end
     cur.space()
+    if id_key:
+        if not (got := _call_id(cur, call, id_key)):
+            return got
+        cur.space()
     got = cur.literal("}")
     if got is None:
         call.arguments += "}" * brace_depth(call.arguments)

@@ -25,7 +25,7 @@ compute while the server writes to its clients.
 Each slot owns n_ctx / n_parallel cells of the KV cache, and batches are cut and grouped for attention
 so that no sequence's numbers depend on the others' (orchestrator/engine/batching.py). A slot keeps its cells
 when its job ends, and the next job given to it keeps the part of them that the new prompt shares
-(cache_prompt). A job that is cancelled (its client went away, a stop string was found)
+(cache_prompt; a job with cache_prompt False keeps none). A job that is cancelled (its client went away, a stop string was found)
 leaves its slot at the next step.
 """
 
@@ -207,7 +207,7 @@ class Engine:
             job = self.waiting.popleft()
             slot = max(idle, key=lambda s: (_common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
             want = self.planner.prompt_paths(len(job.prompt))
-            keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want)
+            keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
             slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
             slot.want, slot.paths = want, slot.paths[:keep]
             slot.job, slot.n_generated, slot.t_first, slot.sampling_seconds = job, 0, None, 0.0

@@ -64,6 +64,7 @@ class Job:
     # n_keep positions, drop half of the rest and go on (only where the engine's cells can shift)
     n_keep: int | None = None
     cache_n: int = 0  # set when a slot takes the job: prompt tokens it keeps cached (read before the first token)
+    cache_prompt: bool = True  # False: the slot's cached prefix is not reused, the whole prompt is computed
 
 
 @dataclass

@@ -53,6 +53,7 @@ class Completion:
     reshape: object = None  # another API's shapes made from the OpenAI ones (anthropic_api.Messages), or None
     stop_word: str = ""  # the stop string that ended the text, once it has
     chat_params: object = None  # orchestrator.chat.ChatParams: parse the text into content, reasoning, tool calls
+    cache_prompt: bool = True  # llama-server's cache_prompt: false computes the whole prompt, reusing no cached prefix
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -125,14 +126,25 @@ def _schema_grammar(schema, field: str | None) -> str:
         raise ApiError(400, f"Field '{field}': \"{field}\": {exc}" if field else str(exc)) from None
 
 
-def request_grammar(body: dict, chat: bool) -> str | None:
-    """The GBNF a request constrains sampling with, as llama-server reads it: `grammar` (GBNF text),
-    `json_schema`, and for chat `response_format` ({"type": "json_object"[, "schema": ...]} or
+def request_grammar(body: dict, chat: bool, tool_call=None) -> dict:
+    """The grammar fields of the request's SamplingParams, the one place their precedence is decided.
+    First the chat format's tool-call grammar (`tool_call`: the request's ChatParams, when its tools ask
+    for one: lazy for tool_choice "auto", with its triggers and preserved tokens); a client grammar
+    beside tools is refused. Else the GBNF the client gives, as llama-server reads it: `grammar` (GBNF
+    text), `json_schema`, and for chat `response_format` ({"type": "json_object"[, "schema": ...]} or
     {"type": "json_schema", "json_schema": {"schema": ...}}; json_object without a schema means any
     object). Completions (and /completion) read `json_schema` unless `grammar` is given too, and ignore
     `response_format`, as there."""
     if body.get("tools") and (body.get("grammar") or body.get("json_schema")):
         raise ApiError(400, "Cannot use custom grammar constraints with tools.")
+    if tool_call is not None and tool_call.grammar is not None:
+        return {"grammar": tool_call.grammar, "grammar_lazy": tool_call.grammar_lazy,
+                "grammar_triggers": list(tool_call.grammar_triggers), "preserved_tokens": list(tool_call.preserved_tokens)}
+    text = _client_grammar(body, chat)
+    return {"grammar": text} if text else {}
+
+
+def _client_grammar(body: dict, chat: bool) -> str | None:
     grammar = body.get("grammar")
     grammar = grammar if isinstance(grammar, str) else ""
     schema = body.get("json_schema")
@@ -198,7 +210,7 @@ def check_messages(body: dict) -> list:
     return messages
 
 
-def sampling(body: dict, server, grammar: str | None = None) -> SamplingParams:
+def sampling(body: dict, server, grammar: dict | None = None) -> SamplingParams:
     """The request's sampling options; what it leaves out comes from the server's flags (`server.defaults`).
     A grammar is checked here (a bad one is a 400, as llama-server's "Failed to initialize samplers")."""
     d = server.defaults
@@ -211,22 +223,23 @@ def sampling(body: dict, server, grammar: str | None = None) -> SamplingParams:
         repeat_last_n=server.n_ctx if last_n == -1 else last_n,
         frequency_penalty=_number(body, "frequency_penalty", d.frequency_penalty),
         presence_penalty=_number(body, "presence_penalty", d.presence_penalty),
-        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=logit_bias(body, server.vocab), grammar=grammar)
+        seed=LLAMA_DEFAULT_SEED if seed < 0 else seed, logit_bias=logit_bias(body, server.vocab), **(grammar or {}))
     try:
         params.validate()
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    if grammar:
+    if params.grammar:
         try:
-            compile_grammar(grammar, server.vocab)
+            compile_grammar(params.grammar, server.vocab)
         except GrammarError as exc:
             raise ApiError(400, f"Failed to initialize samplers: failed to parse grammar ({exc})") from None
     return params
 
 
-def completion(body, tokens: list[int], server, *, chat: bool) -> Completion:
+def completion(body, tokens: list[int], server, *, chat: bool, tool_call=None) -> Completion:
     """The request's options (the prompt is already tokens). `server`: its vocabulary (for logit_bias's
-    texts) and defaults (`defaults`: SamplingParams, `n_predict`, `n_ctx`)."""
+    texts) and defaults (`defaults`: SamplingParams, `n_predict`, `n_ctx`); `tool_call`: the chat
+    request's ChatParams (its tool-call grammar, see request_grammar)."""
     refuse_unsupported(body)
     n_choices = _number(body, "n", 1, int)
     if n_choices != 1:  # llama-server's own words, with the one choice per request this server generates
@@ -252,11 +265,14 @@ def completion(body, tokens: list[int], server, *, chat: bool) -> Completion:
         wanted = body.get("logprobs") is not None and top > 0
     top = _number(body, "n_probs", top, int, 0, 20)
     wanted = wanted or top > 0
+    cache_prompt = body.get("cache_prompt", True)
+    if not isinstance(cache_prompt, bool):
+        raise ApiError(400, "'cache_prompt' must be true or false")
     json_reply = chat and (body.get("json_schema") is not None or (
         isinstance(body.get("response_format"), dict) and body["response_format"].get("type") in ("json_object", "json_schema")))
-    return Completion(tokens, sampling(body, server, request_grammar(body, chat)), n_predict, [s for s in stop if s], stream,
+    return Completion(tokens, sampling(body, server, request_grammar(body, chat, tool_call)), n_predict, [s for s in stop if s], stream,
                       bool(options.get("include_usage")), bool(body.get("ignore_eos", False)), chat,
-                      max(top, 1) if wanted else 0, top, json_reply=json_reply)
+                      max(top, 1) if wanted else 0, top, json_reply=json_reply, cache_prompt=cache_prompt)
 
 
 def logprob_entry(vocab, c: Completion, token: int, probs) -> dict:

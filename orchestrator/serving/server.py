@@ -188,9 +188,8 @@ def chat_request(s: Service, body: dict) -> api.Completion:
         tokens = s.vocab.tokenize(params.prompt, add_special=True, parse_special=True)
     except TokenizerError as exc:
         raise api.ApiError(400, str(exc)) from None
-    c = api.completion(body, tokens, s, chat=True)
+    c = api.completion(body, tokens, s, chat=True, tool_call=params)
     c.chat_params = params
-    grammar_fields(c, params)
     return c
 
 
@@ -239,15 +238,6 @@ async def anthropic_count_tokens(request: web.Request) -> web.Response:
     s.ready()
     c = chat_request(s, anthropic.to_chat(await json_body(request)))
     return web.json_response({"input_tokens": len(c.tokens)})
-
-
-def grammar_fields(c: api.Completion, params: chat.ChatParams) -> None:
-    """The chat format's tool-call grammar (lazy for tool_choice auto) into the sampling parameters."""
-    if params.grammar is None:
-        return
-    c.params = dataclasses.replace(c.params, grammar=params.grammar, grammar_lazy=params.grammar_lazy,
-                                   grammar_triggers=list(params.grammar_triggers),
-                                   preserved_tokens=list(params.preserved_tokens))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -301,7 +291,8 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
 
-    job = Job(c.tokens, c.params, c.n_predict, emit, ignore_eos=c.ignore_eos, n_probs=c.n_probs)
+    job = Job(c.tokens, c.params, c.n_predict, emit, ignore_eos=c.ignore_eos, n_probs=c.n_probs,
+              cache_prompt=c.cache_prompt)
     try:
         engine.submit(job)
     except Busy as exc:

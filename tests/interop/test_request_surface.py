@@ -110,10 +110,12 @@ def test_the_fields_openai_clients_send_are_accepted_and_answered_alike(ours, or
 
 
 def test_cached_tokens_are_counted_as_llama_server_counts_them(ours, oracle):
-    """The same conversation again, then with one more turn: the slot keeps the shared prefix."""
+    """The same conversation again, then with one more turn: the slot keeps the shared prefix; with
+    cache_prompt false it keeps nothing (the whole prompt computed, cached_tokens 0), and the prompt it
+    computed is reused by the next request."""
     longer = CHAT + [{"role": "assistant", "content": "Red, green, blue."}, {"role": "user", "content": "Two more."}]
-    for messages in (CHAT, CHAT, longer):
-        body = {"messages": messages, "temperature": 0, "max_tokens": 4}
+    for messages, cache in ((CHAT, True), (CHAT, True), (CHAT, False), (longer, True)):
+        body = {"messages": messages, "temperature": 0, "max_tokens": 4, "cache_prompt": cache}
         (s1, expected), (s2, got) = (post(server, "/v1/chat/completions", body) for server in (oracle, ours))
         assert s1 == s2 == 200, (expected, got)
         assert got["usage"] == {**expected["usage"]}, (expected["usage"], got["usage"])

@@ -30,6 +30,8 @@ SOURCES = {  # just the markers detection looks for
     "qwen3": "{{ '<tool_call>' }}{{ '<think>' }}{{ '</think>' }}",
     "qwen3-coder": "{{ '<tool_call>' }}<function=<parameter=",
     "glm": "<tool_call><arg_key><arg_value><think></think>",
+    "llama3-json": 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
+    "mistral-nemo": "{{ '[TOOL_CALLS]' }}",
     "plain": "{{ messages }}",
 }
 
@@ -73,6 +75,16 @@ CASES = [  # (family, generation prompt, request options, text, content, reasoni
      "", "", [("special_function", {"arg1": 1})]),
     ("glm", "", {}, "<think>hm</think>ok<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>x = 1</arg_value>\n"
      "</tool_call>", "ok", "hm", [("python", {"code": "x = 1"})]),
+    ("llama3-json", "", {}, '{"name": "special_function", "parameters": {"arg1": 1}}', "", "",
+     [("special_function", {"arg1": 1})]),
+    ("llama3-json", "", {}, 'Sure {"type": "function", "name": "python", "parameters": {"code": "print(1)"}}\n', "Sure",
+     "", [("python", {"code": "print(1)"})]),
+    ("llama3-json", "", {}, "Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", "", []),
+    ("mistral-nemo", "", {"parallel_tool_calls": True}, '[TOOL_CALLS][{"name": "special_function", "arguments": '
+     '{"arg1": 1}, "id": "123456789"}, {"name": "python", "arguments": {"code": "x"}, "id": 7}]', "", "",
+     [("special_function", {"arg1": 1}), ("python", {"code": "x"})]),
+    ("mistral-nemo", "", {}, 'Hi {x} [TOOL_CALLS] [{"name": "python", "arguments": {"code": "x"},}]', "Hi {x}", "",
+     [("python", {"code": "x"})]),
     ("plain", "", {}, '<tool_call>{"name": "special_function"}</tool_call>',
      '<tool_call>{"name": "special_function"}</tool_call>', "", []),
 ]
@@ -94,6 +106,18 @@ def test_cut_arguments_are_kept_as_far_as_they_go():
 def test_a_broken_call_in_finished_text_is_an_error():
     with pytest.raises(chat.ParseError):
         params("hermes").parse('<tool_call>\n{"name": "nonexistent", "arguments": {}}</tool_call>', partial=False)
+    with pytest.raises(chat.ParseError):  # llama.cpp's Llama 3.x parser reads a call from the first "{"
+        params("llama3-json").parse("Hello {x}", partial=False)
+    with pytest.raises(chat.ParseError):  # its Mistral Nemo builder wants the comma before the optional id
+        params("mistral-nemo").parse('[TOOL_CALLS][{"name": "python", "arguments": {"code": "x"}}]', partial=False)
+
+
+def test_mistral_nemo_takes_the_models_call_id():
+    msg = params("mistral-nemo").parse('[TOOL_CALLS][{"name": "python", "arguments": {}, "id": "abc123XYZ"}]',
+                                       partial=False)
+    assert [(tc.name, tc.arguments, tc.id) for tc in msg.tool_calls] == [("python", "{}", "abc123XYZ")]
+    cut = params("mistral-nemo").parse('[TOOL_CALLS][{"name": "python", "arguments": {}, "id": "abc', partial=True)
+    assert [(tc.name, tc.arguments, tc.id) for tc in cut.tool_calls] == [("python", "{}", "")]
 
 
 def replay(p: chat.ChatParams, text: str, cut_points) -> tuple[chat.Message, list[dict]]:
