@@ -33,11 +33,12 @@ def snapshot(service) -> dict:
     pipe = engine.pipe
     states = getattr(engine, "worker_states", None) or {}
     lost = engine.failed is not None
+    n_layer = pipe.model.hparams.n_layer  # blocks are the layers, then the output head (block n_layer)
     for plan in getattr(pipe, "plans", []):
         ours = bool(pipe.features.get(plan.endpoint))
         out["workers"].append({
             "endpoint": plan.endpoint, "kind": "ours" if ours else "llama.cpp",
-            "layers": [plan.blocks.start, plan.blocks.stop], "free": plan.free, "weight_bytes": plan.weight_bytes,
+            "layers": [plan.blocks.start, min(plan.blocks.stop, n_layer)], "output": n_layer in plan.blocks, "free": plan.free, "weight_bytes": plan.weight_bytes,
             "kv_bytes": plan.kv_bytes, "compute_bytes": plan.compute_bytes,
             "state": states.get(plan.endpoint, "failed" if lost else "up")})
     for endpoint in getattr(pipe, "idle", []):

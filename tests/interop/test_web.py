@@ -81,11 +81,13 @@ def test_page_lists_workers_and_streams_a_reply(server, browser, model_path):
     assert len(rows) == 2
     assert all("ours" in r.text and "up" in r.text for r in rows)
     n_layer = gguf.GGUFReader(model_path).fields["llama.block_count"].parts[-1][0]
-    covered = []
-    for r in rows:
-        first, last = r.find_element(By.CSS_SELECTOR, ".layers").text.split("–")
+    covered, heads = [], 0
+    for r in rows:  # "0–15", "16–29 + output"
+        text = r.find_element(By.CSS_SELECTOR, ".layers").text
+        heads += text.endswith(" + output")
+        first, last = text.removesuffix(" + output").split("–")
         covered += range(int(first), int(last) + 1)
-    assert sorted(covered) == list(range(n_layer))
+    assert sorted(covered) == list(range(n_layer)) and heads == 1
 
     for field, value in (("temperature", 0), ("max_tokens", N_TOKENS)):
         box = browser.find_element(By.ID, field)

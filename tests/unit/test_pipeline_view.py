@@ -9,7 +9,7 @@ from orchestrator.serving import pipeline_view
 
 
 def service(**engine_extra):
-    pipe = NS(plans=[StagePlan("a:1", range(0, 20), 100, 10, 5, 2), StagePlan("b:2", range(20, 30), 200, 20, 6, 3)],
+    pipe = NS(model=NS(hparams=NS(n_layer=29)), plans=[StagePlan("a:1", range(0, 20), 100, 10, 5, 2), StagePlan("b:2", range(20, 30), 200, 20, 6, 3)],
               features={"a:1": 7, "b:2": 0}, links=[Link(0, "a:1", "b:2", False, "llama.cpp's worker")], idle=["c:3"])
     slots = [Slot(0), Slot(1)]
     slots[1].job = object()
@@ -21,7 +21,8 @@ def service(**engine_extra):
 def test_snapshot_lists_workers_links_and_slots():
     s = pipeline_view.snapshot(service())
     assert [(w["endpoint"], w["kind"], w["layers"], w["state"]) for w in s["workers"]] == [
-        ("a:1", "ours", [0, 20], "up"), ("b:2", "llama.cpp", [20, 30], "up"), ("c:3", "llama.cpp", None, "idle")]
+        ("a:1", "ours", [0, 20], "up"), ("b:2", "llama.cpp", [20, 29], "up"), ("c:3", "llama.cpp", None, "idle")]
+    assert [w.get("output") for w in s["workers"]] == [False, True, None]
     assert s["workers"][1]["weight_bytes"] == 20 and s["workers"][1]["free"] == 200
     assert s["links"] == [{"src": "a:1", "dst": "b:2", "push": False, "reason": "llama.cpp's worker"}]
     assert s["slots"] == [{"id": 0, "busy": False}, {"id": 1, "busy": True}]

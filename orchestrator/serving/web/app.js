@@ -89,7 +89,8 @@ function show(s) {
     row.className = "worker";
     cell(row, w.endpoint);
     cell(row, w.kind);
-    cell(row, w.layers ? (w.layers[0] + "–" + (w.layers[1] - 1)) : "none", "layers");
+    cell(row, !w.layers ? "none" : (w.layers[1] > w.layers[0] ? w.layers[0] + "–" + (w.layers[1] - 1) : "") +
+                      (w.output ? " + output" : ""), "layers");
     cell(row, mib(w.free)); cell(row, mib(w.weight_bytes)); cell(row, mib(w.kv_bytes)); cell(row, mib(w.compute_bytes));
     cell(row, w.state, "state-" + w.state);
   }
