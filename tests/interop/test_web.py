@@ -77,13 +77,15 @@ def test_page_lists_workers_and_streams_a_reply(server, browser, model_path):
 
     browser.get(server.url + "/")
     wait = WebDriverWait(browser, RPC_TIMEOUT)
-    rows = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#workers tr.worker") or False)
+    # the view redraws its table at each event: read the cells in one script, not element by element
+    read_rows = "return [...document.querySelectorAll('#workers tr.worker')].map(r => [...r.cells].map(c => c.textContent))"
+    rows = wait.until(lambda d: d.execute_script(read_rows) or False)
     assert len(rows) == 2
-    assert all("ours" in r.text and "up" in r.text for r in rows)
+    assert all(r[1] == "ours" and r[-1] == "up" for r in rows)
     n_layer = gguf.GGUFReader(model_path).fields["llama.block_count"].parts[-1][0]
     covered, heads = [], 0
-    for r in rows:  # "0–15", "16–29 + output"
-        text = r.find_element(By.CSS_SELECTOR, ".layers").text
+    for r in rows:  # the layers column: "0–15", "16–29 + output"
+        text = r[2]
         heads += text.endswith(" + output")
         first, last = text.removesuffix(" + output").split("–")
         covered += range(int(first), int(last) + 1)
