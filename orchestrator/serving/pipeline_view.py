@@ -38,7 +38,8 @@ def snapshot(service) -> dict:
         ours = bool(pipe.features.get(plan.endpoint))
         out["workers"].append({
             "endpoint": plan.endpoint, "kind": "ours" if ours else "llama.cpp",
-            "layers": [plan.blocks.start, min(plan.blocks.stop, n_layer)], "output": n_layer in plan.blocks, "free": plan.free, "weight_bytes": plan.weight_bytes,
+            "layers": [plan.blocks.start, min(plan.blocks.stop, n_layer)], "output": n_layer in plan.blocks,
+            "free": plan.free, "weight_bytes": plan.weight_bytes,
             "kv_bytes": plan.kv_bytes, "compute_bytes": plan.compute_bytes,
             "state": states.get(plan.endpoint, "failed" if lost else "up")})
     for endpoint in getattr(pipe, "idle", []):

@@ -9,7 +9,8 @@ from orchestrator.serving import pipeline_view
 
 
 def service(**engine_extra):
-    pipe = NS(model=NS(hparams=NS(n_layer=29)), plans=[StagePlan("a:1", range(0, 20), 100, 10, 5, 2), StagePlan("b:2", range(20, 30), 200, 20, 6, 3)],
+    plans = [StagePlan("a:1", range(0, 20), 100, 10, 5, 2), StagePlan("b:2", range(20, 30), 200, 20, 6, 3)]
+    pipe = NS(model=NS(hparams=NS(n_layer=29)), plans=plans,
               features={"a:1": 7, "b:2": 0}, links=[Link(0, "a:1", "b:2", False, "llama.cpp's worker")], idle=["c:3"])
     slots = [Slot(0), Slot(1)]
     slots[1].job = object()
