@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import reference  # noqa: E402
+from tools import charts, reference  # noqa: E402
 from tools.bench_orchestrator import PROMPT, TIME_RE  # noqa: E402
 from tools.bench_worker import load_average  # noqa: E402
 from tools.latency_proxy import MODES, LatencyProxy  # noqa: E402
@@ -337,6 +337,16 @@ def row(cell: Cell, designs: list[str], compute_ms: dict[tuple[str, int], float]
     return cols
 
 
+def chart_point(cell: Cell, designs: list[str], compute_ms: dict[tuple[str, int], float], apart: bool) -> dict:
+    """One cell as tools/charts.py's pipeline_chart takes it: each design's tok/s and ideal tok/s."""
+    point = {"nodes": cell.nodes, "latency_ms": cell.latency_ms, "tok_s": {}, "ideal": {}}
+    for d in designs:
+        label, c = DESIGNS[d].label, compute_ms.get((d, cell.nodes))
+        point["tok_s"][label] = cell.median(d, "tok_s")
+        point["ideal"][label] = None if c is None else 1e3 / (c + DESIGNS[d].hops(cell.nodes, apart) * cell.latency_ms)
+    return point
+
+
 def markdown(cols: list[str]) -> str:
     return "| " + " | ".join(cols) + " |"
 
@@ -384,6 +394,8 @@ def parse_args(argv):
                     help="another checkout (e.g. `git worktree add /tmp/base COMMIT`): adds designs ours@base, "
                          "push@base, ring@base running its orchestrator on the same workers")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every proxy connection's summary")
+    ap.add_argument("--chart", type=Path, default=None,
+                    help="also draw tok/s against latency per design, with the ideal lines, to this PNG (matplotlib)")
     args = ap.parse_args(argv)
     if args.baseline is not None:
         if not (args.baseline / "orchestrator" / "entry.py").is_file():
@@ -400,6 +412,8 @@ def parse_args(argv):
     if 0 not in args.latency_ms:
         log("latency 0 added: the ideal line needs each design's compute time at 0 ms")
     args.latency_ms = sorted(set(args.latency_ms) | {0.0})
+    if args.chart is not None:
+        charts.require()  # before the run, not after it
     return args
 
 
@@ -438,6 +452,7 @@ def main(argv=None) -> int:
 
     compute_ms: dict[tuple[str, int], float] = {}  # (design, nodes) -> median ms/token at 0 ms
     reference_text: str | None = None
+    points: list[dict] = []  # for --chart
     status = 0
     with tempfile.TemporaryDirectory(prefix="bench_pipeline-") as logs, ExitStack() as stack:
         workers = WorkerSets(Path(logs), args.threads)
@@ -469,6 +484,7 @@ def main(argv=None) -> int:
                     if reference_text is None and first:
                         reference_text = first[0].stdout
                     cols = row(cell, args.designs, compute_ms, reference_text, args.apart)
+                    points.append(chart_point(cell, args.designs, compute_ms, args.apart))
                     if cell.errors or "DIFF" in cols[-2]:
                         status = 1
                     print(markdown(cols), flush=True)
@@ -480,6 +496,10 @@ def main(argv=None) -> int:
     if reference_text is not None:
         generated = reference_text[len(args.prompt):] if reference_text.startswith(args.prompt) else reference_text
         print(f"greedy text ({DESIGNS[args.designs[0]].label}): {generated.strip()!r}")
+    if args.chart is not None and points:
+        charts.pipeline_chart(points, args.chart, f"{Path(args.model).name}, {args.tokens} tokens, "
+                              f"{'all hosts apart' if args.apart else 'workers together, client far'}; dashed: ideal")
+        print(f"chart: {args.chart}")
     return status
 
 

@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import reference  # noqa: E402
+from tools import charts, reference  # noqa: E402
 
 PROMPT = "Here are three simple tips for staying healthy:\n1."
 
@@ -212,6 +212,9 @@ def main(argv=None) -> int:
     ap.add_argument("-ts", "--tensor-split", default=None, help="both servers' --tensor-split (default: by free memory)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker")
     ap.add_argument("--reps", type=int, default=5, help="rounds per number of clients (medians)")
+    ap.add_argument("--chart", type=Path, default=None,
+                    help="also draw aggregate tok/s against clients per server to this PNG (matplotlib; "
+                         "with two worker kinds, one PNG each: NAME-reference.png, NAME-ours.png)")
     ap.add_argument("--worker", default="reference,ours",
                     help="whose rpc-server both servers run on, in turn: llama.cpp's (reference), ours")
     ap.add_argument("--default-command", action="store_true",
@@ -219,6 +222,8 @@ def main(argv=None) -> int:
                          "after another and at once")
     ap.add_argument("--extra", default="", help="with --default-command: flags added to it, e.g. '-t 2'")
     args = ap.parse_args(argv)
+    if args.chart is not None:
+        charts.require()  # before the run, not after it
     model = str(args.model or reference.model_path())
     if args.default_command:
         return default_command(model, int(args.clients) if "," not in args.clients else 4, args)
@@ -229,6 +234,12 @@ def main(argv=None) -> int:
     tables = {kind: measure(kind, model, clients, args) for kind in kinds}
     for kind, table in tables.items():
         print_table(kind, table, model, clients, args)
+        if args.chart is not None:
+            path = args.chart if len(tables) == 1 else args.chart.with_name(f"{args.chart.stem}-{kind}{args.chart.suffix}")
+            rows = [{"clients": c, "aggregate": {s: table[s]["rows"][c]["aggregate"] for s in ("llama-server", "ours")}}
+                    for c in clients]
+            charts.serve_chart(rows, path, f"{Path(model).name}, {args.workers} {kind} workers, -np {args.parallel}")
+            print(f"chart: {path}")
     return 0
 
 

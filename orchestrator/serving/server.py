@@ -18,6 +18,7 @@ from aiohttp import web
 
 from orchestrator.serving import anthropic_api as anthropic
 from orchestrator.serving import openai_api as api
+from orchestrator.serving import pipeline_view
 from orchestrator import chat
 from orchestrator.chat import ChatTemplateError
 from orchestrator.pipeline.client import WorkerError
@@ -77,7 +78,7 @@ def error_response(exc: api.ApiError) -> web.Response:
 async def errors_and_auth(request: web.Request, handler):
     service: Service = request.app["service"]
     try:
-        if service.api_key and request.path not in PUBLIC:
+        if service.api_key and request.path not in PUBLIC and not (request.path == "/" or request.path.startswith("/web/")):
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip() or \
                 request.headers.get("X-Api-Key", "")
             if given != service.api_key:
@@ -450,6 +451,7 @@ def make_app(service: Service) -> web.Application:
     app.router.add_post("/v1/chat/completions/input_tokens", chat_input_tokens)
     app.router.add_post("/v1/messages", anthropic_messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic_count_tokens)
+    pipeline_view.add_routes(app)
     return app
 
 

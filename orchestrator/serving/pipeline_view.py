@@ -1,0 +1,83 @@
+"""The web page's side of `orchestrator serve`: GET / (the page, from orchestrator/serving/web/), GET
+/pipeline/state (a JSON snapshot of the split model) and GET /pipeline/events (that snapshot as server-sent
+events, once a second).
+
+The snapshot reads only what the pipeline and engine already keep (placement plans, links, metrics,
+slots); it sends nothing to a worker, so the page never contends with the engine for a worker's socket.
+Fields other features fill in are read with getattr and default to "unknown": a worker's state from
+`engine.worker_states` (endpoint -> "up" / "re-planning" / "lost", fault tolerance) and speculation's
+`engine.draft_stats` ({"drafted": n, "accepted": n}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+WEB = Path(__file__).with_name("web")
+ASSETS = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+EVENT_PERIOD_S = 1.0
+
+
+def snapshot(service) -> dict:
+    """The page's view of the server: model, workers, links, slots and counters (JSON-ready)."""
+    engine = service.engine
+    out = {"model": service.name, "loaded": engine is not None, "time": time.time(), "workers": [], "links": [],
+           "slots": [], "metrics": {}, "queue": 0, "processing": 0, "failed": None, "draft": None}
+    if engine is None:
+        return out
+    pipe = engine.pipe
+    states = getattr(engine, "worker_states", None) or {}
+    lost = engine.failed is not None
+    n_layer = pipe.model.hparams.n_layer  # blocks are the layers, then the output head (block n_layer)
+    for plan in getattr(pipe, "plans", []):
+        ours = bool(pipe.features.get(plan.endpoint))
+        out["workers"].append({
+            "endpoint": plan.endpoint, "kind": "ours" if ours else "llama.cpp",
+            "layers": [plan.blocks.start, min(plan.blocks.stop, n_layer)], "output": n_layer in plan.blocks,
+            "free": plan.free, "weight_bytes": plan.weight_bytes,
+            "kv_bytes": plan.kv_bytes, "compute_bytes": plan.compute_bytes,
+            "state": states.get(plan.endpoint, "failed" if lost else "up")})
+    for endpoint in getattr(pipe, "idle", []):
+        out["workers"].append({"endpoint": endpoint, "kind": "ours" if pipe.features.get(endpoint) else "llama.cpp",
+                               "layers": None, "state": states.get(endpoint, "idle")})
+    out["links"] = [{"src": ln.src, "dst": ln.dst, "push": ln.push, "reason": ln.reason}
+                    for ln in getattr(pipe, "links", [])]
+    m = engine.metrics
+    out["metrics"] = {"prompt_tokens": m.prompt_tokens, "prompt_seconds": m.prompt_seconds,
+                      "tokens_predicted": m.tokens_predicted, "tokens_predicted_seconds": m.tokens_predicted_seconds,
+                      "n_decode": m.n_decode}
+    out["slots"] = [{"id": s.index, "busy": s.job is not None} for s in engine.slots]
+    out["queue"], out["processing"], out["failed"] = engine.deferred, engine.processing, engine.failed
+    out["draft"] = getattr(engine, "draft_stats", None)
+    return out
+
+
+async def page(request: web.Request) -> web.Response:
+    name = request.match_info.get("name") or "index.html"
+    if name not in ASSETS:
+        raise web.HTTPNotFound()
+    return web.Response(body=(WEB / name).read_bytes(), content_type=ASSETS[name], charset="utf-8")
+
+
+async def state(request: web.Request) -> web.Response:
+    return web.json_response(snapshot(request.app["service"]))
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await stream.prepare(request)
+    while True:  # ends when the client hangs up (aiohttp cancels the handler)
+        await stream.write(f"data: {json.dumps(snapshot(request.app['service']))}\n\n".encode())
+        await asyncio.sleep(EVENT_PERIOD_S)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/", page)
+    app.router.add_get("/web/{name}", page)
+    app.router.add_get("/pipeline/state", state)
+    app.router.add_get("/pipeline/events", events)

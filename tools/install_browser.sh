@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install Debian's headless Chromium and its chromedriver for tests/interop/test_web.py (selenium drives
+# them; no browser is downloaded at test time). A no-op once both are on the PATH; installing needs root
+# (or sudo) and apt-get.
+set -euo pipefail
+if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+  exit 0
+fi
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+command -v chromium && command -v chromedriver
