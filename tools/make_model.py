@@ -1,4 +1,4 @@
-"""Write small random-weight GGUF models (llama, qwen2, qwen3, qwen3moe, phi3, mistral3) that the pinned llama.cpp runs.
+"""Write small random-weight GGUF models (llama, qwen2, qwen3, qwen3moe, phi3, mistral3, deepseek2) that the pinned llama.cpp runs.
 
 The tests need models of architectures other than the SmolLM2 one that ships as a package; none can be
 downloaded, so we make them: the tokenizer is copied from the SmolLM2 GGUF and the weights are seeded
@@ -8,7 +8,8 @@ random numbers, scaled so activations stay finite and greedy decoding does not c
     python -m tools.make_model --arch qwen3moe --n-expert 8 --n-expert-used 2 --n-ff 256 --weight-type Q4_K -o /tmp/moe.gguf
 
 Tensor names come from gguf-py's tables; shapes and optional tensors follow llama.cpp's
-load_arch_tensors for each architecture (src/models/{llama,qwen2,qwen3,qwen3moe,phi3,mistral3}.cpp).
+load_arch_tensors for each architecture (src/models/{llama,qwen2,qwen3,qwen3moe,phi3,mistral3,
+deepseek2}.cpp).
 K-quant weights are quantized by the pinned libggml-base's own ggml_quantize_chunk (gguf-py has no
 K-quant quantizer), so those types need the reference installed.
 """
@@ -43,6 +44,7 @@ class ArchSpec:
     fused_gate_up: bool = False  # ffn_up is [gate; up] (2 * n_ff rows), no ffn_gate; SWIGLU splits it (phi3)
     rope_freqs: bool = False  # rope_freqs.weight: per-pair frequency divisors ROPE takes as src[2] (mistral3)
     moe: bool = False        # a router ffn_gate_inp and 3-D ffn_{gate,up,down}_exps instead of the dense FFN
+    mla: bool = False        # deepseek2: multi-head latent attention, leading dense blocks, shared experts
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -55,7 +57,26 @@ ARCHS: dict[str, ArchSpec] = {
                      fused_qkv=True, fused_gate_up=True),
     "mistral3": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=True,
                          tied_output=True, rope_freqs=True),
+    "deepseek2": ArchSpec(pre_tokenizer="smollm", qkv_bias=False, qk_norm=False, free_head_dim=True,
+                          tied_output=False, moe=True, mla=True),
 }
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """deepseek2's attention and FFN widths beyond the common ones (GLM-4.7-Flash: q_lora 768, kv_lora 512,
+    key head 192 + 64, value head 256, 1 leading dense block of FFN width 10240, 1 shared expert)."""
+    q_lora: int = 96         # attention.q_lora_rank (0: a plain attn_q instead of attn_q_a/attn_q_b)
+    kv_lora: int = 64        # attention.kv_lora_rank: the compressed K/V row the cache holds
+    qk_nope: int = 64        # the part of each key head without RoPE
+    qk_rope: int = 32        # the RoPE part, shared by all heads (rope.dimension_count)
+    v_head: int = 64         # attention.value_length_mla
+    n_dense_lead: int = 1    # leading_dense_block_count
+    n_ff_dense: int = 512    # feed_forward_length, the dense blocks' FFN width
+    n_expert_shared: int = 1
+    weights_scale: float = 1.8  # expert_weights_scale (routed_scaling_factor)
+    weights_norm: bool = True   # expert_weights_norm
+    gating: str = "sigmoid"     # expert_gating_func
 
 WEIGHT_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "F32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
@@ -111,12 +132,15 @@ def tensor_name(tensor: MODEL_TENSOR, suffix: str, layer: int | None = None) -> 
 
 def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,
                  n_ff: int, n_vocab: int, n_expert: int = 0, biases: bool = False,
-                 rope_freqs: bool = False) -> list[Tensor]:
+                 rope_freqs: bool = False, mla: MlaShape | None = None) -> list[Tensor]:
     """Every tensor of the model, with the shapes llama.cpp's load_arch_tensors checks (n_ff: the
     expert FFN width of a MoE arch). biases: also the optional attn_output and ffn_{gate,up,down} biases
     llama.cpp's llama arch loads (TENSOR_NOT_REQUIRED); rope_freqs: a rope_freqs.weight even where the
     arch does not always have one (llama 3's frequency factors)."""
     spec = ARCHS[arch]
+    if spec.mla:
+        return plan_mla_tensors(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_ff=n_ff, n_vocab=n_vocab,
+                                n_expert=n_expert, mla=mla or MlaShape())
     n_q, n_kv = head_dim * n_head, head_dim * n_head_kv
     T = MODEL_TENSOR
     plan = [Tensor(tensor_name(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), "embedding"),
@@ -161,6 +185,67 @@ def plan_tensors(arch: str, *, n_layer: int, n_embd: int, n_head: int, n_head_kv
                      Tensor(tensor_name(T.FFN_UP, "bias", i), (n_ff,), "bias"),
                      Tensor(tensor_name(T.FFN_DOWN, "bias", i), (n_embd,), "bias")]
     return plan
+
+
+def plan_mla_tensors(*, n_layer: int, n_embd: int, n_head: int, n_ff: int, n_vocab: int, n_expert: int,
+                     mla: MlaShape) -> list[Tensor]:
+    """deepseek2's tensors as llama.cpp's load_arch_tensors checks them for an MLA file (split attn_k_b and
+    attn_v_b, not the legacy attn_kv_b); n_ff is the expert width."""
+    T = MODEL_TENSOR
+    n_k = mla.qk_nope + mla.qk_rope
+    plan = [Tensor(tensor_name(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), "embedding"),
+            Tensor(tensor_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm"),
+            Tensor(tensor_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "matrix")]
+    for i in range(n_layer):
+        plan.append(Tensor(tensor_name(T.ATTN_NORM, "weight", i), (n_embd,), "norm"))
+        if mla.q_lora:
+            plan += [Tensor(tensor_name(T.ATTN_Q_A_NORM, "weight", i), (mla.q_lora,), "norm"),
+                     Tensor(tensor_name(T.ATTN_Q_A, "weight", i), (n_embd, mla.q_lora), "matrix"),
+                     Tensor(tensor_name(T.ATTN_Q_B, "weight", i), (mla.q_lora, n_head * n_k), "matrix")]
+        else:
+            plan.append(Tensor(tensor_name(T.ATTN_Q, "weight", i), (n_embd, n_head * n_k), "matrix"))
+        plan += [Tensor(tensor_name(T.ATTN_KV_A_NORM, "weight", i), (mla.kv_lora,), "norm"),
+                 Tensor(tensor_name(T.ATTN_KV_A_MQA, "weight", i), (n_embd, mla.kv_lora + mla.qk_rope), "matrix"),
+                 Tensor(tensor_name(T.ATTN_K_B, "weight", i), (mla.qk_nope, mla.kv_lora, n_head), "matrix"),
+                 Tensor(tensor_name(T.ATTN_V_B, "weight", i), (mla.kv_lora, mla.v_head, n_head), "matrix"),
+                 Tensor(tensor_name(T.ATTN_OUT, "weight", i), (n_head * mla.v_head, n_embd), "matrix"),
+                 Tensor(tensor_name(T.FFN_NORM, "weight", i), (n_embd,), "norm")]
+        if i < mla.n_dense_lead:
+            plan += [Tensor(tensor_name(T.FFN_GATE, "weight", i), (n_embd, mla.n_ff_dense), "matrix"),
+                     Tensor(tensor_name(T.FFN_UP, "weight", i), (n_embd, mla.n_ff_dense), "matrix"),
+                     Tensor(tensor_name(T.FFN_DOWN, "weight", i), (mla.n_ff_dense, n_embd), "matrix")]
+            continue
+        n_shexp = n_ff * mla.n_expert_shared
+        plan += [Tensor(tensor_name(T.FFN_GATE_INP, "weight", i), (n_embd, n_expert), "router"),
+                 Tensor(tensor_name(T.FFN_EXP_PROBS_B, "bias", i), (n_expert,), "bias"),
+                 Tensor(tensor_name(T.FFN_GATE_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
+                 Tensor(tensor_name(T.FFN_UP_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
+                 Tensor(tensor_name(T.FFN_DOWN_EXP, "weight", i), (n_ff, n_embd, n_expert), "matrix"),
+                 Tensor(tensor_name(T.FFN_GATE_SHEXP, "weight", i), (n_embd, n_shexp), "matrix"),
+                 Tensor(tensor_name(T.FFN_UP_SHEXP, "weight", i), (n_embd, n_shexp), "matrix"),
+                 Tensor(tensor_name(T.FFN_DOWN_SHEXP, "weight", i), (n_shexp, n_embd), "matrix")]
+    return plan
+
+
+def add_mla_keys(writer: gguf.GGUFWriter, n_head: int, mla: MlaShape, rope_yarn_log_mul: float) -> None:
+    """deepseek2's hyperparameters; an MLA file caches one compressed head: key kv_lora + rope, value kv_lora."""
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(mla.kv_lora + mla.qk_rope)
+    writer.add_value_length(mla.kv_lora)
+    writer.add_key_length_mla(mla.qk_nope + mla.qk_rope)
+    writer.add_value_length_mla(mla.v_head)
+    writer.add_rope_dimension_count(mla.qk_rope)
+    writer.add_leading_dense_block_count(mla.n_dense_lead)
+    if mla.q_lora:
+        writer.add_q_lora_rank(mla.q_lora)
+    writer.add_kv_lora_rank(mla.kv_lora)
+    writer.add_expert_shared_count(mla.n_expert_shared)
+    writer.add_expert_weights_scale(mla.weights_scale)
+    writer.add_expert_weights_norm(mla.weights_norm)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType[mla.gating.upper()])
+    if rope_yarn_log_mul:  # the converter's 0.1 * mscale_all_dim, as llama.cpp reads it back
+        writer.add_rope_scaling_yarn_log_mul(rope_yarn_log_mul)
 
 
 def random_values(tensor: Tensor, rng: np.random.Generator) -> np.ndarray:
@@ -247,14 +332,18 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
                 head_dim: int | None = None, n_ff: int = 512, weight_type: str = "Q8_0", seed: int = 0,
                 n_expert: int = 8, n_expert_used: int = 2, vocab_from: Path, embd_type: str | None = None,
                 biases: bool = False, rope_scaling: str | None = None, rope_scale: float = 0.0,
-                rope_orig_ctx: int = 0, rope_attn_factor: float = 0.0, rope_freqs: bool = False) -> Path:
+                rope_orig_ctx: int = 0, rope_attn_factor: float = 0.0, rope_freqs: bool = False,
+                mla: MlaShape | None = None, rope_yarn_log_mul: float = 0.0) -> Path:
     """Write a random-weight `arch` model to `path`; 2-D weights (token_embd too) and 3-D expert weights
     in `weight_type`. A MoE arch has `n_expert` experts of FFN width `n_ff`, `n_expert_used` per token.
 
     embd_type: token_embd's type instead (the tied output's too); biases: the optional attention-output
     and FFN biases (dense archs without fused tensors); rope_scaling/rope_scale/rope_orig_ctx/
     rope_attn_factor: the rope.scaling.{type,factor,original_context_length,attn_factor} keys, written
-    when given; rope_freqs: a rope_freqs.weight of per-pair frequency divisors."""
+    when given; rope_freqs: a rope_freqs.weight of per-pair frequency divisors. deepseek2 (MLA) takes its
+    other widths from `mla` (head_dim and n_head_kv do not apply) and rope_yarn_log_mul for
+    rope.scaling.yarn_log_multiplier."""
+    mla = (mla or MlaShape()) if ARCHS[arch].mla else None
     path = Path(path)
     head_dim = head_dim if head_dim is not None else n_embd // n_head
     for what, name in (("weight_type", weight_type), ("embd_type", embd_type or weight_type)):
@@ -278,16 +367,20 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
     writer.add_context_length(CONTEXT_LENGTH)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(n_ff)
     if moe:
         writer.add_expert_count(n_expert)
         writer.add_expert_used_count(n_expert_used)
         writer.add_expert_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if mla is not None:
+        writer.add_feed_forward_length(mla.n_ff_dense)
+        add_mla_keys(writer, n_head, mla, rope_yarn_log_mul)
+    else:
+        writer.add_feed_forward_length(n_ff)
+        writer.add_head_count(n_head)
+        writer.add_head_count_kv(n_head_kv)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
     if rope_scaling is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
@@ -307,7 +400,7 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
     rng = np.random.default_rng(seed)
     plan = plan_tensors(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                         head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, n_expert=n_expert if moe else 0,
-                        biases=biases, rope_freqs=rope_freqs)
+                        biases=biases, rope_freqs=rope_freqs, mla=mla)
     for tensor in plan:
         values = random_values(tensor, rng)
         if len(tensor.shape) == 1 or tensor.kind == "router":  # F32, as llama.cpp's converters write them
@@ -357,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="rope.scaling.original_context_length (0: not written)")
     parser.add_argument("--rope-attn-factor", type=float, default=0.0, help="rope.scaling.attn_factor (0: not written)")
     parser.add_argument("--rope-freqs", action="store_true", help="a rope_freqs.weight (llama 3 frequency factors)")
+    parser.add_argument("--rope-yarn-log-mul", type=float, default=0.0,
+                        help="rope.scaling.yarn_log_multiplier (deepseek2; 0: not written)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-from", type=Path, default=None, help="GGUF to copy the tokenizer from "
                         "(default: the installed SmolLM2 test model)")
@@ -367,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
                           n_expert_used=args.n_expert_used, embd_type=args.embd_type, biases=args.biases,
                           rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
                           rope_orig_ctx=args.rope_orig_ctx, rope_attn_factor=args.rope_attn_factor,
-                          rope_freqs=args.rope_freqs,
+                          rope_freqs=args.rope_freqs, rope_yarn_log_mul=args.rope_yarn_log_mul,
                           vocab_from=args.vocab_from or default_vocab_source())
     print(written)
 
