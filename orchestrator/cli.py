@@ -60,6 +60,49 @@ def sampling_options(command):
     return command
 
 
+def draft_options(command):
+    """llama.cpp's draft-model flags (speculative decoding, orchestrator/engine/speculative.py), both commands."""
+    for option in reversed([
+        click.option("-md", "--model-draft", "--spec-draft-model", "model_draft", default=None,
+                     type=click.Path(dir_okay=False, path_type=Path),
+                     help="draft model for speculative decoding (same vocabulary as the model)"),
+        click.option("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", "draft_max", default=16,
+                     type=click.IntRange(min=1), help="tokens to draft per step at most"),
+        click.option("--draft-min", "--draft-n-min", "--spec-draft-n-min", "draft_min", default=0,
+                     type=click.IntRange(min=0), help="fewer drafted tokens than this are not verified"),
+        click.option("--draft-p-min", "--spec-draft-p-min", "draft_p_min", default=0.75,
+                     type=click.FloatRange(0.0, 1.0), help="stop drafting after a token the draft gives less "
+                     "probability than this"),
+        click.option("--rpc-draft", default=None, help="workers for the draft model, host:port,... (default: the "
+                     "model's worker with the most free memory once the model is placed)"),
+    ]):
+        command = option(command)
+    return command
+
+
+def open_draft(loaded, model_draft, rpc_draft):
+    """The draft model for -md, checked against the model's vocabulary (None without -md)."""
+    if model_draft is None:
+        if rpc_draft:
+            raise CliError("--rpc-draft needs a draft model (-md)")
+        return None
+    from orchestrator.engine import speculative  # noqa: PLC0415
+
+    return speculative.open_draft(model_draft, loaded.vocab, loaded.model.hparams.n_vocab)
+
+
+def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min, rpc_draft, **_):
+    """The engine's speculator for an opened draft (None: no draft), its start-up printed."""
+    if draft is None:
+        return None
+    from orchestrator.engine.speculative import DraftOptions, start_speculator  # noqa: PLC0415
+
+    endpoints = tuple(e.strip() for e in (rpc_draft or "").split(",") if e.strip())
+    log(f"draft model: {draft.model.path.name} (up to {draft_max} tokens a step)")
+    return start_speculator(pipe, draft, DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min, endpoints),
+                            n_slots, PrintedReport())
+
+
 gpu_layers_option = click.option(
     "-ngl", "--gpu-layers", "--n-gpu-layers", "gpu_layers", default="auto",
     help="layers on the workers: always all of them (llama.cpp's -ngl 99, 'all' and 'auto' are accepted; fewer "
@@ -136,6 +179,7 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
               help="relay every activation through the orchestrator, even between workers that can push it to "
                    "each other (--rpc host:port@peerhost:port: how the other workers reach that one); no ring")
 @click.option("-v", "--verbose", is_flag=True, help="log tokens and per-step details")
+@draft_options
 def main(**options) -> None:
     """Generate text with a GGUF model split across llama.cpp RPC workers."""
     from orchestrator.chat import ChatTemplateError  # noqa: PLC0415 - keep --help fast
@@ -192,7 +236,7 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
 def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size,
                   ubatch_size, gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn, cache_type_k,
                   cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
-                  no_ring, verbose, **sampling) -> int:
+                  no_ring, verbose, model_draft, draft_max, draft_min, draft_p_min, rpc_draft, **sampling) -> int:
     """The command's run: the prompt through the engine's one slot, its text on stdout."""
     from orchestrator.engine import context_shift as shifting  # noqa: PLC0415
     from orchestrator.chat import apply_chat_template  # noqa: PLC0415
@@ -203,6 +247,10 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     t_start = time.perf_counter()
     loaded = open_model(model_path)
     model, vocab = loaded.model, loaded.vocab
+    draft = open_draft(loaded, model_draft, rpc_draft)
+    if draft is not None and (context_shift or any(model.hparams.swa_layers)):
+        raise CliError("speculative decoding (-md) does not work with --context-shift or a model with "
+                       "sliding-window layers yet")
     text = read_prompt(prompt, prompt_file)
     if text is None:
         log(f"no -p or -f given: demo prompt {DEMO_PROMPT!r}")
@@ -239,11 +287,15 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
                               tensor_split=parse_tensor_split(tensor_split), push=not no_push)
     pipe = start_pipeline(model, endpoints, options, PrintedReport(mid_line=True),
                           allow_shift if context_shift else None)
+    engine = None
     try:
+        speculator = start_draft(pipe, draft, 1, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
+                                 rpc_draft=rpc_draft)
         if warmup:
             pipe.warmup(tokens)
         t_loaded = time.perf_counter()
         engine = Engine.one_sequence(pipe, loaded.eog)
+        engine.speculator = speculator
         out = sys.stdout.buffer
 
         def emit(token: int) -> None:
@@ -267,7 +319,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
         if verbose:
             log(f"prompt: {len(tokens)} tokens {tokens}")
         # the ring keeps cell i at position i: a context that shifts goes token by token
-        if not (no_ring or no_push or context_shift) and params.greedy:
+        if not (no_ring or no_push or context_shift or speculator) and params.greedy:
             why = engine.start_ring(ignore_eos)
             log(f"  ring: {'on' if why is None else f'off ({why})'}")
         engine.on_ring_off = lambda why: log(f"\n  ring: off ({why}); going on stepwise")
@@ -277,6 +329,8 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
         out.flush()
     finally:
         pipe.close()
+        if engine is not None and engine.speculator is not None:
+            engine.speculator.close()
 
     m = engine.metrics
     n_sampled = finish.predicted_n + (finish.eog_token is not None)
@@ -284,6 +338,9 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     log(_rate("prompt eval", m.prompt_seconds, m.prompt_tokens, "tokens"))
     log(_rate("eval", m.tokens_predicted_seconds, m.eval_runs, "runs"))
     log(f"total time = {1e3 * (time.perf_counter() - t_start):10.2f} ms / {m.prompt_tokens + m.eval_runs} tokens")
+    if m.n_drafted:
+        log(f"draft: {m.n_drafted} tokens drafted, {m.n_drafted_accepted} accepted "
+            f"({100 * m.n_drafted_accepted / m.n_drafted:.1f}%)")
     return 0
 
 

@@ -48,6 +48,7 @@ class Piece:
     start: int
     path: str
     output: bool  # its last row's logits are wanted
+    n_out: int = 1  # with output, how many of its last rows give logits (a speculative piece: all of them)
 
     @property
     def n(self) -> int:
@@ -145,7 +146,9 @@ class Planner:
     def _assemble(self, order: list[Piece], groups: list[Group]) -> tuple[Batch, list[Piece]]:
         pos = np.concatenate([np.arange(p.start, p.start + p.n, dtype=np.int32) for p in order])
         cells = np.concatenate([self.base(p.slot) + np.arange(p.start, p.start + p.n, dtype=np.int64) for p in order])
-        out_ids = np.cumsum([p.n for p in order])[[p.output for p in order]] - 1
+        ends = np.cumsum([p.n for p in order])
+        out_ids = np.array([row for p, end in zip(order, ends) if p.output for row in range(end - p.n_out, end)],
+                           dtype=np.int64)
         batch = Batch([t for p in order for t in p.tokens], pos, cells, np.zeros((len(pos), 0), bool),
                       out_ids.astype(np.int32), swa_cells=cells if self.n_swa else None, groups=groups)
         return batch, order
@@ -211,7 +214,9 @@ class OneSequence:
 
     def batch(self, pieces: list[Piece], extents: dict[int, int] | None = None) -> tuple[Batch, list[Piece]]:
         (piece,) = pieces
-        return self.pipe.sequence_batch(piece.tokens, piece.start), pieces
+        batch = self.pipe.sequence_batch(piece.tokens, piece.start)
+        batch.out_ids = np.arange(piece.n - piece.n_out, piece.n, dtype=np.int32)
+        return batch, pieces
 
     def can_shift(self) -> bool:
         return self.pipe.cells is not None

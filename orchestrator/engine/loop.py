@@ -77,6 +77,7 @@ class Engine:
         self.runner = runner if runner is not None else Waves(pipe)  # how a batch goes through the stages
         self.ring: Ring | None = None  # the CLI's greedy sequence, when the workers pick its tokens
         self.on_ring_off: Callable[[str], None] | None = None  # told why, when a ring breaks
+        self.speculator = None  # drafts for generating slots (orchestrator/engine/speculative.py)
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.n_ctx_slot = self.planner.size
         self.max_queue = max_queue
@@ -141,6 +142,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         self.pipe.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self._interrupt.close()
         self._interrupter.close()
 
@@ -240,10 +243,14 @@ class Engine:
             self.metrics.prompt_tokens += n_tokens - n_gen
             self.metrics.prompt_seconds += share * (n_tokens - n_gen)
             self.metrics.tokens_predicted_seconds += share * n_gen
-            for (slot, job), row in zip(outs, logits):
+            row = 0
+            for slot, job, n_out in outs:
                 slot.awaiting = False
-                if slot.job is job:  # not cancelled meanwhile
-                    self._sample(slot, row)
+                if slot.job is job and n_out > 1:  # the slot's last token and its drafts
+                    self.speculator.verify(self, slot, logits[row:row + n_out])
+                elif slot.job is job:  # not cancelled meanwhile
+                    self._sample(slot, logits[row])
+                row += n_out
         if self._outbox and self.runner.ready:
             with self._wake:
                 self._admit()
@@ -271,9 +278,11 @@ class Engine:
         for slot in reading + generating if deferred else generating + reading:
             if budget <= 0:
                 break
-            start = slot.n_cached
-            if slot.generating:  # the token sampled last
-                n, path = 1, self.planner.path(1, start + 1)
+            start, drafts = slot.n_cached, []
+            if slot.generating:  # the token sampled last, and a draft's guesses of the next ones
+                if self.speculator is not None:
+                    drafts = self.speculator.propose(self, slot, budget - 1)
+                n, path = 1, self.planner.path(1 + len(drafts), start + 1 + len(drafts))
             else:
                 n = self.planner.piece(start, len(slot.tokens), slot.want, budget)
                 if n == 0:  # its chunk's path needs more room than this batch has left
@@ -282,15 +291,16 @@ class Engine:
                 path = slot.want[start]
             slot.n_cached += n
             slot.paths[start:] = [path] * n
-            budget -= n
+            budget -= n + len(drafts)
             done = slot.n_cached == len(slot.tokens)
-            pieces.append(Piece(slot.index, slot.tokens[start:slot.n_cached], start, path, done))
+            pieces.append(Piece(slot.index, slot.tokens[start:slot.n_cached] + drafts, start, path, done,
+                                1 + len(drafts)))
             slot.awaiting = done
         if not pieces:
             return
         batch, order = self.planner.batch(pieces, {s.index: s.n_cached for s in self.slots if s.job is not None})
-        outs = [(self.slots[p.slot], self.slots[p.slot].job) for p in order if p.output]  # out_ids' order
-        n_gen = sum(1 for s, _ in outs if s.generating)
+        outs = [(self.slots[p.slot], self.slots[p.slot].job, p.n_out) for p in order if p.output]  # out_ids' order
+        n_gen = sum(n_out for s, _, n_out in outs if s.generating)
         self.runner.start(batch, (outs, len(batch.tokens), n_gen))
 
     def _ring_ready(self) -> bool:

@@ -98,6 +98,8 @@ class Metrics:
     tokens_predicted_seconds: float = 0.0
     n_decode: int = 0
     eval_runs: int = 0  # decodes that fed generated tokens (llama-completion's "eval time ... runs")
+    n_drafted: int = 0  # tokens a draft model proposed (speculative decoding)
+    n_drafted_accepted: int = 0  # of those, the ones the target verified
 
 
 def log_probs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:

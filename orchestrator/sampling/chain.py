@@ -165,6 +165,25 @@ class Sampler:
         self._dist.apply(c)
         return c
 
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution the chain draws from (without a grammar): every sampler up to the draw, then
+        the softmax of the candidates left, as float64 over the whole vocabulary (speculative sampling)."""
+        logits = np.asarray(logits)
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"expected {self.n_vocab} logits, got shape {logits.shape}")
+        c = Candidates(logits)
+        if self._bias is not None:
+            self._bias.apply(c)
+        if self._penalties is not None:
+            self._penalties.apply(c)
+        for sampler in self._filters:
+            sampler.apply(c)
+        x = c.logits.astype(np.float64)
+        e = np.where(np.isfinite(x), np.exp(x - x[np.isfinite(x)].max()), 0.0)
+        p = np.zeros(self.n_vocab)
+        p[c.ids] = e / e.sum()
+        return p
+
     def sample(self, logits: np.ndarray) -> int:
         token = self._sample_unconstrained(logits)
         if self.grammar is None or self.grammar.allows(token):

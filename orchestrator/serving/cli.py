@@ -16,8 +16,8 @@ import click
 
 from orchestrator.pipeline.keyfile import rpc_key_file_option
 
-from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, gpu_layers_option, log, parse_tensor_split,
-                              sampling_options, sampling_params)
+from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_options, gpu_layers_option, log,
+                              open_draft, parse_tensor_split, sampling_options, sampling_params, start_draft)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -55,6 +55,7 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, gpu_lay
 @click.option("--workers", default=2, type=click.IntRange(min=1), help="local workers to start when no --rpc")
 @click.option("-t", "--threads", default=None, type=click.IntRange(min=1),
               help="threads of each local worker [default: the cores divided among the workers, which compute at once]")
+@draft_options
 def serve(**options) -> None:
     """Serve a GGUF model split across llama.cpp RPC workers over llama-server's OpenAI-compatible API."""
     from orchestrator.pipeline.client import WorkerError  # noqa: PLC0415
@@ -84,7 +85,8 @@ def run(*, rpc, workers, threads, **options) -> None:
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
           n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
-          chat_template_file, reasoning_format, **sampling) -> None:
+          chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min, rpc_draft,
+          **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
     from orchestrator.serving.server import Service, serve as serve_http  # noqa: PLC0415
@@ -92,6 +94,7 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
 
     loaded = open_model(model_path)
     model = loaded.model
+    draft = open_draft(loaded, model_draft, rpc_draft)
     check_gpu_layers(gpu_layers, model.hparams.n_layer)
     n_ctx = context_size(ctx_size, model.hparams.n_ctx_train)
     defaults = sampling_params(**sampling, n_ctx=n_ctx)  # llama-server's: for what a request leaves out
@@ -112,6 +115,12 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
     def load() -> Engine:
         pipe = start_pipeline(model, endpoints, options, PrintedReport(), room_per_slot)
         engine = Engine(pipe, loaded.eog, n_parallel=parallel, max_queue=max_queue, vocab=loaded.vocab)
+        try:
+            engine.speculator = start_draft(pipe, draft, parallel, draft_max=draft_max, draft_min=draft_min,
+                                            draft_p_min=draft_p_min, rpc_draft=rpc_draft)
+        except BaseException:
+            pipe.close()
+            raise
         engine.start()
         log(f"{parallel} slots of {engine.n_ctx_slot} tokens, up to {max_queue} requests waiting")
         return engine

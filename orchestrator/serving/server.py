@@ -142,6 +142,8 @@ async def metrics(request: web.Request) -> web.Response:
             ("tokens_predicted_total", "counter", "Number of generation tokens processed.", m.tokens_predicted),
             ("tokens_predicted_seconds_total", "counter", "Predict process time", m.tokens_predicted_seconds),
             ("n_decode_total", "counter", "Total number of llama_decode() calls", m.n_decode),
+            ("n_drafted_total", "counter", "Tokens a draft model proposed.", m.n_drafted),
+            ("n_drafted_accepted_total", "counter", "Drafted tokens the model accepted.", m.n_drafted_accepted),
             ("requests_processing", "gauge", "Number of requests processing.", engine.processing),
             ("requests_deferred", "gauge", "Number of requests deferred.", engine.deferred)]
     text = "".join(f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"

@@ -1,0 +1,264 @@
+"""Speculative decoding with a draft model: the draft proposes up to k tokens for a slot, the target
+verifies them in the engine's next batch (the slot's last token and the k drafts in one piece, every row's
+logits out), and the slot takes the verified prefix plus the target's own next token.
+
+    speculator = start_speculator(pipe, loaded.vocab, DraftOptions(path, ...), n_slots, report)
+    engine.speculator = speculator     # orchestrator/engine/loop.py asks it for drafts and hands it the rows
+
+Greedy jobs (and jobs with a grammar) keep the target's own choice at every row: each row is sampled as the
+engine samples any row, and a draft counts as accepted only where it equals that choice, so the text is
+the non-speculative text exactly. Other jobs use speculative sampling (Leviathan et al. 2023; Chen et al.
+2023): the draft samples d ~ q, the target's chain gives p, d is kept with probability min(1, p(d)/q(d)),
+else a token is drawn from max(p - q, 0) normalized; the tokens then follow the target's p exactly.
+
+Rejected tokens need no clean-up on either side: the target's slot cuts `n_cached` back to the verified
+prefix and the draft remembers which tokens its cells hold; cells past those are written again before a
+mask ever shows them (position masks, cell i at position i of the slot).
+
+llama.cpp's checks and flags: the vocabularies must match as common_speculative_are_compatible says;
+--draft-max / --draft-min / --draft-p-min are common_params_speculative's n_max / n_min / p_min (the names
+and defaults before the pinned build renamed them --spec-draft-n-max etc., which are accepted too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.engine.batching import Piece, Planner
+
+VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
+VOCAB_CHECK_START_TOKEN_ID = 5  # SPEC_VOCAB_CHECK_START_TOKEN_ID
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """-md and the draft flags, as llama.cpp names them."""
+
+    model_path: Path
+    n_max: int = 16  # --draft-max: tokens drafted per step at most
+    n_min: int = 0  # --draft-min: fewer drafted than this are not verified (a plain step instead)
+    p_min: float = 0.75  # --draft-p-min: drafting stops after a token the draft gives less than this
+    endpoints: tuple[str, ...] = ()  # --rpc-draft; empty: the target's worker with the most free memory
+
+
+def incompatibility(target, draft) -> str | None:
+    """Why two vocabularies cannot share drafted tokens (common_speculative_are_compatible), or None."""
+    if target.model != draft.model:
+        return f"the draft's vocabulary type is '{draft.model}', the target's '{target.model}'"
+    if target.add_bos != draft.add_bos or (target.add_bos and target.bos != draft.bos):
+        return (f"the draft's BOS (add {draft.add_bos}, id {draft.bos}) differs from the target's "
+                f"(add {target.add_bos}, id {target.bos})")
+    if target.add_eos != draft.add_eos or (target.add_eos and target.eos != draft.eos):
+        return (f"the draft's EOS (add {draft.add_eos}, id {draft.eos}) differs from the target's "
+                f"(add {target.add_eos}, id {target.eos})")
+    if abs(target.n_tokens - draft.n_tokens) > VOCAB_MAX_SIZE_DIFFERENCE:
+        return (f"the draft has {draft.n_tokens} tokens, the target {target.n_tokens} (at most "
+                f"{VOCAB_MAX_SIZE_DIFFERENCE} apart)")
+    for i in range(VOCAB_CHECK_START_TOKEN_ID, min(target.n_tokens, draft.n_tokens)):
+        if target.texts[i] != draft.texts[i]:
+            return f"token {i} is {target.texts[i]!r} in the target and {draft.texts[i]!r} in the draft"
+    return None
+
+
+def exact(params) -> bool:
+    """Rows are verified by the target's own choice (greedy, or a grammar's): the text is the plain one."""
+    return params.temp <= 0 or bool(params.grammar)
+
+
+def softmax(logits: np.ndarray, temp: float = 1.0) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64) / (temp if temp > 0 else 1.0)
+    finite = np.isfinite(x)
+    e = np.where(finite, np.exp(x - x[finite].max()), 0.0)
+    return e / e.sum()
+
+
+def accept_or_resample(p: np.ndarray, q: np.ndarray, drafted: int, rng: np.random.Generator) -> tuple[int, bool]:
+    """Speculative sampling of one position: the drafted token (drawn from q) kept with probability
+    min(1, p/q), else a token from the residual max(p - q, 0) normalized. The result is distributed as p."""
+    if rng.random() * q[drafted] < p[drafted]:
+        return drafted, True
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    dist = residual / total if total > 0 else p
+    return int(rng.choice(len(p), p=dist)), False
+
+
+class Drafter:
+    """The draft model's pipeline and, per slot, which tokens its cells hold (cell i: position i of the
+    slot's run, as the engine's Planner lays them out)."""
+
+    def __init__(self, pipe, n_slots: int):
+        if pipe.n_swa:
+            raise ValueError("a draft model with sliding-window layers is not supported")
+        self.pipe = pipe
+        self.planner = Planner(n_slots, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
+                               cache_types=pipe.cache_types)
+        self.cached: list[list[int]] = [[] for _ in range(n_slots)]
+
+    def room(self, n_tokens: int) -> int:
+        """Tokens that can be drafted after a sequence of n_tokens (the draft's cells of a slot)."""
+        return max(0, self.planner.size - n_tokens)
+
+    def _feed(self, slot: int, tokens: list[int], start: int) -> np.ndarray:
+        """Feeds tokens at positions start.. in ubatch pieces; the last one's logits."""
+        logits = None
+        for u in range(0, len(tokens), self.pipe.n_ubatch):
+            chunk = tokens[u:u + self.pipe.n_ubatch]
+            s = start + u
+            piece = Piece(slot, chunk, s, self.planner.path(len(chunk), s + len(chunk)), True)
+            batch, _ = self.planner.batch([piece])
+            logits = self.pipe.run(batch)[-1]
+        return logits
+
+    def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float,
+              rng: np.random.Generator | None) -> tuple[list[int], list[np.ndarray]]:
+        """Up to n_max tokens after `sequence`: the draft's argmax (rng None) or draws from its softmax at
+        `temp`; drafting stops after a token whose probability is below p_min. Returns the tokens and the
+        distribution each was drawn from (for speculative sampling)."""
+        cached = self.cached[slot]
+        keep = min(_common_prefix(cached, sequence), len(sequence) - 1)
+        logits = self._feed(slot, sequence[keep:], keep)
+        fed = list(sequence)
+        tokens, dists = [], []
+        while len(tokens) < n_max:
+            q = softmax(logits, temp if rng is not None else 1.0)
+            token = int(np.argmax(q)) if rng is None else int(rng.choice(len(q), p=q))
+            tokens.append(token)
+            dists.append(q)
+            if len(tokens) == n_max or q[token] < p_min:
+                break
+            logits = self._feed(slot, [token], len(fed))
+            fed.append(token)
+        self.cached[slot] = fed
+        return tokens, dists
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+@dataclass
+class Pending:
+    tokens: list[int]
+    dists: list[np.ndarray]
+
+
+class Speculator:
+    """What the engine asks: propose(slot, budget) before a batch, verify(engine, slot, rows) after it."""
+
+    def __init__(self, drafter: Drafter, options: DraftOptions):
+        self.drafter, self.options = drafter, options
+        self.pending: dict[int, Pending] = {}
+        self.rngs: dict[int, tuple[object, np.random.Generator]] = {}  # per slot: its job and its RNG
+
+    def close(self) -> None:
+        self.drafter.close()
+
+    def _rng(self, slot) -> np.random.Generator:
+        job, rng = self.rngs.get(slot.index, (None, None))
+        if job is not slot.job:
+            rng = np.random.default_rng(slot.sampler.seed)
+            self.rngs[slot.index] = (slot.job, rng)
+        return rng
+
+    def propose(self, engine, slot, budget: int) -> list[int]:
+        """Drafts for a generating slot whose last token is to be fed: at most `budget` (the batch's room),
+        the draft's and the slot's room, and the tokens the job may still make; [] for a plain step."""
+        job, opts = slot.job, self.options
+        k = min(opts.n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
+        if job.n_predict >= 0:
+            k = min(k, job.n_predict - slot.n_generated - 1)
+        sampled = not exact(job.params)
+        if k <= 0 or k < opts.n_min or job.n_keep is not None or (sampled and job.params.grammar):
+            return []
+        rng = self._rng(slot) if sampled else None
+        tokens, dists = self.drafter.draft(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng)
+        if len(tokens) < opts.n_min:
+            return []
+        self.pending[slot.index] = Pending(tokens, dists)
+        engine.metrics.n_drafted += len(tokens)
+        return tokens
+
+    def verify(self, engine, slot, rows: np.ndarray) -> None:
+        """The target's rows for the slot's last fed token and its drafts (n_cached counts the last fed
+        one only): the verified drafts join the cached tokens, the next token is the target's."""
+        pending = self.pending.pop(slot.index)
+        job = slot.job
+        path = slot.paths[-1]
+        for i, row in enumerate(rows):
+            if exact(job.params):
+                engine._sample(slot, row)
+                if slot.job is not job:
+                    return
+                token, kept = slot.tokens[-1], i < len(pending.tokens) and slot.tokens[-1] == pending.tokens[i]
+            else:
+                if job.ignore_eos:
+                    row = np.array(row, dtype=np.float32)
+                    row[engine.eog] = -np.inf
+                p = slot.sampler.probabilities(row)
+                if i < len(pending.tokens):
+                    token, kept = accept_or_resample(p, pending.dists[i], pending.tokens[i], self._rng(slot))
+                else:
+                    token, kept = int(self._rng(slot).choice(len(p), p=p)), False
+                slot.sampler.accept(token)
+                engine._take(slot, token, row, accepted=True)
+                if slot.job is not job:
+                    return
+            if not kept:
+                return
+            slot.n_cached += 1  # the draft's cell at this position holds the verified token
+            slot.paths.append(path)
+            engine.metrics.n_drafted_accepted += 1
+
+
+def open_draft(path: Path, target_vocab, target_n_vocab: int):
+    """The draft model's file and vocabulary (LoadedModel), checked against the target's before any worker
+    is reached: StartupError if the draft cannot draft for it."""
+    from orchestrator.engine.startup import StartupError, open_model  # noqa: PLC0415
+
+    loaded = open_model(path)
+    why = incompatibility(target_vocab, loaded.vocab)
+    if why is None and loaded.model.hparams.n_vocab != target_n_vocab:
+        why = f"the draft has {loaded.model.hparams.n_vocab} logits per token, the target {target_n_vocab}"
+    if why is not None:
+        raise StartupError(f"the draft model {path} cannot draft for this model: {why}")
+    if any(loaded.model.hparams.swa_layers):
+        raise StartupError(f"the draft model {path} has sliding-window layers: not supported as a draft yet")
+    return loaded
+
+
+def start_speculator(pipe, draft, options: DraftOptions, n_slots: int, report=None) -> Speculator:
+    """Brings the draft (open_draft's) up on options.endpoints, or on the target's worker with the most
+    free memory once the target is placed, with the target's context; the engine's Speculator."""
+    from orchestrator.engine.startup import PipelineOptions, StartupError, start_pipeline  # noqa: PLC0415
+
+    try:
+        endpoints = list(options.endpoints) or [most_free(pipe)]
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    draft_options = PipelineOptions(n_ctx=pipe.n_ctx, n_batch=pipe.n_batch, n_ubatch=pipe.n_ubatch,
+                                    flash_attn=pipe.flash_attn, swa_full=True)
+    draft_pipe = start_pipeline(draft.model, endpoints, draft_options, report)
+    return Speculator(Drafter(draft_pipe, n_slots), options)
+
+
+def most_free(pipe) -> str:
+    """The endpoint of the target's worker (placed or idle) with the most free memory now."""
+    best, endpoint = -1, None
+    for client in pipe.clients:
+        free, _ = client.device_memory()
+        if free > best and isinstance(getattr(client, "endpoint", None), str):
+            best, endpoint = free, client.endpoint
+    if endpoint is None:
+        raise ValueError("no worker reachable by address for the draft: give --rpc-draft")
+    return endpoint
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
