@@ -135,6 +135,13 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
+    @property
+    def draft_stats(self) -> dict | None:
+        """Drafted and accepted tokens so far with a draft model (-md), for the web page; None without one."""
+        if self.speculator is None:
+            return None
+        return {"drafted": self.metrics.n_drafted, "accepted": self.metrics.n_drafted_accepted}
+
     def stop(self) -> None:
         with self._wake:
             self._stopping = True

@@ -101,8 +101,9 @@ def test_a_draft_of_another_vocabulary_is_refused(smollm2, workers):
     assert last.startswith("error: ") and "cannot draft for this model" in last, done.stderr[-2000:]
 
 
-def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str]:
-    """One greedy /v1/completions answer of `orchestrator serve` (with --metrics) and its /metrics text."""
+def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str, dict]:
+    """One greedy /v1/completions answer of `orchestrator serve` (with --metrics), its /metrics text and
+    the web page's /pipeline/state."""
     import json  # noqa: PLC0415
     import time  # noqa: PLC0415
     import urllib.request  # noqa: PLC0415
@@ -129,7 +130,9 @@ def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str]:
             text = json.load(r)["choices"][0]["text"]
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
             metrics = r.read().decode()
-        return text, metrics
+        with urllib.request.urlopen(f"{url}/pipeline/state", timeout=30) as r:
+            state = json.load(r)
+        return text, metrics, state
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -137,8 +140,11 @@ def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str]:
 
 
 def test_the_server_drafts_too_and_gives_the_same_text(smollm2, workers, tmp_path):
-    plain, _ = serve_completion(smollm2, workers, tmp_path)
-    spec, metrics = serve_completion(smollm2, workers, tmp_path, "-md", smollm2, "--draft-max", 6)
+    plain, _, state = serve_completion(smollm2, workers, tmp_path)
+    assert state["draft"] is None
+    spec, metrics, state = serve_completion(smollm2, workers, tmp_path, "-md", smollm2, "--draft-max", 6)
     assert spec == plain
     counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", metrics, re.M))
     assert int(counts["n_drafted_total"]) > 0 and int(counts["n_drafted_accepted_total"]) > 0, metrics
+    assert state["draft"] == {"drafted": int(counts["n_drafted_total"]),
+                              "accepted": int(counts["n_drafted_accepted_total"])}  # the web page's figures
