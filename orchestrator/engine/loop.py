@@ -45,7 +45,7 @@ from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.ring import Ring
 from orchestrator.sampling import Sampler
 from orchestrator.sampling.gbnf import GrammarError
-from orchestrator.engine.slots import Finish, Job, Metrics, Slot, log_probs
+from orchestrator.engine.slots import Finish, Job, Metrics, Slot, common_prefix, log_probs
 from orchestrator.pipeline.waves import Stepwise, Waves
 
 __all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
@@ -215,7 +215,7 @@ class Engine:
             if not idle:
                 return
             job = self.waiting.popleft()
-            slot = max(idle, key=lambda s: (_common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
+            slot = max(idle, key=lambda s: (common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
             want = self.planner.prompt_paths(len(job.prompt))
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
             slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
@@ -421,10 +421,3 @@ class Engine:
         for job in jobs:
             job.emit("error", message)
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

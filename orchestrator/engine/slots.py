@@ -117,3 +117,12 @@ def log_probs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple
     p = expf(x[ids] - high) / total
     lp = [float(logf(v)) if v > 0 else float(np.finfo(np.float32).min) for v in p]
     return lp[0], [(int(t), v) for t, v in zip(ids[1:], lp[1:])]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.engine.batching import Piece, Planner
+from orchestrator.engine.slots import common_prefix
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_START_TOKEN_ID = 5  # SPEC_VOCAB_CHECK_START_TOKEN_ID
@@ -119,7 +120,7 @@ class Drafter:
         `temp`; drafting stops after a token whose probability is below p_min. Returns the tokens and the
         distribution each was drawn from (for speculative sampling)."""
         cached = self.cached[slot]
-        keep = min(_common_prefix(cached, sequence), len(sequence) - 1)
+        keep = min(common_prefix(cached, sequence), len(sequence) - 1)
         logits = self._feed(slot, sequence[keep:], keep)
         fed = list(sequence)
         tokens, dists = [], []
@@ -255,10 +256,3 @@ def most_free(pipe) -> str:
         raise ValueError("no worker reachable by address for the draft: give --rpc-draft")
     return endpoint
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
