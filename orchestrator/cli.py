@@ -43,6 +43,21 @@ def parse_tensor_split(text: str | None) -> list[float] | None:
         raise CliError(f"invalid --tensor-split '{text}': expected numbers like 3,1") from None
 
 
+def pipeline_options(command):
+    """How the layers are split and what the KV cache holds: flags both commands take."""
+    for option in reversed([
+        click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1"),
+        click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+                     help="flash attention (auto = on)"),
+        click.option("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f32, f16, q8_0, q4_0, q4_1, "
+                     "iq4_nl, q5_0 or q5_1"),
+        click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs "
+                     "flash attention)"),
+    ]):
+        command = option(command)
+    return command
+
+
 def sampling_options(command):
     """llama.cpp's sampling flags: the CLI's chain, and `serve`'s defaults for what a request leaves out."""
     for option in reversed([
@@ -152,13 +167,7 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
 @click.option("--ignore-eos", is_flag=True, help="ignore end of stream tokens and continue generating")
 @click.option("-l", "--logit-bias", multiple=True, callback=lambda ctx, param, value: [parse_logit_bias(v) for v in value],
               metavar="TOKEN_ID(+/-)BIAS", help="add BIAS to a token's logit, e.g. 15043+1 or 15043-inf (repeatable)")
-@click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
-@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
-              help="flash attention (auto = on)")
-@click.option("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f32, f16, q8_0, q4_0, q4_1, iq4_nl, "
-              "q5_0 or q5_1")
-@click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs flash "
-              "attention)")
+@pipeline_options
 @click.option("--context-shift/--no-context-shift", default=False,
               help="when the context is full, drop half of it after the first --keep tokens and go on, as "
                    "llama-completion's --context-shift (default: stop, as llama-completion)")

@@ -17,7 +17,7 @@ import click
 from orchestrator.pipeline.keyfile import rpc_key_file_option
 
 from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_options, gpu_layers_option, log,
-                              open_draft, parse_tensor_split, sampling_options, sampling_params, start_draft)
+                              open_draft, parse_tensor_split, pipeline_options, sampling_options, sampling_params, start_draft)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -40,13 +40,7 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_o
 @gpu_layers_option
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="require this key (Authorization: Bearer)")
 @click.option("--metrics", is_flag=True, help="enable the Prometheus /metrics endpoint")
-@click.option("-ts", "--tensor-split", default=None, help="fraction of layers per worker, e.g. 3,1")
-@click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto",
-              help="flash attention (auto = on)")
-@click.option("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f32, f16, q8_0, q4_0, q4_1, iq4_nl, "
-              "q5_0 or q5_1")
-@click.option("-ctv", "--cache-type-v", default="f16", help="KV cache type for V, as -ctk (a quantized one needs flash "
-              "attention)")
+@pipeline_options
 @click.option("--no-push", is_flag=True, help="relay every activation through the orchestrator")
 @click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="a Jinja chat template file to use instead of the model's (llama-server's flag)")
