@@ -10,6 +10,15 @@ from tools import reference
 
 
 @pytest.fixture(scope="module")
+def model():
+    """The packaged SmolLM2-135M Q4_1 GGUF (installed by tools/install_reference.sh)."""
+    try:
+        return reference.model_path()
+    except reference.ReferenceMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     w = reference.start_worker("ours", tmp_path_factory.mktemp("worker"), mem_mib=256, timeout=300)
     yield w

@@ -14,7 +14,7 @@ from orchestrator.pipeline.client import RpcClient, WorkerError
 from orchestrator.pipeline.runner import Pipeline
 from tools import reference
 from tools.make_model import write_model
-from wire import gguf_files as g, protocol as p
+from wire import protocol as p
 from wire.ggml import GGMLType, contiguous_strides
 from wire.protocol import Command
 

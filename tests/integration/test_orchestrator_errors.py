@@ -33,14 +33,6 @@ def assert_clean_failure(done: subprocess.CompletedProcess, *needles: str) -> No
 
 
 @pytest.fixture(scope="module")
-def model():
-    try:
-        return reference.model_path()
-    except reference.ReferenceMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-
-
-@pytest.fixture(scope="module")
 def small_worker(tmp_path_factory):
     """One of our workers with 64 MiB: too little for SmolLM2's 92 MiB of weights."""
     w = reference.start_worker("ours", tmp_path_factory.mktemp("small"), mem_mib=64, timeout=300)

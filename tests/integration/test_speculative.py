@@ -33,14 +33,6 @@ def drafted(stderr: str) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return reference.model_path()
-    except reference.ReferenceMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-
-
-@pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("spec-workers")
     started = [reference.start_worker("ours", log_dir, threads=1) for _ in range(2)]
@@ -70,10 +62,10 @@ def generate(model, rpc, *extra) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("n_workers", [1, 2])
-def test_a_draft_that_agrees_gives_the_same_text(smollm2, workers, n_workers):
+def test_a_draft_that_agrees_gives_the_same_text(model, workers, n_workers):
     rpc = workers[:n_workers]
-    plain = generate(smollm2, rpc)
-    spec = generate(smollm2, rpc, "-md", smollm2, "--draft-max", 6)
+    plain = generate(model, rpc)
+    spec = generate(model, rpc, "-md", model, "--draft-max", 6)
     assert spec.stdout == plain.stdout
     n_drafted, n_accepted = drafted(spec.stderr)
     assert n_drafted >= 20 and n_accepted >= n_drafted // 2, spec.stderr[-1000:]
@@ -89,12 +81,12 @@ def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pair, workers, n
     assert 0 < n_accepted < n_drafted, spec.stderr[-1000:]  # both paths taken: kept guesses and dropped ones
 
 
-def test_a_draft_of_another_vocabulary_is_refused(smollm2, workers):
+def test_a_draft_of_another_vocabulary_is_refused(model, workers):
     try:
         gemma = reference.gemma3_model_path()  # Gemma 3's vocabulary against SmolLM2's
     except reference.ReferenceMissing as exc:
         pytest.fail(str(exc), pytrace=False)
-    done = orchestrator("--rpc", workers[0], "-m", smollm2, "-p", PROMPT, "-n", 4, "-md", gemma)
+    done = orchestrator("--rpc", workers[0], "-m", model, "-p", PROMPT, "-n", 4, "-md", gemma)
     assert done.returncode != 0
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
@@ -139,10 +131,10 @@ def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str, dict]:
         log.close()
 
 
-def test_the_server_drafts_too_and_gives_the_same_text(smollm2, workers, tmp_path):
-    plain, _, state = serve_completion(smollm2, workers, tmp_path)
+def test_the_server_drafts_too_and_gives_the_same_text(model, workers, tmp_path):
+    plain, _, state = serve_completion(model, workers, tmp_path)
     assert state["draft"] is None
-    spec, metrics, state = serve_completion(smollm2, workers, tmp_path, "-md", smollm2, "--draft-max", 6)
+    spec, metrics, state = serve_completion(model, workers, tmp_path, "-md", model, "--draft-max", 6)
     assert spec == plain
     counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", metrics, re.M))
     assert int(counts["n_drafted_total"]) > 0 and int(counts["n_drafted_accepted_total"]) > 0, metrics
