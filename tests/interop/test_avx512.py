@@ -50,7 +50,8 @@ def test_kernels_bit_exact_with_the_avx512_build(avx512_lib_dir):
     """Every oracle test of the lane-dependent kernels, in a process of its own (it must not load both
     builds of libggml), with the AVX-512 build as the oracle and our nodes on the AVX-512 target."""
     kernels = REPO_ROOT / "tests" / "kernels"
-    env = {**os.environ, "PYRPC_ORACLE": "avx512", "CI": "true"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},  # a run of its own
+           "PYRPC_ORACLE": "avx512", "CI": "true"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "ggml",
                            *(str(kernels / name) for name in KERNEL_TESTS)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=3600)
