@@ -1,6 +1,7 @@
 """A GGUF model file, memory-mapped: hyper-parameters and weight tensors of the architectures we run.
 
-In scope: the llama family (llama 2/3, mistral, smollm, tinyllama all say "llama"), qwen2, qwen3, qwen3moe (routed experts) and gemma3.
+In scope: the llama family (llama 2/3, mistral, smollm, tinyllama all say "llama"), qwen2, qwen3, qwen3moe (routed experts),
+gemma3 and deepseek2 with multi-head latent attention (GLM-4.7-Flash; orchestrator/graph/deepseek2.py).
 Each architecture is a row of ARCHS: its rope mode and which optional tensors its layers carry.
 """
 
@@ -29,6 +30,7 @@ class Arch:
     swa_pattern: int = 0  # llama.cpp's default sliding-window pattern: of every n layers the last is global
     embd_scaled: bool = False  # token embeddings times sqrt(n_embd) before the first layer
     moe: bool = False  # routed experts (ffn_gate_inp, ffn_{gate,up,down}_exps) in place of the dense FFN
+    mla: bool = False  # deepseek2's latent attention: one cached head (kv_lora + rope wide), no V cache
 
 
 ARCHS = {
@@ -38,7 +40,10 @@ ARCHS = {
     "gemma3": Arch(ROPE_MODE_NEOX, qk_norm=True, extra_roles=("post_attention_norm", "post_ffw_norm"), swa_pattern=6,
                    embd_scaled=True),
     "qwen3moe": Arch(ROPE_MODE_NEOX, qk_norm=True, moe=True),
+    "deepseek2": Arch(ROPE_MODE_NORMAL, moe=True, mla=True),
 }
+
+GATING = {0: "", 1: "softmax", 2: "sigmoid"}  # llama_expert_gating_func_type as the file numbers it
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,21 @@ class HParams:
     rope_attn_factor: float = 1.0  # ROPE's attn_factor: llama.cpp's cparams.yarn_attn_factor (YaRN's mscale)
     rope_beta_fast: float = 32.0  # YaRN's correction dims (llama.cpp's hparams defaults; no GGUF key read)
     rope_beta_slow: float = 1.0
+    # deepseek2 (MLA): the low-rank widths of Q (0: a plain attn_q) and of the cached K/V row, the decompressed
+    # heads' widths, the leading dense layers, the shared experts and how the router weighs its choice
+    n_lora_q: int = 0
+    n_lora_kv: int = 0
+    head_dim_k_mla: int = 0
+    head_dim_v_mla: int = 0
+    n_layer_dense_lead: int = 0
+    n_expert_shared: int = 0
+    expert_gating: str = "softmax"
+    expert_weights_norm: bool = True
+    expert_weights_scale: float = 0.0  # 0 or 1: no SCALE node
+
+    @property
+    def is_mla(self) -> bool:
+        return self.n_lora_kv > 0
 
     def is_swa(self, il: int) -> bool:
         return il < len(self.swa_layers) and self.swa_layers[il]
@@ -153,6 +173,9 @@ class ModelFile:
         n_layer = self.get(f"{a}.block_count", int)
         if a == "gemma3":  # llama.cpp ignores the file's scale here (gemma_pytorch's rule; 62 layers: the 27B)
             attn_scale = 1.0 / math.sqrt(n_embd // n_head if n_layer == 62 else head_dim_k)
+        mla = self._mla(rope, n_layer, tok_embd.ne[1]) if self.arch.mla else {}
+        if mla:
+            attn_scale = mla.pop("kq_scale")
         return HParams(
             arch=a,
             n_layer=n_layer,
@@ -173,7 +196,42 @@ class ModelFile:
             **self._sliding_window(n_layer),
             embd_scale=float(np.sqrt(np.float32(n_embd))) if self.arch.embd_scaled else 1.0,
             final_logit_softcap=self.get(f"{a}.final_logit_softcapping", float, 0.0),
+            **mla,
         )
+
+    def _mla(self, rope: dict, n_layer: int, n_vocab: int) -> dict:
+        """deepseek2's keys (llama_model_deepseek2::load_arch_hparams) and its attention scale (its graph's
+        kq_scale: YaRN's mscale squared over the decompressed key head's root, in float)."""
+        a, f32 = self.arch_name, np.float32
+        gating = GATING.get(self.get(f"{a}.expert_gating_func", int, 0))
+        if gating is None:
+            raise ModelError(f"{self.path.name}: expert gating function not supported")
+        if not gating:  # old DeepSeek V2 files say nothing; GLM 4.7's lite files are sigmoid
+            gating = "sigmoid" if n_layer in (47, 48) and n_vocab == 154880 else "softmax"
+        head_dim_k_mla = self.get(f"{a}.attention.key_length_mla", int, 0)
+        if not head_dim_k_mla:
+            raise ModelError(f"{self.path.name}: a deepseek2 file without MLA key lengths (attn_kv_b) is not supported")
+        freq_scale, attn_factor = f32(rope["rope_freq_scale"]), f32(rope["rope_attn_factor"])
+        log = f32(math.log(f32(f32(1.0) / freq_scale)))
+        log_mul = f32(self._yarn_log_mul())
+        attn_factor_org = f32(attn_factor * f32(f32(1.0) + f32(f32(0.1) * log)))
+        mscale = f32(attn_factor_org * f32(f32(1.0) + f32(f32(f32(0.1) * log_mul) * log)))
+        kq_scale = f32(f32(f32(1.0) * mscale) * mscale) / f32(math.sqrt(f32(head_dim_k_mla)))
+        return {"n_lora_q": self.get(f"{a}.attention.q_lora_rank", int, 0),
+                "n_lora_kv": self.get(f"{a}.attention.kv_lora_rank", int),
+                "head_dim_k_mla": head_dim_k_mla,
+                "head_dim_v_mla": self.get(f"{a}.attention.value_length_mla", int),
+                "n_layer_dense_lead": self.get(f"{a}.leading_dense_block_count", int, 0),
+                "n_expert_shared": self.get(f"{a}.expert_shared_count", int),
+                "expert_gating": gating,
+                "expert_weights_norm": bool(self.get(f"{a}.expert_weights_norm", None, False)),
+                "expert_weights_scale": self.get(f"{a}.expert_weights_scale", float, 0.0),
+                "kq_scale": float(kq_scale)}
+
+    def _yarn_log_mul(self) -> float:
+        """deepseek2's rope.scaling.yarn_log_multiplier as llama.cpp keeps it: the converter's 0.1 cancelled."""
+        stored = self.get(f"{self.arch_name}.rope.scaling.yarn_log_multiplier", float, 0.0)
+        return float(np.float32(stored) / np.float32(0.1)) if self.arch.mla else 0.0
 
     def _feed_forward(self) -> dict:
         """The FFN width; a MoE arch's is each expert's (llama.cpp: expert_feed_forward_length, else
@@ -204,7 +262,15 @@ class ModelFile:
         if ext_factor:
             scale = f32(1.0) / freq_scale
             log = f32(math.log(scale))  # logf
-            attn_factor = f32(1.0) if scale <= 1.0 else f32(f32(f32(0.1) * f32(1.0)) * log) + f32(1.0)
+
+            def get_mscale(mscale):
+                return f32(1.0) if scale <= 1.0 else f32(f32(f32(0.1) * f32(mscale)) * log) + f32(1.0)
+
+            if mscale_all := f32(self._yarn_log_mul()):  # deepseek2's special case: mscale = mscale_all_dims
+                mscale = mscale_all if mscale_all != f32(1.0) else f32(1.0)
+                attn_factor = f32(get_mscale(mscale) / get_mscale(mscale_all))
+            else:
+                attn_factor = get_mscale(1.0)
             attn_factor = f32(attn_factor * (f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * log))))
         attn_factor = f32(attn_factor * f32(self.get(f"{a}.rope.scaling.attn_factor", float, 1.0)))
         return {"rope_freq_scale": float(freq_scale), "rope_ext_factor": ext_factor,
@@ -244,6 +310,8 @@ class ModelFile:
 
     def layer_tensor_names(self, il: int) -> dict[str, str]:
         """role -> tensor name for layer il; optional ones only when present in the file."""
+        if self.arch.mla:
+            return self._mla_tensor_names(il)
         ffn = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if self.arch.moe else \
             ("ffn_gate", "ffn_up", "ffn_down")
         names = {role: f"blk.{il}.{role}.weight" for role in
@@ -257,6 +325,21 @@ class ModelFile:
                 names[role.replace(".weight", "")] = name
         if "rope_freqs" not in names and "rope_freqs.weight" in self.weights:  # one tensor every layer uses
             names["rope_freqs"] = "rope_freqs.weight"
+        return names
+
+    def _mla_tensor_names(self, il: int) -> dict[str, str]:
+        """deepseek2's layer (llama_model_deepseek2::load_arch_tensors, split attn_k_b/attn_v_b): Q through
+        its low rank (or a plain attn_q), the compressed K/V; a leading dense FFN or the routed and shared
+        experts with the router's optional selection bias."""
+        q = ("attn_q_a_norm", "attn_q_a", "attn_q_b") if f"blk.{il}.attn_q_a.weight" in self.weights else ("attn_q",)
+        ffn = ("ffn_gate", "ffn_up", "ffn_down") if il < self.get(f"{self.arch_name}.leading_dense_block_count", int, 0) \
+            else ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
+                  "ffn_down_shexp")
+        names = {role: f"blk.{il}.{role}.weight" for role in
+                 ("attn_norm", *q, "attn_kv_a_norm", "attn_kv_a_mqa", "attn_k_b", "attn_v_b", "attn_output",
+                  "ffn_norm", *ffn)}
+        if f"blk.{il}.exp_probs_b.bias" in self.weights:
+            names["exp_probs_b"] = f"blk.{il}.exp_probs_b.bias"
         return names
 
     def output_tensor_names(self) -> dict[str, str]:
