@@ -82,11 +82,12 @@ class LayerBuilder:
     """Builds one stage's graph over weights and caches that already live on its worker."""
 
     output_rows_apart = False  # the logits one row at a time (runner.Pipeline.place: on llama.cpp's workers)
+    v_cache = True  # False: V is a view of the K cache (deepseek2's MLA), no V cache and no v_idxs input
 
     def __init__(self, hp: HParams, weights: dict[str, Tensor], kv: dict[int, tuple[Tensor, Tensor]],
                  flash_attn: bool):
         self.hp, self.w, self.kv, self.flash_attn = hp, weights, kv, flash_attn
-        kv_types = next(((k.type, v.type) for k, v in kv.values()), (GGMLType.F16, GGMLType.F16))
+        kv_types = next(((k.type, (v or k).type) for k, v in kv.values()), (GGMLType.F16, GGMLType.F16))
         self.rotations = rotation_sizes(hp.head_dim_k, hp.head_dim_v, *kv_types)
 
     def build(self, blocks: range, shape: Shape, *, token_ids: bool = False, greedy: bool = False,
@@ -112,8 +113,9 @@ class LayerBuilder:
                 if not any(self.hp.is_swa(il) == (sfx == "_swa") for il in layers):
                     continue
                 inputs["k_idxs" + sfx] = new_tensor(GGMLType.I64, (n_tokens,), "attn_inp_k_idxs" + sfx)
-                n_v_idxs = n_tokens if self.flash_attn else n_tokens * hp.n_embd_v_gqa
-                inputs["v_idxs" + sfx] = new_tensor(GGMLType.I64, (n_v_idxs,), "attn_inp_v_idxs" + sfx)
+                if self.v_cache:
+                    n_v_idxs = n_tokens if self.flash_attn else n_tokens * hp.n_embd_v_gqa
+                    inputs["v_idxs" + sfx] = new_tensor(GGMLType.I64, (n_v_idxs,), "attn_inp_v_idxs" + sfx)
                 mask_type = GGMLType.F16 if self.flash_attn else GGMLType.F32
                 for i, (n_rows, _, n_kv, n_streams, _) in enumerate(shape.attention_groups(sfx == "_swa")):
                     name = mask_name(sfx, i)
@@ -256,7 +258,9 @@ class LayerBuilder:
             v = self._rotate(g, v, inputs["v_rot"])
 
         g.set_rows(k_cache, g.view(k, (hp.n_embd_k_gqa, n_tokens), (k.nb[2],), 0), inputs["k_idxs" + sfx])
-        if self.flash_attn:
+        if not self.v_cache:
+            pass
+        elif self.flash_attn:
             g.set_rows(v_cache, g.view(v, (hp.n_embd_v_gqa, n_tokens), (v.nb[2],), 0), inputs["v_idxs" + sfx])
         else:  # the V cache is transposed: one set_rows row per element
             v_rows = g.reshape(v, hp.n_embd_v_gqa, n_tokens)

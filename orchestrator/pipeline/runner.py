@@ -24,6 +24,7 @@ import numpy as np
 from orchestrator.pipeline.disk_weights import load_weights, worker_file
 from orchestrator.pipeline.client import RpcClient, WorkerError, name_the_dead
 from orchestrator.pipeline.kv import KV_PAD, Batch, SwaCells, padded_cells
+from orchestrator.graph.deepseek2 import DeepSeek2Builder
 from orchestrator.graph.gemma3 import Gemma3Builder
 from orchestrator.graph.ggml import RemoteBuffer, Tensor, new_tensor, wire_tensor
 from orchestrator.graph.llama import LayerBuilder, Shape, StageGraph, mask_name
@@ -39,7 +40,7 @@ from wire.ggml import TYPE_TRAITS, GGMLType
 
 GRAPH_CACHE = 16  # graphs a stage keeps built
 HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
-BUILDERS = {"gemma3": Gemma3Builder, "qwen3moe": Qwen3MoeBuilder}  # architecture -> its graph builder (else LayerBuilder's llama layer)
+BUILDERS = {"gemma3": Gemma3Builder, "qwen3moe": Qwen3MoeBuilder, "deepseek2": DeepSeek2Builder}  # architecture -> its graph builder (else LayerBuilder's llama layer)
 
 
 def context_size(requested: int, n_ctx_train: int) -> int:
@@ -69,6 +70,9 @@ def check_cache_types(hp, type_k: GGMLType, type_v: GGMLType, flash_attn: bool) 
             raise ValueError(f"{which} cache type {type_.name} needs rows of whole blocks; this model's are {width}")
     if TYPE_TRAITS[type_v].block_size > 1 and not flash_attn:
         raise ValueError("V cache quantization requires flash_attn")
+    if hp.is_mla and (TYPE_TRAITS[type_k].block_size > 1 or TYPE_TRAITS[type_v].block_size > 1):
+        # llama.cpp rotates Q and the latent K row for a quantized cache; our MLA graph does not (yet)
+        raise ValueError("a quantized KV cache with MLA (deepseek2) is not supported by the orchestrator")
     return type_k, type_v
 
 
@@ -88,14 +92,15 @@ class Stage:
                 info = model.weights[name]
                 self.weights[name] = new_tensor(info.type, info.ne, name)
         size = {il: kv_size_swa if hp.is_swa(il) else kv_size for il in blocks if il < hp.n_layer}
-        self.kv: dict[int, tuple[Tensor, Tensor]] = {
+        # MLA (deepseek2) caches one latent row per token, K only: V is a view of it (llama_kv_cache: has_v)
+        self.kv: dict[int, tuple[Tensor, Tensor | None]] = {
             il: (new_tensor(cache_types[0], (hp.n_embd_k_gqa, n, 1), f"cache_k_l{il}"),
-                 new_tensor(cache_types[1], (hp.n_embd_v_gqa, n, 1), f"cache_v_l{il}"))
+                 None if hp.is_mla else new_tensor(cache_types[1], (hp.n_embd_v_gqa, n, 1), f"cache_v_l{il}"))
             for il, n in size.items()
         }
         self.builder = BUILDERS.get(hp.arch, LayerBuilder)(hp, self.weights, self.kv, flash_attn)
         self.weight_bytes = self._layout(self.weights.values(), RemoteBuffer(0, 0, 0))
-        self.kv_bytes = self._layout([t for pair in self.kv.values() for t in pair], RemoteBuffer(0, 0, 0))
+        self.kv_bytes = self._layout(self._caches(), RemoteBuffer(0, 0, 0))
         self.compute: RemoteBuffer | None = None
         self.graph: StageGraph | None = None
         self.key = None  # what the worker's last graph was built for: (shape, ring options)
@@ -103,6 +108,9 @@ class Stage:
         # graphs built before, by key, with their serialized form once sent: steps whose shapes alternate
         # (sequences joining and leaving a batch) send them again without building them again
         self.graphs: OrderedDict[tuple, list] = OrderedDict()
+
+    def _caches(self) -> list[Tensor]:
+        return [t for pair in self.kv.values() for t in pair if t is not None]
 
     def _layout(self, tensors, buffer: RemoteBuffer) -> int:
         offset = 0
@@ -125,7 +133,7 @@ class Stage:
     def allocate(self, compute_bytes: int) -> None:
         self._layout(self.weights.values(), self._allocate(self.weight_bytes, "weights"))
         kv = self._allocate(self.kv_bytes, "KV cache")
-        self._layout([t for pair in self.kv.values() for t in pair], kv)
+        self._layout(self._caches(), kv)
         self.client.buffer_clear(kv.handle, 0)  # empty cells must hold finite values (llama.cpp clears too)
         self.compute = self._allocate(compute_bytes, "compute buffer")
 
