@@ -29,7 +29,7 @@ class DeepSeek2Builder(LayerBuilder):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rotations = (0, 0)  # runner.check_cache_types refuses a quantized cache for MLA
+        self.rotations = (0, 0)  # llama.cpp's K-only attention input has no Hadamard rotation, quantized or not
 
     def _layer(self, g: Graph, il: int, inp: Tensor, inputs: dict[str, Tensor], shape: Shape) -> Tensor:
         hp, n_tokens = self.hp, shape.n_tokens

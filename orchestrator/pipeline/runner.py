@@ -70,9 +70,8 @@ def check_cache_types(hp, type_k: GGMLType, type_v: GGMLType, flash_attn: bool) 
             raise ValueError(f"{which} cache type {type_.name} needs rows of whole blocks; this model's are {width}")
     if TYPE_TRAITS[type_v].block_size > 1 and not flash_attn:
         raise ValueError("V cache quantization requires flash_attn")
-    if hp.is_mla and (TYPE_TRAITS[type_k].block_size > 1 or TYPE_TRAITS[type_v].block_size > 1):
-        # llama.cpp rotates Q and the latent K row for a quantized cache; our MLA graph does not (yet)
-        raise ValueError("a quantized KV cache with MLA (deepseek2) is not supported by the orchestrator")
+    if hp.is_mla and TYPE_TRAITS[type_k].block_size > 1 and not flash_attn:  # MLA's V is a view of the K cache
+        raise ValueError("V cache quantization requires flash_attn")
     return type_k, type_v
 
 

@@ -4,7 +4,8 @@ the same greedy text as llama-completion on its CPU backend.
 A random-weight deepseek2 from tools/make_model.py in GLM-4.7-Flash's shape at small width (MlaShape:
 q_lora 96, kv_lora 64, key heads 64 + 32 roped, value heads 64; a leading dense block, then 8 routed
 experts of which 2 per token plus a shared one, sigmoid gating with exp_probs_b, norm and scale 1.8; YaRN
-with the log multiplier), F16 KV cache, over one and two of our workers with flash attention on and off.
+with the log multiplier), over one and two of our workers with flash attention on and off, an F16 and a
+Q8_0 KV cache.
 The ~190-token prompt runs in ubatches of 64. The plan's KV cache is llama.cpp's: one latent row of
 kv_lora + rope values per token and layer, no V cache (llama.cpp's log of its own cache is the oracle).
 The decode step's graph is llama.cpp's: the same compute nodes (op, shape, type, op_params, sources'
@@ -34,9 +35,10 @@ N_PREDICT = 32
 N_SERVE = 16
 SHAPE = dict(n_layer=3, n_embd=256, n_head=4, n_ff=128, n_expert=8, n_expert_used=2, rope_scaling="yarn",
              rope_scale=4.0, rope_orig_ctx=1024, rope_yarn_log_mul=0.1)
-CASES = {  # (workers, flash attention)
-    "ours-fa-on": (("ours",), "on"),
-    "ours+ours-fa-off": (("ours", "ours"), "off"),
+CASES = {  # (workers, flash attention, KV cache type)
+    "ours-fa-on": (("ours",), "on", "f16"),
+    "ours+ours-fa-off": (("ours", "ours"), "off", "f16"),
+    "ours-fa-on-q8_0": (("ours",), "on", "q8_0"),
 }
 
 
@@ -48,22 +50,22 @@ def deepseek2_model(model_path, tmp_path_factory):
                        vocab_from=model_path, **SHAPE)
 
 
-def generation_args(model, prompt: str, flash_attn: str) -> list:
+def generation_args(model, prompt: str, flash_attn: str, cache_type: str = "f16") -> list:
     return ["-m", model, "-p", prompt, "-n", N_PREDICT, "--temp", 0, "--ignore-eos", "-fa", flash_attn,
-            "-c", 512, "-b", 64, "-ub", 64]
+            "-c", 512, "-b", 64, "-ub", 64, "-ctk", cache_type, "-ctv", cache_type]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, bin_dir, tmp_path_factory):
-    kinds, flash_attn = CASES[request.param]
+    kinds, flash_attn, cache_type = CASES[request.param]
     workers = start_workers(kinds, tmp_path_factory.mktemp(request.param))
-    yield workers, flash_attn
+    yield workers, flash_attn, cache_type
     stop_workers(workers)
 
 
 def test_same_text_as_llama_completion(llama, deepseek2_model, case, cpu_text):
-    workers, flash_attn = case
-    args = generation_args(deepseek2_model, PROMPTS["long"], flash_attn)
+    workers, flash_attn, cache_type = case
+    args = generation_args(deepseek2_model, PROMPTS["long"], flash_attn, cache_type)
     # --no-repack: the CPU backend computes on the file's layout, as every RPC worker does
     expected = cpu_text([*args, "-ngl", 0, "--no-repack"])
     assert len(set(expected.split())) >= 8, f"the CPU baseline collapsed: {expected!r}"
@@ -76,8 +78,9 @@ def test_same_text_as_llama_completion(llama, deepseek2_model, case, cpu_text):
     # the KV cache: llama.cpp's is K only (V 0 MiB; its log says so with -v), and our plan gives the
     # workers together as much
     log = llama("llama-completion", ["-m", deepseek2_model, "-p", "Hi", "-n", 1, "-c", 512, "-ngl", 0, "-no-cnv",
-                                     "-t", CLIENT_THREADS, "-v"], timeout=CPU_TIMEOUT).stderr
-    cache = re.search(r"llama_kv_cache: size = +([\d.]+) MiB .*K \(f16\): +([\d.]+) MiB, V \(f16\): +([\d.]+) MiB", log)
+                                     "-fa", flash_attn, "-ctk", cache_type, "-ctv", cache_type, "-t", CLIENT_THREADS,
+                                     "-v"], timeout=CPU_TIMEOUT).stderr
+    cache = re.search(r"llama_kv_cache: size = +([\d.]+) MiB .*K \(\w+\): +([\d.]+) MiB, V \(\w+\): +([\d.]+) MiB", log)
     assert cache, log[-2000:]
     theirs, k, v = map(float, cache.groups())
     assert v == 0.0 and k == theirs > 0
