@@ -54,8 +54,6 @@ def _shift_stage(stage, deltas: np.ndarray) -> None:
     if not stage.kv:  # the output head alone
         return
     hp = stage.model.hparams
-    if hp.is_mla:  # the roped part is at the end of the latent row; build_rope_shift's MLA view is not ours yet
-        raise ValueError("context shift is not supported for MLA (deepseek2) models")
     g = Graph()
     kv_size = len(deltas)
     inp = new_tensor(GGMLType.I32, (kv_size,), "inp_k_shift")
@@ -63,8 +61,10 @@ def _shift_stage(stage, deltas: np.ndarray) -> None:
     outputs = []
     for il, (k_cache, _) in stage.kv.items():
         kt = k_cache.type
+        # MLA's latent row ends in its roped part (build_graph_shift's n_embd_nope offset)
+        nope = hp.head_dim_k - hp.n_rot if hp.is_mla else 0
         k = g.view(k_cache, (hp.n_rot, hp.n_head_kv, kv_size),
-                   (row_size(kt, hp.head_dim_k), row_size(kt, hp.n_embd_k_gqa)), 0)
+                   (row_size(kt, hp.head_dim_k), row_size(kt, hp.n_embd_k_gqa)), row_size(kt, nope))
         base, scale = ((hp.rope_freq_base_swa, hp.rope_freq_scale_swa) if hp.is_swa(il)
                        else (hp.rope_freq_base, hp.rope_freq_scale))
         factors = stage.weights.get(f"blk.{il}.rope_freqs.weight", stage.weights.get("rope_freqs.weight"))

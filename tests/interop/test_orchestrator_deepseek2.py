@@ -10,7 +10,8 @@ The ~190-token prompt runs in ubatches of 64. The plan's KV cache is llama.cpp's
 kv_lora + rope values per token and layer, no V cache (llama.cpp's log of its own cache is the oracle).
 The decode step's graph is llama.cpp's: the same compute nodes (op, shape, type, op_params, sources'
 shapes and strides; the order aside) as llama-completion sends a worker, traced through
-tools/trace_proxy.py. `orchestrator serve` decodes two prompts in one batch (one stream per sequence).
+tools/trace_proxy.py. --context-shift ropes the latent rows' last n_rot values on the worker, as llama.cpp.
+`orchestrator serve` decodes two prompts in one batch (one stream per sequence).
 """
 from __future__ import annotations
 
@@ -131,6 +132,22 @@ def test_decode_graph_is_llama_cpps(llama, deepseek2_model, flash_attn, tmp_path
     theirs = _compute_nodes(decode[-1])
     ours = _compute_nodes(_our_graph(deepseek2_model, 256, flash_attn == "on"))
     assert ours == theirs, "\n".join(sorted(set(ours) ^ set(theirs)))
+
+
+def test_context_shift(deepseek2_model, cpu_text, tmp_path):
+    """--context-shift: the moved cells' latent rows roped on the worker in their last n_rot values only
+    (llama.cpp's build_graph_shift offsets the view by kv_lora for MLA). The long prompt in 256 cells is
+    full after ~65 tokens; 100 take one shift and go on past it."""
+    args = [*generation_args(deepseek2_model, PROMPTS["long"], "on"), "-n", 100, "-c", 256, "--context-shift",
+            "--keep", 16]
+    expected = cpu_text([*args, "-ngl", 0, "--no-repack"])
+    workers = start_workers(("ours",), tmp_path)
+    try:
+        done = run_orchestrator(["--rpc", workers[0].address, *args, "-v"], workers)
+    finally:
+        stop_workers(workers)
+    assert "context full, shifting" in done.stderr
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")
 
 
 def test_serve_batches_two_sequences(deepseek2_model, cpu_text, tmp_path):
