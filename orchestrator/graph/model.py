@@ -263,14 +263,10 @@ class ModelFile:
             scale = f32(1.0) / freq_scale
             log = f32(math.log(scale))  # logf
 
-            def get_mscale(mscale):
-                return f32(1.0) if scale <= 1.0 else f32(f32(f32(0.1) * f32(mscale)) * log) + f32(1.0)
-
-            if mscale_all := f32(self._yarn_log_mul()):  # deepseek2's special case: mscale = mscale_all_dims
-                mscale = mscale_all if mscale_all != f32(1.0) else f32(1.0)
-                attn_factor = f32(get_mscale(mscale) / get_mscale(mscale_all))
+            if self._yarn_log_mul():  # get_mscale(mscale) / get_mscale(mscale_all_dims), and deepseek2 has
+                attn_factor = f32(1.0)  # mscale = mscale_all_dims (llama_context's special case): exactly 1
             else:
-                attn_factor = get_mscale(1.0)
+                attn_factor = f32(1.0) if scale <= 1.0 else f32(f32(f32(0.1) * f32(1.0)) * log) + f32(1.0)
             attn_factor = f32(attn_factor * (f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * log))))
         attn_factor = f32(attn_factor * f32(self.get(f"{a}.rope.scaling.attn_factor", float, 1.0)))
         return {"rope_freq_scale": float(freq_scale), "rope_ext_factor": ext_factor,
