@@ -77,6 +77,8 @@ class MlaShape:
     weights_scale: float = 1.8  # expert_weights_scale (routed_scaling_factor)
     weights_norm: bool = True   # expert_weights_norm
     gating: str = "sigmoid"     # expert_gating_func
+    n_nextn: int = 0            # nextn_predict_layers: MTP blocks after the n_layer trunk blocks (GLM-4.7-Flash:
+                                # 1), counted in block_count; plain decoding skips them
 
 WEIGHT_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "F32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
@@ -196,7 +198,11 @@ def plan_mla_tensors(*, n_layer: int, n_embd: int, n_head: int, n_ff: int, n_voc
     plan = [Tensor(tensor_name(T.TOKEN_EMBD, "weight"), (n_embd, n_vocab), "embedding"),
             Tensor(tensor_name(T.OUTPUT_NORM, "weight"), (n_embd,), "norm"),
             Tensor(tensor_name(T.OUTPUT, "weight"), (n_embd, n_vocab), "matrix")]
-    for i in range(n_layer):
+    for i in range(n_layer + mla.n_nextn):
+        if i >= n_layer:  # an MTP block: a full layer plus its input projection and norms
+            plan += [Tensor(tensor_name(T.NEXTN_EH_PROJ, "weight", i), (2 * n_embd, n_embd), "matrix"),
+                     Tensor(tensor_name(T.NEXTN_ENORM, "weight", i), (n_embd,), "norm"),
+                     Tensor(tensor_name(T.NEXTN_HNORM, "weight", i), (n_embd,), "norm")]
         plan.append(Tensor(tensor_name(T.ATTN_NORM, "weight", i), (n_embd,), "norm"))
         if mla.q_lora:
             plan += [Tensor(tensor_name(T.ATTN_Q_A_NORM, "weight", i), (mla.q_lora,), "norm"),
@@ -366,7 +372,9 @@ def write_model(path, arch: str, *, n_layer: int = 4, n_embd: int = 256, n_head:
     writer.add_name("random weights")
     writer.add_context_length(CONTEXT_LENGTH)
     writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
+    writer.add_block_count(n_layer + (mla.n_nextn if mla is not None else 0))
+    if mla is not None and mla.n_nextn:
+        writer.add_nextn_predict_layers(mla.n_nextn)
     if moe:
         writer.add_expert_count(n_expert)
         writer.add_expert_used_count(n_expert_used)
