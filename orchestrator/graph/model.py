@@ -170,7 +170,9 @@ class ModelFile:
         if tok_embd is None:
             raise ModelError(f"{self.path.name}: no token_embd.weight tensor")
         attn_scale = self.get(f"{a}.attention.scale", float, 0.0)
-        n_layer = self.get(f"{a}.block_count", int)
+        # llama_hparams::n_layer(): the trunk; the file's last nextn_predict_layers blocks are multi-token
+        # prediction heads (GLM-4.7-Flash has one), which plain decoding does not run
+        n_layer = self.get(f"{a}.block_count", int) - self.get(f"{a}.nextn_predict_layers", int, 0)
         if a == "gemma3":  # llama.cpp ignores the file's scale here (gemma_pytorch's rule; 62 layers: the 27B)
             attn_scale = 1.0 / math.sqrt(n_embd // n_head if n_layer == 62 else head_dim_k)
         mla = self._mla(rope, n_layer, tok_embd.ne[1]) if self.arch.mla else {}

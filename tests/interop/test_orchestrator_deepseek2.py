@@ -4,7 +4,7 @@ the same greedy text as llama-completion on its CPU backend.
 A random-weight deepseek2 from tools/make_model.py in GLM-4.7-Flash's shape at small width (MlaShape:
 q_lora 96, kv_lora 64, key heads 64 + 32 roped, value heads 64; a leading dense block, then 8 routed
 experts of which 2 per token plus a shared one, sigmoid gating with exp_probs_b, norm and scale 1.8; YaRN
-with the log multiplier), over one and two of our workers (and llama.cpp's ggml-rpc-server beside one) with flash attention on
+with the log multiplier; one MTP block after the three trunk blocks, which decoding skips), over one and two of our workers (and llama.cpp's ggml-rpc-server beside one) with flash attention on
 and off, an F16 and a Q8_0 KV cache.
 The ~190-token prompt runs in ubatches of 64. The plan's KV cache is llama.cpp's: one latent row of
 kv_lora + rope values per token and layer, no V cache (llama.cpp's log of its own cache is the oracle).
@@ -46,10 +46,11 @@ CASES = {  # (workers, flash attention, KV cache type)
 
 @pytest.fixture(scope="module")
 def deepseek2_model(model_path, tmp_path_factory):
-    from tools.make_model import write_model  # noqa: PLC0415
+    from tools.make_model import MlaShape, write_model  # noqa: PLC0415
 
+    # one multi-token-prediction block after the trunk, as GLM-4.7-Flash's files have: not run by decoding
     return write_model(tmp_path_factory.mktemp("deepseek2") / "deepseek2.gguf", "deepseek2", seed=5,
-                       vocab_from=model_path, **SHAPE)
+                       vocab_from=model_path, mla=MlaShape(n_nextn=1), **SHAPE)
 
 
 def generation_args(model, prompt: str, flash_attn: str, cache_type: str = "f16") -> list:
