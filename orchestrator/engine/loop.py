@@ -249,7 +249,6 @@ class Engine:
         every slot's cells rebuilt from its tokens by the next batches. The draft model is dropped (its
         worker may be the one lost); the ring is set up again. RecoveryError if no pipeline can be built."""
         self._tell()
-        log.warning("%s: re-planning over the workers that answer", failure)
         self.pipe.close()
         self.runner = type(self.runner)(self.pipe)  # idle: the batches in flight are lost with the pipeline
         self.ring = None
