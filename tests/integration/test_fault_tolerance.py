@@ -98,6 +98,18 @@ def test_cli_goes_on_after_a_worker_is_killed(model, workers):
     assert text == expected
 
 
+def test_cli_takes_a_spare_in_place_of_a_killed_worker(model, workers):
+    a, b, spare = (w.address for w in workers.all)
+    expected = cli_undisturbed(model, f"{a},{b}")
+    try:
+        status, text, err = cli_disturbed(model, workers.all[1], signal.SIGKILL, f"{a},{b}", "--rpc-spare", spare)
+    finally:
+        workers.revive()
+    assert status == 0, err[-3000:]
+    assert f"re-planning over {a}, {spare}" in err, err[-3000:]
+    assert text == expected
+
+
 def test_cli_finds_a_hung_worker_by_its_timeout(model, workers):
     expected = cli_undisturbed(model, workers.rpc)
     try:
