@@ -231,3 +231,17 @@ def test_the_server_answers_503_while_the_rest_cannot_hold_the_model(model, smal
     finally:
         server.close()
         small_workers.revive()
+
+
+def test_the_server_finds_a_hung_worker_by_its_timeout(model, workers, tmp_path):
+    server = Server(model, workers.rpc, tmp_path / "serve.log", "--rpc-timeout", 5)
+    try:
+        status, undisturbed = server.complete()
+        assert status == 200
+        text, error = server.stream(on_first=lambda: workers.all[1].proc.send_signal(signal.SIGSTOP))
+        assert error is None and text == undisturbed["content"]
+        _, state = server.get("/pipeline/state")
+        assert {w["endpoint"]: w["state"] for w in state["workers"]}[workers.all[1].address] == "lost"
+    finally:
+        server.close()
+        workers.revive()
