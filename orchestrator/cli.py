@@ -58,6 +58,28 @@ def pipeline_options(command):
     return command
 
 
+def _use_rpc_timeout(ctx, param, value):
+    from orchestrator.pipeline.client import RpcClient  # noqa: PLC0415
+
+    RpcClient.timeout = value
+
+
+def fault_options(command):
+    """How a dead or hung worker is found and replaced (orchestrator/engine/recovery.py): both commands."""
+    for option in reversed([
+        click.option("--rpc-timeout", default=60.0, type=click.FloatRange(min=0.1), expose_value=False,
+                     callback=_use_rpc_timeout, help="seconds a worker may take to answer before it counts as hung; "
+                     "then the layers are re-planned over the workers that answer"),
+        click.option("--rpc-spare", default=None, help="spare workers host:port,... a re-plan may use besides --rpc's"),
+    ]):
+        command = option(command)
+    return command
+
+
+def endpoint_list(text: str | None) -> list[str]:
+    return [e.strip() for e in (text or "").split(",") if e.strip()]
+
+
 def sampling_options(command):
     """llama.cpp's sampling flags: the CLI's chain, and `serve`'s defaults for what a request leaves out."""
     for option in reversed([
@@ -189,6 +211,7 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
                    "each other (--rpc host:port@peerhost:port: how the other workers reach that one); no ring")
 @click.option("-v", "--verbose", is_flag=True, help="log tokens and per-step details")
 @draft_options
+@fault_options
 def main(**options) -> None:
     """Generate text with a GGUF model split across llama.cpp RPC workers."""
     from orchestrator.chat import ChatTemplateError  # noqa: PLC0415 - keep --help fast
@@ -213,7 +236,7 @@ def run(*, rpc, workers, threads, **options) -> int:
     from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
 
     if rpc:
-        return complete_prompt([e.strip() for e in rpc.split(",") if e.strip()], **options)
+        return complete_prompt(endpoint_list(rpc), **options)
     log(f"no --rpc given: starting {workers} local Python worker(s)")
     with LocalWorkers(workers, threads, log=log) as local:
         return complete_prompt(local.endpoints, **options)
@@ -245,11 +268,13 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
 def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size,
                   ubatch_size, gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn, cache_type_k,
                   cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
-                  no_ring, verbose, model_draft, draft_max, draft_min, draft_p_min, rpc_draft, **sampling) -> int:
+                  no_ring, verbose, model_draft, draft_max, draft_min, draft_p_min, rpc_draft, rpc_spare,
+                  **sampling) -> int:
     """The command's run: the prompt through the engine's one slot, its text on stdout."""
     from orchestrator.engine import context_shift as shifting  # noqa: PLC0415
     from orchestrator.chat import apply_chat_template  # noqa: PLC0415
     from orchestrator.engine.loop import Engine, Job  # noqa: PLC0415
+    from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
     from orchestrator.engine.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 
@@ -294,8 +319,11 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     options = PipelineOptions(n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, flash_attn=flash_attn != "off",
                               cache_type_k=cache_type_k, cache_type_v=cache_type_v, swa_full=swa_full,
                               tensor_split=parse_tensor_split(tensor_split), push=not no_push)
-    pipe = start_pipeline(model, endpoints, options, PrintedReport(mid_line=True),
-                          allow_shift if context_shift else None)
+    def build(workers: list[str]):
+        return start_pipeline(model, workers, options, PrintedReport(mid_line=True),
+                              allow_shift if context_shift else None)
+
+    pipe = build(endpoints)
     engine = None
     try:
         speculator = start_draft(pipe, draft, 1, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
@@ -305,6 +333,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
         t_loaded = time.perf_counter()
         engine = Engine.one_sequence(pipe, loaded.eog)
         engine.speculator = speculator
+        engine.recovery = Recovery(endpoints, endpoint_list(rpc_spare), build, tell=lambda line: log(f"\n{line}"))
         out = sys.stdout.buffer
 
         def emit(token: int) -> None:
@@ -337,7 +366,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
         out.write(b"\n\n")
         out.flush()
     finally:
-        pipe.close()
+        (engine.pipe if engine is not None else pipe).close()
         if engine is not None and engine.speculator is not None:
             engine.speculator.close()
 

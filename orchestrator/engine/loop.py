@@ -41,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.engine.batching import OneSequence, Piece, Planner
+from orchestrator.engine.recovery import Recovery, RecoveryError, reset_slots
 from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.ring import Ring
 from orchestrator.sampling import Sampler
@@ -84,6 +85,9 @@ class Engine:
         self.waiting: deque[Job] = deque()
         self.metrics = Metrics()
         self.failed: str | None = None  # why the engine stopped serving (a worker went away)
+        self.recovery: Recovery | None = None  # re-plans over the workers that answer when one fails
+        self._retry = False  # a request came while failed: the engine's thread tries a re-plan
+        self._ring_ignore_eos: bool | None = None  # how the ring was set up, to set it up again after a re-plan
         self._wake = threading.Condition()
         # a byte here ends the engine's wait for the workers' outputs: a new job can start on a free stage
         self._interrupt, self._interrupter = socket.socketpair()
@@ -107,6 +111,7 @@ class Engine:
         ring = Ring(self.pipe, self.eog if ignore_eos else [])
         why = ring.why_not() or (None if ring.setup() else f"{self.pipe.stages[-1].endpoint} refuses peer links")
         self.ring = ring if why is None else None
+        self._ring_ignore_eos = ignore_eos if why is None else None
         return why
 
     def generate(self, job: Job) -> Finish:
@@ -126,7 +131,12 @@ class Engine:
         while not ended:
             with self._wake:
                 self._admit()
-            self._step()
+            try:
+                self._step()
+            except WorkerError as exc:
+                if self.recovery is None:
+                    raise
+                self._recover(str(exc))  # RecoveryError if the workers left cannot hold the model
         return ended[0]
 
     # -- the side other threads call -------------------------------------------------------------
@@ -134,6 +144,18 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    @property
+    def worker_states(self) -> dict[str, str]:
+        """{endpoint: "up" | "re-planning" | "lost"} with a Recovery, else {}."""
+        return dict(self.recovery.states) if self.recovery is not None else {}
+
+    def retry(self) -> None:
+        """After a failed re-plan: the engine's thread tries another (a worker may have come back)."""
+        with self._wake:
+            if self.failed is not None and self.recovery is not None:
+                self._retry = True
+                self._wake.notify()
 
     @property
     def draft_stats(self) -> dict | None:
@@ -194,17 +216,57 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self.waiting or self.runner.busy or any(s.job for s in self.slots)):
+                while not (self._stopping or self._retry or self.waiting or self.runner.busy or
+                           any(s.job for s in self.slots)):
                     self._wake.wait()
                 if self._stopping:
                     return
+                retry, self._retry = self._retry, False
                 self._admit()
             try:
+                if retry:  # a request came while failed: perhaps a worker is back
+                    self._recover("retrying after a failed re-plan")
+                    with self._wake:
+                        self.failed = None
                 self._step()
-            except Exception as exc:  # noqa: BLE001 - a worker gone, or a bug: every waiting client is told
+            except WorkerError as exc:
+                if self.recovery is None:  # every waiting client is told, and the engine stops
+                    self._fail(str(exc))
+                    return
+                try:
+                    self._recover(str(exc))
+                except RecoveryError as why:
+                    self._fail(str(why))
+            except RecoveryError as why:  # the engine stays: a later request tries again
+                self._fail(str(why))
+            except Exception as exc:  # noqa: BLE001 - a bug: every waiting client is told
                 log.exception("the engine stopped")
                 self._fail(str(exc) or type(exc).__name__)
                 return
+
+    def _recover(self, failure: str) -> None:
+        """A worker failed: the old pipeline closed, a new one over the workers that answer (Recovery),
+        every slot's cells rebuilt from its tokens by the next batches. The draft model is dropped (its
+        worker may be the one lost); the ring is set up again. RecoveryError if no pipeline can be built."""
+        self._tell()
+        self.pipe.close()
+        self.runner = type(self.runner)(self.pipe)  # idle: the batches in flight are lost with the pipeline
+        self.ring = None
+        reset_slots(self.slots)
+        if self.speculator is not None:
+            speculator, self.speculator = self.speculator, None
+            try:
+                speculator.close()
+            except Exception:  # noqa: BLE001 - its connections may be dead already
+                pass
+        pipe = self.recovery.replan(failure)
+        self.pipe, self.runner = pipe, type(self.runner)(pipe)
+        if isinstance(self.planner, OneSequence):
+            self.planner = OneSequence(pipe)
+        if self._ring_ignore_eos is not None:
+            why = self.start_ring(self._ring_ignore_eos)
+            if why is not None and self.on_ring_off is not None:
+                self.on_ring_off(why)
 
     def _admit(self) -> None:
         """Gives each idle slot a waiting job: the slot whose cached tokens share the longest prefix with
@@ -219,6 +281,7 @@ class Engine:
             want = self.planner.prompt_paths(len(job.prompt))
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
             slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
+            slot.n_prompt = len(job.prompt)
             slot.want, slot.paths = want, slot.paths[:keep]
             slot.job, slot.n_generated, slot.t_first, slot.sampling_seconds = job, 0, None, 0.0
             slot.sampler = Sampler(job.params, self.n_vocab, self.vocab)
@@ -278,7 +341,10 @@ class Engine:
             return
         ready = [s for s in self.slots if s.job is not None and not s.awaiting and s.n_cached < len(s.tokens)]
         share = -(-sum(s.job is not None for s in self.slots) // self.runner.width)
-        generating, reading = [s for s in ready if s.generating][:share], [s for s in ready if not s.generating]
+        # a slot past its prompt feeds a token a step: the one sampled last, or (after a re-plan) the next
+        # of those it had generated, read again as it was first read
+        generating = [s for s in ready if s.n_cached >= s.n_prompt][:share]
+        reading = [s for s in ready if s.n_cached < s.n_prompt]
         pieces: list[Piece] = []
         budget = self.pipe.n_ubatch
         deferred, self._deferred = self._deferred, False
@@ -286,12 +352,12 @@ class Engine:
             if budget <= 0:
                 break
             start, drafts = slot.n_cached, []
-            if slot.generating:  # the token sampled last, and a draft's guesses of the next ones
-                if self.speculator is not None:
+            if start >= slot.n_prompt:  # the token sampled last, and a draft's guesses of the next ones
+                if self.speculator is not None and start == len(slot.tokens) - 1:
                     drafts = self.speculator.propose(self, slot, budget - 1)
                 n, path = 1, self.planner.path(1 + len(drafts), start + 1 + len(drafts))
             else:
-                n = self.planner.piece(start, len(slot.tokens), slot.want, budget)
+                n = self.planner.piece(start, slot.n_prompt, slot.want, budget)
                 if n == 0:  # its chunk's path needs more room than this batch has left
                     self._deferred = True
                     continue
@@ -399,6 +465,7 @@ class Engine:
         self.planner.shift(slot.index, job.n_keep, n_discard, n_past)
         del slot.tokens[job.n_keep:job.n_keep + n_discard], slot.paths[job.n_keep:job.n_keep + n_discard]
         slot.n_cached -= n_discard
+        slot.n_prompt = min(slot.n_prompt, job.n_keep)  # a re-plan reads the kept part as a prompt
 
     def _finish(self, slot: Slot, reason: str, *, eog_token: int | None = None, context_full: bool = False) -> None:
         job, now = slot.job, time.perf_counter()
@@ -417,7 +484,8 @@ class Engine:
             jobs = [s.job for s in self.slots if s.job is not None] + list(self.waiting)
             self.waiting.clear()
             for slot in self.slots:
-                slot.job = None
+                slot.job, slot.awaiting = None, False
+            self.runner = type(self.runner)(self.pipe)  # idle: what was in flight is dropped
         for job in jobs:
             job.emit("error", message)
 

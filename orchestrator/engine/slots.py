@@ -72,6 +72,7 @@ class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)  # its sequence by position: cached, then to feed
     n_cached: int = 0  # how many of them are in the KV cache (the next position; the rest are fed next)
+    n_prompt: int = 0  # the first n_prompt tokens are read as a prompt (in chunks), the rest one per step
     paths: list[str] = field(default_factory=list)  # the attention path each cached token was computed on
     want: list[str] = field(default_factory=list)  # the path each prompt token is to be computed on
     job: Job | None = None

@@ -16,23 +16,31 @@ MAX_RESPONSE = 1 << 34
 
 
 class WorkerError(Exception):
-    """The worker is unreachable, speaks another protocol, or dropped the connection."""
+    """The worker is unreachable, speaks another protocol, dropped the connection or gave no answer in
+    time. `endpoint`: the worker that failed, when one can be named (the engine re-plans without it)."""
+
+    def __init__(self, message: str, endpoint: str | None = None):
+        super().__init__(message)
+        self.endpoint = endpoint
 
 
 class RpcClient:
     held: list[bytes] | None = None  # frames of requests sent while corked, not written yet
     key: bytes | None = None  # --rpc-key-file: answers a keyed worker's challenge (protocol_spec.md §8.2)
+    # --rpc-timeout: seconds a reply (or the connection) may take before the worker counts as hung
+    timeout: float = 60.0
 
-    def __init__(self, endpoint: str, timeout: float | None = 60.0, key: bytes | None = None):
+    def __init__(self, endpoint: str, timeout: float | None = None, key: bytes | None = None):
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
-            raise WorkerError(f"invalid endpoint '{endpoint}': expected host:port")
+            raise WorkerError(f"invalid endpoint '{endpoint}': expected host:port", endpoint)
+        timeout = timeout if timeout is not None else RpcClient.timeout
         self.endpoint = endpoint
         self.owed = 0  # replies of requests sent with send() not read yet
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         except OSError as exc:
-            raise WorkerError(f"cannot connect to worker {endpoint}: {exc.strerror or exc}") from None
+            raise WorkerError(f"cannot connect to worker {endpoint}: {exc.strerror or exc}", endpoint) from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = framing.ResponseReader(MAX_RESPONSE)
         reply = self.call(Command.HELLO, p.HelloRequest())
@@ -55,7 +63,7 @@ class RpcClient:
             self.call(Command.AUTH_PROOF, p.AuthProofRequest(p.auth_proof(key, nonce)))
         except WorkerError:
             self.close()
-            raise WorkerError(f"worker {self.endpoint} refused our key (--rpc-key-file)") from None
+            raise WorkerError(f"worker {self.endpoint} refused our key (--rpc-key-file)", self.endpoint) from None
 
     def close(self) -> None:
         self.sock.close()
@@ -95,7 +103,8 @@ class RpcClient:
         try:
             self.sock.sendall(data)
         except OSError as exc:
-            raise WorkerError(f"worker {self.endpoint} dropped the connection during {what}: {exc}") from None
+            raise WorkerError(f"worker {self.endpoint} dropped the connection during {what}: {exc}",
+                              self.endpoint) from None
 
     def call(self, command: Command, message=None) -> bytes:
         """A request and its reply payload; no other reply may be owed (it would be read instead)."""
@@ -113,12 +122,12 @@ class RpcClient:
             while (payload := self.reader.next_payload(command)) is None:
                 chunk = self.sock.recv(1 << 20)
                 if not chunk:
-                    raise WorkerError(f"worker {self.endpoint} closed the connection during {command.name}")
+                    raise WorkerError(f"worker {self.endpoint} closed the connection during {command.name}", self.endpoint)
                 self.reader.feed(chunk)
         except OSError as exc:
-            raise WorkerError(f"worker {self.endpoint} failed during {command.name}: {exc}") from None
+            raise WorkerError(f"worker {self.endpoint} failed during {command.name}: {exc}", self.endpoint) from None
         except ProtocolError as exc:
-            raise WorkerError(f"worker {self.endpoint}: {exc}") from None
+            raise WorkerError(f"worker {self.endpoint}: {exc}", self.endpoint) from None
         return payload
 
     def pump(self) -> None:
@@ -126,9 +135,9 @@ class RpcClient:
         try:
             chunk = self.sock.recv(1 << 20)
         except OSError as exc:
-            raise WorkerError(f"worker {self.endpoint} failed: {exc}") from None
+            raise WorkerError(f"worker {self.endpoint} failed: {exc}", self.endpoint) from None
         if not chunk:
-            raise WorkerError(f"worker {self.endpoint} closed the connection")
+            raise WorkerError(f"worker {self.endpoint} closed the connection", self.endpoint)
         self.reader.feed(chunk)
 
     # -- typed helpers -----------------------------------------------------------------------------
@@ -144,7 +153,7 @@ class RpcClient:
         """(handle, base address) of a new buffer; raises WorkerError if it does not fit."""
         r = p.AllocBufferResponse.decode(self.call(Command.ALLOC_BUFFER, p.AllocBufferRequest(device, size)))
         if r.remote_ptr == 0:
-            raise WorkerError(f"worker {self.endpoint} cannot allocate {size} bytes")
+            raise WorkerError(f"worker {self.endpoint} cannot allocate {size} bytes", self.endpoint)
         base = p.U64Response.decode(self.call(Command.BUFFER_GET_BASE, p.BufferRequest(r.remote_ptr))).value
         return r.remote_ptr, base
 
@@ -167,7 +176,7 @@ class RpcClient:
         try:
             return decode_gguf_files(self.call(Command.GGUF_FILES))
         except ValueError as exc:
-            raise WorkerError(f"worker {self.endpoint}: {exc}") from None
+            raise WorkerError(f"worker {self.endpoint}: {exc}", self.endpoint) from None
 
     def load_tensor(self, tensor: p.RpcTensor, file_id: int, file_offset: int, size: int, digest: int) -> None:
         """Asks the worker to read the tensor's bytes from its file; receive() gives 1 (done) or 0 (their
@@ -227,12 +236,14 @@ def name_the_dead(clients: list[RpcClient], grace: float = 1.0) -> None:
         _pump_readable(clients, left)
 
 
-def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float = 60.0) -> None:
-    """Waits until `client` has a whole reply buffered, meanwhile watching the other connections: a worker
-    that goes away is named at once, not after the replies that depend on it time out."""
+def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float | None = None) -> None:
+    """Waits until `client` has a whole reply buffered (up to `timeout`, by default its socket's),
+    meanwhile watching the other connections: a worker that goes away is named at once, not after the
+    replies that depend on it time out."""
+    timeout = timeout if timeout is not None else client.sock.gettimeout()
     while not client.reader.complete():
         if not _pump_readable(watched, timeout):
-            raise WorkerError(f"worker {client.endpoint}: no reply for {timeout:.0f} s")
+            raise WorkerError(f"worker {client.endpoint}: no reply for {timeout:.0f} s", client.endpoint)
 
 
 def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None) -> list[int]:
@@ -246,7 +257,9 @@ def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None)
     while not (ready := [i for i, c in enumerate(clients) if c.reader.complete()]):
         readable = _pump_readable(clients, timeout, extra)
         if not readable:
-            raise WorkerError(f"no reply from {', '.join(c.endpoint for c in clients)}")
+            # the one worker that owes a reply is the hung one; of several, any may be
+            raise WorkerError(f"no reply from {', '.join(c.endpoint for c in clients)} for {timeout:.0f} s",
+                              clients[0].endpoint if len(clients) == 1 else None)
         if wake in readable:
             while True:
                 try:

@@ -82,7 +82,7 @@ def peer_write(endpoint: str, token: bytes, step: int, dst, data: bytes) -> None
     """A PEER_WRITE from the orchestrator, over a connection of its own, into the session `token` names:
     the relay of a push that failed (it also releases the WAIT_PUSH for `step`), or, with no data, only
     the release of every wait up to `step` (the ring gives up its steps in flight)."""
-    with RpcClient(endpoint, timeout=60) as side:
+    with RpcClient(endpoint) as side:
         req = p.PeerWriteRequest(token, step, dst, 0, memoryview(data))
         if p.U8Response.decode(side.call(Command.PEER_WRITE, req)).result != 1:
             raise WorkerError(f"worker {endpoint} refused the relayed activation")

@@ -126,7 +126,8 @@ class Ring:
                         self._break(i)
                 else:
                     name_the_dead(clients)
-                    raise WorkerError(f"worker {stage.endpoint}: the ring's input never came (WAIT_PUSH failed)")
+                    raise WorkerError(f"worker {stage.endpoint}: the ring's input never came (WAIT_PUSH failed)",
+                                      stage.endpoint)
         return None if self.broken else token
 
     def _break(self, failed: int) -> None:

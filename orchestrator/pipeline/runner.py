@@ -470,7 +470,7 @@ class Pipeline:
             if j in self._waits:
                 if p.U8Response.decode(stage.client.receive(Command.WAIT_PUSH)).result != 1:
                     name_the_dead([s.client for s in self.stages])
-                    raise WorkerError(f"worker {stage.endpoint}: the activation of step {self.step} never came")
+                    raise WorkerError(f"worker {stage.endpoint}: the activation of step {self.step} never came", stage.endpoint)
             if j in self._pushes and p.U8Response.decode(stage.client.receive(Command.PUSH_TENSOR)).result != 1:
                 link, nxt = self.links[j], self.stages[j + 1]
                 peer_write(nxt.endpoint, link.token, self.step, wire_tensor(nxt.graph.inputs["embd"]),

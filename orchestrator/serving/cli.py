@@ -16,8 +16,9 @@ import click
 
 from orchestrator.pipeline.keyfile import rpc_key_file_option
 
-from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_options, gpu_layers_option, log,
-                              open_draft, parse_tensor_split, pipeline_options, sampling_options, sampling_params, start_draft)
+from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_options, endpoint_list, fault_options,
+                              gpu_layers_option, log, open_draft, parse_tensor_split, pipeline_options, sampling_options,
+                              sampling_params, start_draft)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -50,6 +51,7 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_o
 @click.option("-t", "--threads", default=None, type=click.IntRange(min=1),
               help="threads of each local worker [default: the cores divided among the workers, which compute at once]")
 @draft_options
+@fault_options
 def serve(**options) -> None:
     """Serve a GGUF model split across llama.cpp RPC workers over llama-server's OpenAI-compatible API."""
     from orchestrator.pipeline.client import WorkerError  # noqa: PLC0415
@@ -71,7 +73,7 @@ def run(*, rpc, workers, threads, **options) -> None:
     from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
 
     if rpc:
-        return start([e.strip() for e in rpc.split(",") if e.strip()], **options)
+        return start(endpoint_list(rpc), **options)
     log(f"no --rpc given: starting {workers} local Python worker(s)")
     with LocalWorkers(workers, threads, concurrent=True, log=log) as local:
         return start(local.endpoints, **options)
@@ -80,8 +82,9 @@ def run(*, rpc, workers, threads, **options) -> None:
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
           n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
           chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min, rpc_draft,
-          **sampling) -> None:
+          rpc_spare, **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
+    from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
     from orchestrator.serving.server import Service, serve as serve_http  # noqa: PLC0415
     from orchestrator.engine.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
@@ -106,9 +109,13 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
         if pipe.n_ctx // parallel < 8:
             raise StartupError(f"-c {pipe.n_ctx} over -np {parallel} slots leaves {pipe.n_ctx // parallel} tokens per slot")
 
+    def build(workers: list[str]):
+        return start_pipeline(model, workers, options, PrintedReport(), room_per_slot)
+
     def load() -> Engine:
-        pipe = start_pipeline(model, endpoints, options, PrintedReport(), room_per_slot)
+        pipe = build(endpoints)
         engine = Engine(pipe, loaded.eog, n_parallel=parallel, max_queue=max_queue, vocab=loaded.vocab)
+        engine.recovery = Recovery(endpoints, endpoint_list(rpc_spare), build, tell=log)
         try:
             engine.speculator = start_draft(pipe, draft, parallel, draft_max=draft_max, draft_min=draft_min,
                                             draft_p_min=draft_p_min, rpc_draft=rpc_draft)

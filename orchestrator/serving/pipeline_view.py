@@ -45,6 +45,9 @@ def snapshot(service) -> dict:
     for endpoint in getattr(pipe, "idle", []):
         out["workers"].append({"endpoint": endpoint, "kind": "ours" if pipe.features.get(endpoint) else "llama.cpp",
                                "layers": None, "state": states.get(endpoint, "idle")})
+    shown = {w["endpoint"] for w in out["workers"]}
+    out["workers"] += [{"endpoint": endpoint, "kind": "unknown", "layers": None, "state": state}  # lost, left out
+                       for endpoint, state in states.items() if endpoint not in shown]
     out["links"] = [{"src": ln.src, "dst": ln.dst, "push": ln.push, "reason": ln.reason}
                     for ln in getattr(pipe, "links", [])]
     m = engine.metrics

@@ -61,8 +61,9 @@ class Service:
     def ready(self) -> Engine:
         if self.engine is None:
             raise api.ApiError(503, "Loading model", "unavailable_error")
-        if self.engine.failed is not None:
-            raise api.ApiError(503, f"a worker failed: {self.engine.failed}", "unavailable_error")
+        if (failed := self.engine.failed) is not None:
+            self.engine.retry()  # a worker may be back: the engine re-plans while this request is refused
+            raise api.ApiError(503, f"a worker failed: {failed}", "unavailable_error")
         return self.engine
 
     def piece(self, token) -> str:

@@ -108,8 +108,9 @@ def test_prompt_longer_than_the_context(model, small_worker):
     assert_clean_failure(done, "prompt is too long", "max 252")
 
 
-def test_worker_lost_mid_generation(model, tmp_path):
-    """Killing a worker while tokens stream out ends the run with an error naming that worker."""
+def test_every_worker_lost_mid_generation(model, tmp_path):
+    """Killing the workers while tokens stream out ends the run with an error naming one, once none is
+    left to re-plan over (one lost worker is replaced: tests/integration/test_fault_tolerance.py)."""
     workers = [reference.start_worker("ours", tmp_path, timeout=300) for _ in range(2)]
     try:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -118,11 +119,12 @@ def test_worker_lost_mid_generation(model, tmp_path):
                                  "-n", "4000", "--ignore-eos", "--temp", "0", "-c", "4096"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
         proc.stdout.read(40)  # the prompt echo and a few generated tokens
-        workers[1].stop()
+        for w in workers:
+            w.stop()
         out, err = proc.communicate(timeout=120)
         done = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
-        assert_clean_failure(done, workers[1].address)
-        assert workers[0].alive()
+        assert_clean_failure(done, "no worker answers")
+        assert any(w.address in done.stderr.strip().splitlines()[-1] for w in workers), done.stderr[-2000:]
     finally:
         for w in workers:
             w.stop()

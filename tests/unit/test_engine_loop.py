@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orchestrator.engine.loop import Engine, Job
+from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.kv import Batch
 from orchestrator.sampling import SamplingParams
 
@@ -109,3 +110,57 @@ def test_the_clis_engine_runs_llama_completions_loop(prompt, n_predict, n_ctx, n
                                                         "context": ("length", True)}[how]
     assert engine.metrics.prompt_tokens == len(prompt) and engine.metrics.eval_runs == len(decodes) - sum(
         1 for p, _ in decodes if p < len(prompt))
+
+
+class DyingPipe(ToyPipe):
+    """A ToyPipe whose worker goes away at its `dies_at`-th decode (counting from 0)."""
+
+    def __init__(self, *args, dies_at: int):
+        super().__init__(*args)
+        self.dies_at, self.closed = dies_at, False
+
+    def run(self, batch: Batch) -> np.ndarray:
+        if len(self.batches) == self.dies_at:
+            raise WorkerError("worker 10.0.0.2:50052 closed the connection during GRAPH_COMPUTE", "10.0.0.2:50052")
+        return super().run(batch)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Replanned:
+    """Recovery's interface: replan() gives a pipeline with an empty cache (the survivors')."""
+
+    states: dict = {}
+
+    def __init__(self, make):
+        self.make, self.pipes = make, []
+
+    def replan(self, failure: str):
+        assert "10.0.0.2:50052" in failure
+        self.pipes.append(self.make())
+        return self.pipes[-1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=30), st.integers(1, 30), st.integers(0, 40),
+       st.sampled_from([4, 64]), st.sampled_from([3, 64]))
+def test_a_worker_lost_mid_sequence_is_replaced_and_the_tokens_read_again(prompt, n_predict, dies_at, n_batch,
+                                                                          n_ubatch):
+    """After a re-plan the new pipeline reads the prompt in llama-completion's chunks and every generated
+    token on a step of its own, as the first did: the same tokens come out, each once."""
+    n_ctx = 90
+    expected, decodes, _ = llama_completion(prompt, n_predict, n_ctx, n_batch, n_ubatch, True)
+    first = DyingPipe(n_ctx, n_batch, n_ubatch, dies_at=dies_at)
+    engine = Engine.one_sequence(first, [EOG])
+    engine.recovery = Replanned(lambda: ToyPipe(n_ctx, n_batch, n_ubatch))
+    events = []
+    engine.generate(Job(prompt, SamplingParams(temp=0), n_predict, lambda k, v: events.append((k, v)), ignore_eos=True))
+    assert [v[0] for k, v in events if k == "token"] == expected
+    if dies_at >= len(decodes):  # it finished first
+        assert engine.recovery.pipes == [] and first.batches == decodes
+        return
+    (second,) = engine.recovery.pipes
+    assert first.closed and engine.pipe is second
+    assert first.batches == decodes[:dies_at]
+    assert second.batches == decodes  # the lost cells read again, then the rest
