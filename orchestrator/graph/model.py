@@ -341,7 +341,7 @@ class ModelFile:
         experts with the router's optional selection bias."""
         q = ("attn_q_a_norm", "attn_q_a", "attn_q_b") if f"blk.{il}.attn_q_a.weight" in self.weights else ("attn_q",)
         ffn = ("ffn_gate", "ffn_up", "ffn_down") if il < self.get(f"{self.arch_name}.leading_dense_block_count", int, 0) \
-            else ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
+            else ("ffn_gate_inp", *self._gate_up_exps(il), "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
                   "ffn_down_shexp")
         names = {role: f"blk.{il}.{role}.weight" for role in
                  ("attn_norm", *q, "attn_kv_a_norm", "attn_kv_a_mqa", "attn_k_b", "attn_v_b", "attn_output",
@@ -349,6 +349,12 @@ class ModelFile:
         if f"blk.{il}.exp_probs_b.bias" in self.weights:
             names["exp_probs_b"] = f"blk.{il}.exp_probs_b.bias"
         return names
+
+    def _gate_up_exps(self, il: int) -> tuple[str, ...]:
+        """deepseek2's experts' gate and up (create_tensor_gate_up_exps): one fused ffn_gate_up_exps
+        ([n_embd, 2 n_ff, n_expert], gate rows first) when the file has it, else the two tensors."""
+        fused = f"blk.{il}.ffn_gate_up_exps.weight" in self.weights
+        return ("ffn_gate_up_exps",) if fused else ("ffn_gate_exps", "ffn_up_exps")
 
     def output_tensor_names(self) -> dict[str, str]:
         output = "output.weight" if "output.weight" in self.weights else "token_embd.weight"
