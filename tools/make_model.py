@@ -77,6 +77,7 @@ class MlaShape:
     weights_scale: float = 1.8  # expert_weights_scale (routed_scaling_factor)
     weights_norm: bool = True   # expert_weights_norm
     gating: str = "sigmoid"     # expert_gating_func
+    fused_gate_up_exps: bool = False  # one ffn_gate_up_exps ([n_embd, 2 n_ff, n_expert]) for the routed experts
     n_nextn: int = 0            # nextn_predict_layers: MTP blocks after the n_layer trunk blocks (GLM-4.7-Flash:
                                 # 1), counted in block_count; plain decoding skips them
 
@@ -224,8 +225,10 @@ def plan_mla_tensors(*, n_layer: int, n_embd: int, n_head: int, n_ff: int, n_voc
         n_shexp = n_ff * mla.n_expert_shared
         plan += [Tensor(tensor_name(T.FFN_GATE_INP, "weight", i), (n_embd, n_expert), "router"),
                  Tensor(tensor_name(T.FFN_EXP_PROBS_B, "bias", i), (n_expert,), "bias"),
-                 Tensor(tensor_name(T.FFN_GATE_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
-                 Tensor(tensor_name(T.FFN_UP_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
+                 *([Tensor(tensor_name(T.FFN_GATE_UP_EXP, "weight", i), (n_embd, 2 * n_ff, n_expert), "matrix")]
+                   if mla.fused_gate_up_exps else
+                   [Tensor(tensor_name(T.FFN_GATE_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix"),
+                    Tensor(tensor_name(T.FFN_UP_EXP, "weight", i), (n_embd, n_ff, n_expert), "matrix")]),
                  Tensor(tensor_name(T.FFN_DOWN_EXP, "weight", i), (n_ff, n_embd, n_expert), "matrix"),
                  Tensor(tensor_name(T.FFN_GATE_SHEXP, "weight", i), (n_embd, n_shexp), "matrix"),
                  Tensor(tensor_name(T.FFN_UP_SHEXP, "weight", i), (n_embd, n_shexp), "matrix"),
@@ -460,10 +463,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rope-freqs", action="store_true", help="a rope_freqs.weight (llama 3 frequency factors)")
     parser.add_argument("--rope-yarn-log-mul", type=float, default=0.0,
                         help="rope.scaling.yarn_log_multiplier (deepseek2; 0: not written)")
+    parser.add_argument("--fused-gate-up-exps", action="store_true",
+                        help="deepseek2: one ffn_gate_up_exps per layer instead of ffn_gate_exps and ffn_up_exps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-from", type=Path, default=None, help="GGUF to copy the tokenizer from "
                         "(default: the installed SmolLM2 test model)")
     args = parser.parse_args(argv)
+    if args.fused_gate_up_exps and not ARCHS[args.arch].mla:
+        parser.error("--fused-gate-up-exps is for deepseek2 (llama.cpp reads ffn_gate_up_exps there)")
     written = write_model(args.output, args.arch, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                           n_head_kv=args.n_head_kv, head_dim=args.head_dim, n_ff=args.n_ff,
                           weight_type=args.weight_type, seed=args.seed, n_expert=args.n_expert,
@@ -471,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
                           rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
                           rope_orig_ctx=args.rope_orig_ctx, rope_attn_factor=args.rope_attn_factor,
                           rope_freqs=args.rope_freqs, rope_yarn_log_mul=args.rope_yarn_log_mul,
+                          mla=MlaShape(fused_gate_up_exps=True) if args.fused_gate_up_exps else None,
                           vocab_from=args.vocab_from or default_vocab_source())
     print(written)
 

@@ -44,6 +44,7 @@ ARCHS = {
 }
 
 GATING = {0: "", 1: "softmax", 2: "sigmoid"}  # llama_expert_gating_func_type as the file numbers it
+GATING_NOT_BUILT = {3: "softmax_weight", 4: "sqrt_softplus"}  # llama.cpp knows them; the graph does not build them
 
 
 @dataclass(frozen=True)
@@ -205,9 +206,15 @@ class ModelFile:
         """deepseek2's keys (llama_model_deepseek2::load_arch_hparams) and its attention scale (its graph's
         kq_scale: YaRN's mscale squared over the decompressed key head's root, in float)."""
         a, f32 = self.arch_name, np.float32
-        gating = GATING.get(self.get(f"{a}.expert_gating_func", int, 0))
+        func = self.get(f"{a}.expert_gating_func", int, 0)
+        gating = GATING.get(func)
         if gating is None:
-            raise ModelError(f"{self.path.name}: expert gating function not supported")
+            name = GATING_NOT_BUILT.get(func, "unknown")
+            raise ModelError(f"{self.path.name}: expert gating function {func} ({name}) is not supported; "
+                             f"only softmax (1) and sigmoid (2) are")
+        if self.get(f"{a}.attention.temperature_scale", float, 0.0) != 0.0:
+            raise ModelError(f"{self.path.name}: attention temperature scaling ({a}.attention.temperature_scale) "
+                             f"is not supported")
         if not gating:  # old DeepSeek V2 files say nothing; GLM 4.7's lite files are sigmoid
             gating = "sigmoid" if n_layer in (47, 48) and n_vocab == 154880 else "softmax"
         head_dim_k_mla = self.get(f"{a}.attention.key_length_mla", int, 0)
@@ -245,6 +252,9 @@ class ModelFile:
         if not 0 < n_expert_used <= n_expert:
             raise ModelError(f"{self.path.name}: {a} needs 0 < expert_used_count <= expert_count "
                              f"(got {n_expert_used}, {n_expert})")
+        groups = self.get(f"{a}.expert_group_count", int, 0)
+        if groups > 1:
+            raise ModelError(f"{self.path.name}: expert groups ({a}.expert_group_count = {groups}) are not supported")
         n_ff = self.get(f"{a}.expert_feed_forward_length", int, 0) or \
             self.get(f"{a}.feed_forward_length", int) // n_expert_used
         return {"n_ff": n_ff, "n_expert": n_expert, "n_expert_used": n_expert_used}
@@ -331,7 +341,7 @@ class ModelFile:
         experts with the router's optional selection bias."""
         q = ("attn_q_a_norm", "attn_q_a", "attn_q_b") if f"blk.{il}.attn_q_a.weight" in self.weights else ("attn_q",)
         ffn = ("ffn_gate", "ffn_up", "ffn_down") if il < self.get(f"{self.arch_name}.leading_dense_block_count", int, 0) \
-            else ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
+            else ("ffn_gate_inp", *self._gate_up_exps(il), "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
                   "ffn_down_shexp")
         names = {role: f"blk.{il}.{role}.weight" for role in
                  ("attn_norm", *q, "attn_kv_a_norm", "attn_kv_a_mqa", "attn_k_b", "attn_v_b", "attn_output",
@@ -339,6 +349,12 @@ class ModelFile:
         if f"blk.{il}.exp_probs_b.bias" in self.weights:
             names["exp_probs_b"] = f"blk.{il}.exp_probs_b.bias"
         return names
+
+    def _gate_up_exps(self, il: int) -> tuple[str, ...]:
+        """deepseek2's experts' gate and up (create_tensor_gate_up_exps): one fused ffn_gate_up_exps
+        ([n_embd, 2 n_ff, n_expert], gate rows first) when the file has it, else the two tensors."""
+        fused = f"blk.{il}.ffn_gate_up_exps.weight" in self.weights
+        return ("ffn_gate_up_exps",) if fused else ("ffn_gate_exps", "ffn_up_exps")
 
     def output_tensor_names(self) -> dict[str, str]:
         output = "output.weight" if "output.weight" in self.weights else "token_embd.weight"

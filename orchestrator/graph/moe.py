@@ -13,7 +13,8 @@ a mixture of experts in place of the dense SwiGLU:
 - the sum over the chosen experts: a 2-D view per expert, added left to right (one expert: a CONT).
 qwen3moe has no shared expert and llama.cpp reads no expert weight scale for it (so no SCALE node);
 deepseek2 (orchestrator/graph/deepseek2.py) uses the same function with sigmoid gating, a selection bias
-(exp_probs_b) and a weight scale.
+(exp_probs_b) and a weight scale, and its files may fuse gate and up into one ffn_gate_up_exps: one
+MUL_MAT_ID whose result's first n_ff rows are gate and the next n_ff up (two views).
 """
 
 from __future__ import annotations
@@ -63,8 +64,14 @@ def moe_ffn(g: Graph, hp, weights: dict[str, Tensor], il: int, cur: Tensor, gati
 
     cur = g.reshape(cur, n_embd, 1, n_tokens)
     # llama.cpp creates up before gate; its graph (ggml_build_forward_expand from the output) runs gate first
-    gate = g.mul_mat_id(w("ffn_gate_exps"), cur, selected, f"ffn_moe_gate-{il}")  # [n_ff, n_used, n_tokens]
-    up = g.mul_mat_id(w("ffn_up_exps"), cur, selected, f"ffn_moe_up-{il}")
+    if f"blk.{il}.ffn_gate_up_exps.weight" in weights:  # fused: one MUL_MAT_ID, gate and up are views of it
+        gate_up = g.mul_mat_id(w("ffn_gate_up_exps"), cur, selected, f"ffn_moe_gate_up-{il}")  # [2 n_ff, ...]
+        n_ff, nb = gate_up.ne[0] // 2, (gate_up.nb[1], gate_up.nb[2])
+        gate = g.view(gate_up, (n_ff, gate_up.ne[1], gate_up.ne[2]), nb, 0, f"ffn_moe_gate-{il}")
+        up = g.view(gate_up, (n_ff, gate_up.ne[1], gate_up.ne[2]), nb, n_ff * gate_up.nb[0], f"ffn_moe_up-{il}")
+    else:
+        gate = g.mul_mat_id(w("ffn_gate_exps"), cur, selected, f"ffn_moe_gate-{il}")  # [n_ff, n_used, n_tokens]
+        up = g.mul_mat_id(w("ffn_up_exps"), cur, selected, f"ffn_moe_up-{il}")
     cur = g.swiglu_split(gate, up, f"ffn_moe_swiglu-{il}")
     experts = g.mul_mat_id(w("ffn_down_exps"), cur, selected, f"ffn_moe_down-{il}")  # [n_embd, n_used, n_tokens]
     experts = g.mul(experts, weights_, f"ffn_moe_weighted-{il}")

@@ -172,11 +172,14 @@ class PreTokenizer:
     splitters: tuple[Splitter, ...]
     ignore_merges: bool = False  # a word that is already a token skips BPE
     add_bos: bool = False        # the default before tokenizer.ggml.add_bos_token
+    no_bos: bool = False         # no default BOS id (special_bos_id = LLAMA_TOKEN_NULL) before the GGUF's key
 
 
 _DEFAULT = PreTokenizer((_split_punctuation, _split_gpt2, _split_numbers, _split_ascii_digit_triples))
 _LLAMA3 = PreTokenizer((_split_llama3,), ignore_merges=True, add_bos=True)
 _QWEN2 = PreTokenizer((_split_qwen2,))
+# LLAMA_VOCAB_PRE_TYPE_CHATGLM4: the llama3 regex (unicode.cpp runs the same custom matcher), no default BOS
+_CHATGLM4 = PreTokenizer((_split_llama3,), no_bos=True)
 
 # tokenizer.ggml.pre -> pre-tokenizer; names grouped as llama-vocab.cpp groups them
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -187,4 +190,6 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
                      "lfm2", "jina-v5-nano"), _LLAMA3),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2),
+    "chatglm-bpe": _CHATGLM4,
+    **dict.fromkeys(("glm4", "glm5"), PreTokenizer(_CHATGLM4.splitters, ignore_merges=True, no_bos=True)),
 }

@@ -53,10 +53,13 @@ SPECIAL_ID_KEYS = (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("eot", "eo
 DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
 
 
-def special_ids(model: str, n_tokens: int, metadata: dict) -> dict[str, int]:
-    """Each special id: the tokenizer model's default, then the GGUF's key; ids outside the vocabulary are none."""
+def special_ids(model: str, n_tokens: int, metadata: dict, no_bos: bool = False) -> dict[str, int]:
+    """Each special id: the tokenizer model's default (no BOS when the pre-tokenizer says so), then the GGUF's
+    key; ids outside the vocabulary are none."""
     ids = {name: NULL_TOKEN for name, _ in SPECIAL_ID_KEYS}
     ids.update(DEFAULT_IDS[model])
+    if no_bos:
+        ids["bos"] = NULL_TOKEN
     for name, key in SPECIAL_ID_KEYS:
         if ids[name] >= n_tokens:
             ids[name] = NULL_TOKEN

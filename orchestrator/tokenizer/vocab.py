@@ -60,7 +60,7 @@ class Vocab:
         self.add_bos = add_bos if metadata.get("add_bos_token") is None else metadata["add_bos_token"]
         self.add_eos = False if metadata.get("add_eos_token") is None else metadata["add_eos_token"]
 
-        ids = special_ids(model, self.n_tokens, metadata)
+        ids = special_ids(model, self.n_tokens, metadata, no_bos=bool(self.pre_tokenizer and self.pre_tokenizer.no_bos))
         find_special_by_text(ids, self.texts, self.id_of_text, self.attrs)
         self.eog_ids = end_of_generation_ids(ids, self.texts, self.id_of_text, self.attrs)
         self.special_ids = ids

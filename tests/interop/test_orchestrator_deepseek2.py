@@ -11,7 +11,8 @@ kv_lora + rope values per token and layer, no V cache (llama.cpp's log of its ow
 The decode step's graph is llama.cpp's: the same compute nodes (op, shape, type, op_params, sources'
 shapes and strides; the order aside) as llama-completion sends a worker, traced through
 tools/trace_proxy.py. --context-shift ropes the latent rows' last n_rot values on the worker, as llama.cpp.
-`orchestrator serve` decodes two prompts in one batch (one stream per sequence).
+`orchestrator serve` decodes two prompts in one batch (one stream per sequence). A file with fused
+ffn_gate_up_exps gives llama.cpp's decode graph and text.
 """
 from __future__ import annotations
 
@@ -51,6 +52,16 @@ def deepseek2_model(model_path, tmp_path_factory):
     # one multi-token-prediction block after the trunk, as GLM-4.7-Flash's files have: not run by decoding
     return write_model(tmp_path_factory.mktemp("deepseek2") / "deepseek2.gguf", "deepseek2", seed=5,
                        vocab_from=model_path, mla=MlaShape(n_nextn=1), **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def fused_model(model_path, tmp_path_factory):
+    """The same shape with each layer's routed gate and up fused into one ffn_gate_up_exps (as llama.cpp's
+    create_tensor_gate_up_exps reads it for deepseek2)."""
+    from tools.make_model import MlaShape, write_model  # noqa: PLC0415
+
+    return write_model(tmp_path_factory.mktemp("deepseek2-fused") / "fused.gguf", "deepseek2", seed=6,
+                       vocab_from=model_path, mla=MlaShape(fused_gate_up_exps=True), **SHAPE)
 
 
 def generation_args(model, prompt: str, flash_attn: str, cache_type: str = "f16") -> list:
@@ -134,6 +145,32 @@ def test_decode_graph_is_llama_cpps(llama, deepseek2_model, flash_attn, tmp_path
     theirs = _compute_nodes(decode[-1])
     ours = _compute_nodes(_our_graph(deepseek2_model, 256, flash_attn == "on"))
     assert ours == theirs, "\n".join(sorted(set(ours) ^ set(theirs)))
+
+
+def test_fused_gate_up_exps(llama, fused_model, cpu_text, tmp_path):
+    """ffn_gate_up_exps: one MUL_MAT_ID and two views, as build_moe_ffn's merged path: llama.cpp's decode
+    graph node for node, and its greedy text."""
+    assert "blk.1.ffn_gate_up_exps.weight" in ModelFile(fused_model).layer_tensor_names(1).values()
+    workers = start_workers(("reference",), tmp_path / "trace")
+    try:
+        with TraceProxy(workers[0].address) as proxy:
+            llama("llama-completion", ["-m", fused_model, "-p", PROMPTS["fact"], "-n", 2, "--temp", 0,
+                                       "--ignore-eos", "-no-cnv", "-t", CLIENT_THREADS, "-c", 512, "-fa", "on",
+                                       "-fit", "off", "-ngl", 99, "--rpc", proxy.address], timeout=RPC_TIMEOUT)
+    finally:
+        stop_workers(workers)
+    decode = [g for g in proxy.trace.graphs if any(n[1] == "attn_norm-0" and n[2][1] == 1 for n in g)]
+    assert decode, "no decode step traced"
+    assert _compute_nodes(_our_graph(fused_model, 256, True)) == _compute_nodes(decode[-1])
+
+    args = generation_args(fused_model, PROMPTS["fact"], "off")
+    expected = cpu_text([*args, "-ngl", 0, "--no-repack"])
+    workers = start_workers(("ours",), tmp_path / "run")
+    try:
+        done = run_orchestrator(["--rpc", workers[0].address, *args], workers)
+    finally:
+        stop_workers(workers)
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator")
 
 
 def test_context_shift(deepseek2_model, cpu_text, tmp_path):

@@ -120,8 +120,9 @@ def _extra_merges() -> list[tuple[str, str]]:
     return pairs
 
 
-def _bpe_variant(pre, extra=(), retype=None):
-    """SmolLM2's BPE tokens and merges under another pre-tokenizer (pre=None: no key, llama.cpp's default)."""
+def _bpe_variant(pre, extra=(), retype=None, bos=1):
+    """SmolLM2's BPE tokens and merges under another pre-tokenizer (pre=None: no key, llama.cpp's default;
+    bos=None: no BOS id key)."""
     def build(folder: Path, smollm: dict) -> Path:
         types = list(smollm["types"])
         for token_id, token_type in (retype or {}).items():
@@ -136,7 +137,8 @@ def _bpe_variant(pre, extra=(), retype=None):
                 types.append(1)
                 merges.append(f"{left} {right}".encode())
         return write_vocab_gguf(folder / f"bpe-{pre}.gguf", model="gpt2", pre=pre, tokens=tokens, types=types,
-                      merges=merges, extra=(("add_bos_token_id", 1), ("add_eos_token_id", 2), *extra))
+                      merges=merges, extra=(*((("add_bos_token_id", bos),) if bos is not None else ()),
+                                              ("add_eos_token_id", 2), *extra))
     return build
 
 
@@ -180,6 +182,10 @@ VARIANTS = {
     "qwen2": _bpe_variant("qwen2", extra=(("add_add_bos_token", False), ("add_add_eos_token", True),
                                           ("add_eot_token_id", 2))),
     "default": _bpe_variant("default"),
+    # GLM-4.7-Flash's "glm4": llama3's split, ignore_merges, no default BOS id (without a BOS key: none)
+    "glm4": _bpe_variant("glm4", bos=None),
+    "glm4-bos": _bpe_variant("glm4", extra=(("add_add_bos_token", True),)),
+    "chatglm-bpe": _bpe_variant("chatglm-bpe", bos=None),
     "no-pre": _bpe_variant(None, extra=(("add_add_bos_token", True),)),
     "gpt-2": _bpe_variant("gpt-2", retype={5: 4, 10: 5, 11: 0, 1001: 6}),  # user-defined, unused, undefined, byte
     "spm": _spm_variant("spm"),
