@@ -16,8 +16,8 @@ prefix and the draft remembers which tokens its cells hold; cells past those are
 mask ever shows them (position masks, cell i at position i of the slot).
 
 llama.cpp's checks and flags: the vocabularies must match as common_speculative_are_compatible says;
---draft-max / --draft-min / --draft-p-min are common_params_speculative's n_max / n_min / p_min (the names
-and defaults before the pinned build renamed them --spec-draft-n-max etc., which are accepted too).
+--draft-max / --draft-min / --draft-p-min are common_params_speculative's n_max / n_min / p_min, with the
+pinned build's defaults (its names --spec-draft-n-max etc. are accepted too).
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ class DraftOptions:
     """-md and the draft flags, as llama.cpp names them."""
 
     model_path: Path
-    n_max: int = 16  # --draft-max: tokens drafted per step at most
+    # The pinned llama.cpp's defaults (--spec-draft-n-max 3, -n-min 0, -p-min 0.0), also measured faster
+    # here than the older 16 / 0.75 (docs/speculative.md, tools/bench_speculative.py).
+    n_max: int = 3  # --draft-max: tokens drafted per step at most
     n_min: int = 0  # --draft-min: fewer drafted than this are not verified (a plain step instead)
-    p_min: float = 0.75  # --draft-p-min: drafting stops after a token the draft gives less than this
+    p_min: float = 0.0  # --draft-p-min: no drafting at a position whose most likely token is below this
     endpoints: tuple[str, ...] = ()  # --rpc-draft; empty: the target's worker with the most free memory
 
 

@@ -80,3 +80,14 @@ def test_the_draft_distribution_is_llama_cpps_top_10_then_temperature():
         np.testing.assert_allclose(q, expected, rtol=1e-12, atol=1e-15)
     q = draft_distribution(np.array([0.0, 1.0, 2.0]), 0.0)  # a greedy job: temperature 1, as llama.cpp's sampler
     np.testing.assert_allclose(q, np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum())
+
+
+def test_the_draft_flags_default_to_the_pinned_llama_cpps():
+    """--spec-draft-n-max 3, --spec-draft-n-min 0, --spec-draft-p-min 0.00 (llama-server --help of the pinned
+    build), in the command line and in DraftOptions alike (cli.py keeps its imports light, so it has its own)."""
+    from orchestrator import cli
+    from orchestrator.engine.speculative import DraftOptions
+
+    options = {p.name: p.default for p in cli.main.params}
+    assert (DraftOptions.n_max, DraftOptions.n_min, DraftOptions.p_min) == (3, 0, 0.0)
+    assert (options["draft_max"], options["draft_min"], options["draft_p_min"]) == (3, 0, 0.0)
