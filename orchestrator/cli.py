@@ -103,13 +103,13 @@ def draft_options(command):
         click.option("-md", "--model-draft", "--spec-draft-model", "model_draft", default=None,
                      type=click.Path(dir_okay=False, path_type=Path),
                      help="draft model for speculative decoding (same vocabulary as the model)"),
-        click.option("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", "draft_max", default=16,
+        click.option("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", "draft_max", default=3,
                      type=click.IntRange(min=1), help="tokens to draft per step at most"),
         click.option("--draft-min", "--draft-n-min", "--spec-draft-n-min", "draft_min", default=0,
                      type=click.IntRange(min=0), help="fewer drafted tokens than this are not verified"),
-        click.option("--draft-p-min", "--spec-draft-p-min", "draft_p_min", default=0.75,
-                     type=click.FloatRange(0.0, 1.0), help="stop drafting after a token the draft gives less "
-                     "probability than this"),
+        click.option("--draft-p-min", "--spec-draft-p-min", "draft_p_min", default=0.0,
+                     type=click.FloatRange(0.0, 1.0), help="stop drafting before a position whose most likely "
+                     "draft token has less probability than this"),
         click.option("--rpc-draft", default=None, help="workers for the draft model, host:port,... (default: the "
                      "model's worker with the most free memory once the model is placed)"),
     ]):

@@ -147,6 +147,7 @@ class Sample:
     eval_ms_per_token: float
     ttft_ms: float
     stdout: str
+    stderr: str = ""  # the client's log (tools/bench_speculative.py reads its draft counts)
 
 
 def run_client(cmd: list[str], env: dict, timeout: float) -> Sample:
@@ -172,7 +173,7 @@ def run_client(cmd: list[str], env: dict, timeout: float) -> Sample:
     if runs == 0 or eval_ms <= 0:
         raise RunFailed("no single-token decodes: use --tokens 2 or more")
     return Sample(tok_s=1e3 * runs / eval_ms, eval_ms_per_token=eval_ms / runs, ttft_ms=found["prompt eval"][0],
-                  stdout=stdout)
+                  stdout=stdout, stderr=stderr)
 
 
 @dataclass

@@ -16,8 +16,8 @@ prefix and the draft remembers which tokens its cells hold; cells past those are
 mask ever shows them (position masks, cell i at position i of the slot).
 
 llama.cpp's checks and flags: the vocabularies must match as common_speculative_are_compatible says;
---draft-max / --draft-min / --draft-p-min are common_params_speculative's n_max / n_min / p_min (the names
-and defaults before the pinned build renamed them --spec-draft-n-max etc., which are accepted too).
+--draft-max / --draft-min / --draft-p-min are common_params_speculative's n_max / n_min / p_min, with the
+pinned build's defaults (its names --spec-draft-n-max etc. are accepted too).
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ class DraftOptions:
     """-md and the draft flags, as llama.cpp names them."""
 
     model_path: Path
-    n_max: int = 16  # --draft-max: tokens drafted per step at most
+    # The pinned llama.cpp's defaults (--spec-draft-n-max 3, -n-min 0, -p-min 0.0), also measured faster
+    # here than the older 16 / 0.75 (docs/speculative.md, tools/bench_speculative.py).
+    n_max: int = 3  # --draft-max: tokens drafted per step at most
     n_min: int = 0  # --draft-min: fewer drafted than this are not verified (a plain step instead)
-    p_min: float = 0.75  # --draft-p-min: drafting stops after a token the draft gives less than this
+    p_min: float = 0.0  # --draft-p-min: no drafting at a position whose most likely token is below this
     endpoints: tuple[str, ...] = ()  # --rpc-draft; empty: the target's worker with the most free memory
 
 
@@ -69,11 +71,19 @@ def exact(params) -> bool:
     return params.temp <= 0 or bool(params.grammar)
 
 
-def softmax(logits: np.ndarray, temp: float = 1.0) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64) / (temp if temp > 0 else 1.0)
-    finite = np.isfinite(x)
-    e = np.where(finite, np.exp(x - x[finite].max()), 0.0)
-    return e / e.sum()
+DRAFT_TOP_K = 10  # the draft's sampler in common/speculative.cpp: top_k 10, then the target's temperature
+
+
+def draft_distribution(logits: np.ndarray, temp: float) -> np.ndarray:
+    """q: what the pinned llama.cpp's draft sampler draws from (spec_retune: top-k 10, then the target's
+    temperature; temperature 1 for a greedy job), as float64 over the whole vocabulary."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = np.argpartition(-x, DRAFT_TOP_K - 1)[:DRAFT_TOP_K] if len(x) > DRAFT_TOP_K else np.arange(len(x))
+    z = x[top] / (temp if temp > 0 else 1.0)
+    e = np.exp(z - z.max())
+    q = np.zeros(len(x))
+    q[top] = e / e.sum()
+    return q
 
 
 def accept_or_resample(p: np.ndarray, q: np.ndarray, drafted: int, rng: np.random.Generator) -> tuple[int, bool]:
@@ -116,20 +126,23 @@ class Drafter:
 
     def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float,
               rng: np.random.Generator | None) -> tuple[list[int], list[np.ndarray]]:
-        """Up to n_max tokens after `sequence`: the draft's argmax (rng None) or draws from its softmax at
-        `temp`; drafting stops after a token whose probability is below p_min. Returns the tokens and the
-        distribution each was drawn from (for speculative sampling)."""
+        """Up to n_max tokens after `sequence`: the draft's most likely token (rng None) or draws from
+        draft_distribution; drafting stops before a position whose most likely token has a probability
+        below p_min (common_speculative's "only collect very high-confidence draft tokens"). Returns the
+        tokens and the distribution each was drawn from (for speculative sampling)."""
         cached = self.cached[slot]
         keep = min(common_prefix(cached, sequence), len(sequence) - 1)
         logits = self._feed(slot, sequence[keep:], keep)
         fed = list(sequence)
         tokens, dists = [], []
         while len(tokens) < n_max:
-            q = softmax(logits, temp if rng is not None else 1.0)
+            q = draft_distribution(logits, temp if rng is not None else 1.0)
+            if q.max() < p_min:
+                break
             token = int(np.argmax(q)) if rng is None else int(rng.choice(len(q), p=q))
             tokens.append(token)
             dists.append(q)
-            if len(tokens) == n_max or q[token] < p_min:
+            if len(tokens) == n_max:
                 break
             logits = self._feed(slot, [token], len(fed))
             fed.append(token)

@@ -6,10 +6,15 @@ vocabulary is refused before any worker is contacted, as llama.cpp does.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import os
 import re
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,23 +40,29 @@ def drafted(stderr: str) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("spec-workers")
-    started = [reference.start_worker("ours", log_dir, threads=1) for _ in range(2)]
+    started = [reference.start_worker("ours", log_dir, threads=1) for _ in range(4)]
     yield [w.address for w in started]
     for w in started:
         w.stop()
 
 
 @pytest.fixture(scope="module")
-def random_pair(tmp_path_factory):
-    """A random-weight llama as Q8_0 and the same weights as Q4_0 (same seed): a draft that is often wrong."""
+def random_pairs(tmp_path_factory):
+    """Per architecture, a random-weight model as Q8_0 and the same weights as Q4_0 (same seed): a draft
+    that is often wrong. Four layers, so that four workers each hold one."""
     folder = tmp_path_factory.mktemp("spec-models")
-    paths = {}
-    for wtype in ("Q8_0", "Q4_0"):
-        paths[wtype] = folder / f"llama-{wtype}.gguf"
-        subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "make_model.py"), "--arch", "llama", "--n-layer", "2",
-                        "--weight-type", wtype, "--seed", "7", "-o", str(paths[wtype])], check=True, cwd=REPO_ROOT,
-                       capture_output=True)
-    return paths
+
+    def make(arch: str) -> dict[str, Path]:
+        paths = {}
+        for wtype in ("Q8_0", "Q4_0"):
+            paths[wtype] = folder / f"{arch}-{wtype}.gguf"
+            if not paths[wtype].exists():
+                subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "make_model.py"), "--arch", arch,
+                                "--n-layer", "4", "--weight-type", wtype, "--seed", "7", "-o", str(paths[wtype])],
+                               check=True, cwd=REPO_ROOT, capture_output=True)
+        return paths
+
+    return make
 
 
 def generate(model, rpc, *extra) -> subprocess.CompletedProcess:
@@ -71,11 +82,12 @@ def test_a_draft_that_agrees_gives_the_same_text(model, workers, n_workers):
     assert n_drafted >= 20 and n_accepted >= n_drafted // 2, spec.stderr[-1000:]
 
 
-@pytest.mark.parametrize("n_workers", [1, 2])
-def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pair, workers, n_workers):
-    rpc = workers[:n_workers]
-    plain = generate(random_pair["Q8_0"], rpc)
-    spec = generate(random_pair["Q8_0"], rpc, "-md", random_pair["Q4_0"], "--draft-max", 4, "--draft-p-min", 0)
+@pytest.mark.parametrize(("arch", "n_workers"), [("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen2", 3),
+                                                ("qwen3", 2), ("qwen3", 4)])
+def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pairs, workers, arch, n_workers):
+    pair, rpc = random_pairs(arch), workers[:n_workers]
+    plain = generate(pair["Q8_0"], rpc)
+    spec = generate(pair["Q8_0"], rpc, "-md", pair["Q4_0"], "--draft-max", 4, "--draft-p-min", 0)
     assert spec.stdout == plain.stdout
     n_drafted, n_accepted = drafted(spec.stderr)
     assert 0 < n_accepted < n_drafted, spec.stderr[-1000:]  # both paths taken: kept guesses and dropped ones
@@ -93,42 +105,50 @@ def test_a_draft_of_another_vocabulary_is_refused(model, workers):
     assert last.startswith("error: ") and "cannot draft for this model" in last, done.stderr[-2000:]
 
 
-def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str, dict]:
-    """One greedy /v1/completions answer of `orchestrator serve` (with --metrics), its /metrics text and
-    the web page's /pipeline/state."""
-    import json  # noqa: PLC0415
-    import time  # noqa: PLC0415
-    import urllib.request  # noqa: PLC0415
-
+@contextlib.contextmanager
+def served(model, rpc, tmp_path, *extra):
+    """`orchestrator serve --metrics` on the workers until the block ends; yields its URL once it answers."""
     port = reference.free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = open(tmp_path / f"serve-{port}.log", "wb")
+    log_path = tmp_path / f"serve-{port}.log"
+    log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "serve", "--rpc", ",".join(rpc), "-m", str(model),
                              "--port", str(port), "--metrics", "-c", "1024", *map(str, extra)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         while True:  # until it answers /health (a start that fails ends the process)
-            assert proc.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
                     if r.status == 200:
                         break
             except OSError:
                 time.sleep(0.5)
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 32, "temperature": 0}).encode()
-        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=300) as r:
-            text = json.load(r)["choices"][0]["text"]
-        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-            metrics = r.read().decode()
-        with urllib.request.urlopen(f"{url}/pipeline/state", timeout=30) as r:
-            state = json.load(r)
-        return text, metrics, state
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        return json.load(r)
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
+def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str, dict]:
+    """One greedy /v1/completions answer of `orchestrator serve`, its /metrics text and the web page's
+    /pipeline/state."""
+    with served(model, rpc, tmp_path, *extra) as url:
+        text = post(f"{url}/v1/completions", {"prompt": PROMPT, "max_tokens": 32, "temperature": 0})
+        return text["choices"][0]["text"], get(f"{url}/metrics"), json.loads(get(f"{url}/pipeline/state"))
 
 
 def test_the_server_drafts_too_and_gives_the_same_text(model, workers, tmp_path):
@@ -140,3 +160,49 @@ def test_the_server_drafts_too_and_gives_the_same_text(model, workers, tmp_path)
     assert int(counts["n_drafted_total"]) > 0 and int(counts["n_drafted_accepted_total"]) > 0, metrics
     assert state["draft"] == {"drafted": int(counts["n_drafted_total"]),
                               "accepted": int(counts["n_drafted_accepted_total"])}  # the web page's figures
+
+
+# Upper 1e-6 quantiles of chi-square by degrees of freedom (scipy.stats.chi2.isf(1e-6, df)).
+CHI2_CRITICAL = {1: 23.928, 2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701,
+                 9: 44.811, 10: 46.863, 11: 48.866, 12: 50.825, 13: 52.747, 14: 54.635, 15: 56.493, 16: 58.324,
+                 17: 60.131, 18: 61.914, 19: 63.677, 20: 65.421}
+TOP_K = 5
+N_SEEDS = 600
+
+
+def test_sampled_tokens_follow_the_target_with_a_draft(random_pairs, workers, tmp_path):
+    """At temperature 1 and top-k 5, the second generated token (the first one a draft proposes (of max_tokens 3), verified
+    by speculative sampling) given the first follows the target's distribution: the softmax of the five
+    highest logits, as the plain server (no draft) reports them through logprobs. One chi-square over the
+    first tokens seen often enough, at 1e-6 with fixed seeds: deterministic, and a wrong rule fails it."""
+    pair = random_pairs("llama")
+    prompt = [1, 504, 1987, 282, 216]  # token ids: the same prompt whatever the tokenizer would make of text
+    body = {"max_tokens": 3, "temperature": 1.0, "top_k": TOP_K, "top_p": 1.0, "min_p": 0.0, "ignore_eos": True}
+    pairs: list[tuple[int, int]] = []
+    with served(pair["Q8_0"], workers[:2], tmp_path, "-md", pair["Q4_0"], "--draft-max", 3,
+                "--draft-p-min", 0) as url:
+        for seed in range(N_SEEDS):
+            choice = post(f"{url}/v1/completions", {**body, "prompt": prompt, "seed": seed, "logprobs": 1})
+            pairs.append(tuple(e["id"] for e in choice["choices"][0]["logprobs"]["content"][:2]))
+        counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", get(f"{url}/metrics"), re.M))
+    n_drafted, n_accepted = int(counts["n_drafted_total"]), int(counts["n_drafted_accepted_total"])
+    assert 0 < n_accepted < n_drafted  # kept drafts and resampled ones both make second tokens
+    firsts = {t for t, _ in pairs}
+    with served(pair["Q8_0"], workers[:2], tmp_path) as url:
+        target = {}
+        for first in firsts:  # the plain path's raw log-probabilities after prompt + first
+            answer = post(f"{url}/v1/completions", {**body, "prompt": prompt + [first], "max_tokens": 1,
+                                                    "seed": 0, "logprobs": TOP_K})
+            top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            weights = {e["id"]: math.exp(e["logprob"]) for e in top}
+            target[first] = {t: w / sum(weights.values()) for t, w in weights.items()}
+    statistic, df = 0.0, 0
+    for first, p in target.items():
+        seconds = [t for f, t in pairs if f == first]
+        assert set(seconds) <= set(p), (first, seconds, p)  # never a token outside the target's top k
+        if len(seconds) * min(p.values()) < 5:
+            continue  # too few to test this group by chi-square
+        statistic += sum((seconds.count(t) - len(seconds) * pt) ** 2 / (len(seconds) * pt) for t, pt in p.items())
+        df += len(p) - 1
+    assert df >= 4, (target, pairs)
+    assert statistic < CHI2_CRITICAL[df], (statistic, df)

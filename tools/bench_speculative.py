@@ -1,0 +1,251 @@
+"""Speculative decoding (issue 30): our orchestrator with a draft (`-md`) against our best plain modes
+(push, ring) and against llama.cpp's llama-server with the same draft, on the same workers and proxies in
+one run, with the draft's acceptance rate.
+
+    python tools/bench_speculative.py [--nodes 3] [--latency-ms 0,10] [--topology apart,together]
+        [--draft Q4_0] [--draft-max 16] [--draft-p-min 0.75] [--tokens 48] [--reps 2]
+
+The target is the packaged SmolLM2-135M requantized to Q8_0 and the drafts the same file as Q4_0 or Q2_K
+(llama-quantize --allow-requantize of the pinned build, made once into ~/.cache/pyrpc-llama/bench_speculative).
+Workers, proxies, warm-up and alternation are tools/bench_pipeline.py's (`measure_cell`): "together"
+puts a proxy in front of each worker for the client only; "apart" gives every worker a second proxy that
+the other workers push through as well. llama.cpp's client relays every stage, so its workers only ever
+see the client's proxies.
+
+Designs (columns):
+  llama.cpp     llama-completion, no draft (relay)
+  llama.cpp -md llama-server --spec-type draft-simple -md DRAFT (the pinned build drafts nothing without
+                --spec-type; its draft sampling: greedy), one /completion request per run;
+                its draft is split over the same RPC workers as the target
+  push, ring    our orchestrator without a draft (stepwise push; the ring)
+  ours -md      our orchestrator with -md DRAFT (stepwise push; the draft on the target's worker with the
+                most free memory)
+
+tok/s = (tokens - 1) / the client's eval time (after the first token, prompt excluded), so that a run
+that verifies several tokens per decode counts every token. acc = drafts accepted / drafted. Every run's
+text (greedy, --ignore-eos) must equal the first design's (up to trailing white space: llama-server's
+content ends where llama-completion prints two more newlines): a cell where one does not is marked DIFF.
+Ratios: ours -md over the better of push and ring, and over llama.cpp -md. Figures from a busy machine
+(see the load averages printed) only compare within the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools import bench_pipeline as bp, reference  # noqa: E402
+from tools.bench_worker import load_average  # noqa: E402
+
+CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
+DRAFT_RE = re.compile(r"draft: (\d+) tokens drafted, (\d+) accepted")
+SPEC_DESIGNS = ("llamacpp-spec", "spec")
+
+
+def quantized(source: Path, wtype: str) -> Path:
+    """`source` requantized to `wtype` by the pinned llama-quantize, made once."""
+    out = CACHE / f"{source.stem}.{wtype}.gguf"
+    if not out.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([str(reference.binary("llama-quantize")), "--allow-requantize", str(source), str(tmp), wtype],
+                       check=True, capture_output=True, env=reference.llama_env())
+        tmp.rename(out)
+    return out
+
+
+def llama_server_command(draft: Path, draft_max: int, p_min: float):
+    def command(args, endpoints: list[str], tokens: int) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), "llama-server-once", "--rpc", ",".join(endpoints),
+                "-m", str(args.model), "-md", str(draft), "-p", args.prompt, "-n", str(tokens),
+                "--draft-max", str(draft_max), "--draft-p-min", str(p_min), "-t", str(args.threads)]
+    return command
+
+
+def llama_server_once(argv) -> int:
+    """One greedy /completion of a llama-server with -md on the given workers, printed as llama-completion
+    prints (the text on stdout; "prompt eval time", "eval time" and our "draft:" line on stderr)."""
+    ap = argparse.ArgumentParser()
+    for flag in ("--rpc", "-m", "-md", "-p", "-n", "--draft-max", "--draft-p-min", "-t"):
+        ap.add_argument(flag, required=True)
+    a = ap.parse_args(argv)
+    port = reference.free_port()
+    cmd = [str(reference.binary("llama-server")), "--rpc", a.rpc, "-ngl", "99", "-ngld", "99", "-m", a.m,
+           "-md", a.md, "--spec-type", "draft-simple", "--spec-draft-n-max", a.draft_max, "--spec-draft-p-min", a.draft_p_min, "-t", a.t,
+           "-np", "1", "-c", "2048", "--port", str(port), "--host", "127.0.0.1", "-fit", "off"]
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=reference.llama_env(),
+                                  stdin=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    print(log.read().decode("utf-8", "replace")[-3000:], file=sys.stderr)
+                    return 1
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(0.3)
+            body = {"prompt": a.p, "n_predict": int(a.n), "temperature": 0, "ignore_eos": True, "seed": 1}
+            request = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=1800) as r:
+                answer = json.load(r)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    t = answer["timings"]
+    print(a.p + answer["content"], end="")
+    print(f"prompt eval time = {t['prompt_ms']:.2f} ms / {t['prompt_n']} tokens", file=sys.stderr)
+    print(f"eval time = {t['predicted_ms']:.2f} ms / {t['predicted_n'] - 1} runs", file=sys.stderr)
+    print(f"draft: {t.get('draft_n', 0)} tokens drafted, {t.get('draft_n_accepted', 0)} accepted", file=sys.stderr)
+    return 0
+
+
+def register(draft: Path, draft_max: int, p_min: float) -> None:
+    d = bp.DESIGNS
+    d["llamacpp-spec"] = bp.Design("llama.cpp -md", "reference", "relay", bp.relay_hops,
+                                   llama_server_command(draft, draft_max, p_min))
+    d["spec"] = bp.Design("ours -md", "ours", "push", bp.push_hops,
+                          bp.ours_command("-md", str(draft), "--draft-max", str(draft_max),
+                                          "--draft-p-min", str(p_min)))
+
+
+def tok_s(cell: bp.Cell, name: str, tokens: int) -> float | None:
+    """Median of (tokens - 1) / eval time: every generated token after the first, whatever a decode held."""
+    eval_ms = [float(bp.TIME_RE["eval"].search(s.stderr).group(1)) for s in cell.samples.get(name, [])]
+    if not eval_ms:
+        return None
+    return sorted((tokens - 1) * 1e3 / ms for ms in eval_ms)[len(eval_ms) // 2]
+
+
+def acceptance(cell: bp.Cell, name: str) -> str:
+    drafted = accepted = 0
+    for s in cell.samples.get(name, []):
+        found = DRAFT_RE.search(s.stderr)
+        if found:
+            drafted, accepted = drafted + int(found[1]), accepted + int(found[2])
+    return f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def row(cell: bp.Cell, designs: list[str], topology: str, tokens: int, reference_text: str | None) -> list[str]:
+    speeds = {name: tok_s(cell, name, tokens) for name in designs}
+    cols = [str(cell.nodes), f"{cell.latency_ms:g}", topology]
+    cols += [bp.fmt(speeds[name]) for name in designs]
+    cols += [acceptance(cell, name) for name in designs if name in SPEC_DESIGNS]
+    plain = [speeds[n] for n in ("push", "ring") if speeds.get(n)]
+    cols.append(ratio(speeds.get("spec"), max(plain) if plain else None))
+    cols.append(ratio(speeds.get("spec"), speeds.get("llamacpp-spec")))
+    notes = [f"{bp.DESIGNS[n].label}: {bp.one_line(e)}" for n, e in cell.errors.items()] + cell.marks
+    if reference_text is not None:
+        notes += [f"DIFF {bp.DESIGNS[n].label}" for n in designs
+                  if any(s.stdout.rstrip() != reference_text.rstrip() for s in cell.samples.get(n, []))]
+    cols.append("; ".join(notes))
+    return cols
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--nodes", type=bp.number_list, default=[3], help="node counts (default 3)")
+    ap.add_argument("--latency-ms", type=lambda t: bp.number_list(t, float), default=[0, 10],
+                    help="one-way latencies in ms (default 0,10)")
+    ap.add_argument("--topology", default="apart,together", help="apart, together or both (default both)")
+    ap.add_argument("--draft", default="Q4_0", help="the draft's quantization: Q4_0 or Q2_K (default Q4_0)")
+    ap.add_argument("--draft-max", type=int, default=16, help="--draft-max of both (default 16)")
+    ap.add_argument("--draft-p-min", type=float, default=0.75, help="--draft-p-min of both (default 0.75)")
+    ap.add_argument("--designs", default="llamacpp,llamacpp-spec,push,ring,spec",
+                    help="of llamacpp, llamacpp-spec, push, ring, spec (the first gives the reference text)")
+    ap.add_argument("--tokens", type=int, default=48, help="tokens per run (default 48)")
+    ap.add_argument("--prompt", default=bp.PROMPT)
+    ap.add_argument("--reps", type=int, default=2, help="repetitions per cell and design (default 2)")
+    ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker and llama.cpp client")
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--mode", default="transfer", help="which commands the proxies delay (latency_proxy MODES)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    args.serial, args.apart = False, False
+    args.designs = [d.strip() for d in args.designs.split(",") if d.strip()]
+    args.topology = [t.strip() for t in args.topology.split(",") if t.strip()]
+    if any(t not in ("apart", "together") for t in args.topology):
+        ap.error("--topology: apart and/or together")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["llama-server-once"]:
+        return llama_server_once(argv[1:])
+    args = parse_args(argv)
+
+    def terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
+    packaged = reference.model_path()
+    args.model = quantized(packaged, "Q8_0")
+    draft = quantized(packaged, args.draft)
+    register(draft, args.draft_max, args.draft_p_min)
+    env = {**reference.llama_env(),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(reference.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    print(f"machine: {bp.cpu_model()}, {os.cpu_count()} cores, load average at start: {load_average()}")
+    print(f"target: {args.model.name}, draft: {draft.name} (--draft-max {args.draft_max}, --draft-p-min "
+          f"{args.draft_p_min}), tokens: {args.tokens}, repetitions: {args.reps} (medians), threads: {args.threads}")
+    print()
+    labels = [bp.DESIGNS[n].label for n in args.designs]
+    cols = ["N", "L ms", "hosts", *[f"{x} tok/s" for x in labels],
+            *[f"{bp.DESIGNS[n].label} acc" for n in args.designs if n in SPEC_DESIGNS],
+            "ours -md / best plain", "ours -md / llama.cpp -md", "notes"]
+    print(bp.markdown(cols))
+    print(bp.markdown(["---"] * len(cols)), flush=True)
+    reference_text = None
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="bench_speculative-") as logs, ExitStack() as stack:
+        workers = bp.WorkerSets(Path(logs), args.threads)
+        stack.callback(workers.close)
+        try:
+            for nodes in args.nodes:
+                for name in args.designs:
+                    workers.stop(bp.DESIGNS[name].worker_kind)
+                bp.warm_up(args.designs, workers, nodes, args, env)
+                for topology in args.topology:
+                    args.apart = topology == "apart"
+                    for latency in args.latency_ms:
+                        cell = bp.Cell(nodes, latency)
+                        bp.measure_cell(cell, args.designs, workers, args, env)
+                        first = cell.samples.get(args.designs[0])
+                        if reference_text is None and first:
+                            reference_text = first[0].stdout
+                        cols = row(cell, args.designs, topology, args.tokens, reference_text)
+                        status |= bool(cell.errors) or "DIFF" in cols[-1]
+                        print(bp.markdown(cols), flush=True)
+        except KeyboardInterrupt:
+            bp.log("interrupted: stopping proxies and workers")
+            status = 130
+    print()
+    print(f"load average at end: {load_average()}")
+    return int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
