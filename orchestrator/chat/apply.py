@@ -98,7 +98,8 @@ def apply(tmpl: ChatTemplate, family: Family, messages: list, req: ChatRequest, 
 def _finish(params: ChatParams, tmpl: ChatTemplate, family: Family, req: ChatRequest) -> ChatParams:
     """The grammar and preserved tokens of a request with tools; no tool parsing for templates without them."""
     if req.calls_tools and tmpl.caps.tool_calls and family.parse_calls is not None:
-        params.grammar, params.grammar_lazy, params.grammar_triggers = tool_grammar(family, req)
+        gp = params.generation_prompt if params.parser_prefix is None else params.parser_prefix
+        params.grammar, params.grammar_lazy, params.grammar_triggers = tool_grammar(family, req, gp)
         params.preserved_tokens = list(family.preserved)
     elif family.think:
         params.preserved_tokens = [t for t in family.preserved if "think" in t]

@@ -29,7 +29,7 @@ class Family:
     call_start: str = ""  # the marker that opens a tool call (the lazy grammar's trigger)
     call_end: str = ""
     parse_calls: Callable | None = None  # (cursor, message, request) -> True done / None cut / False no match
-    grammar: Callable | None = None  # (tools, parallel) -> GBNF text
+    grammar: Callable | None = None  # grammars.py's rules for the calls: (ToolGrammar, tools, parallel, required)
     preserved: tuple[str, ...] = ()
     think: tuple[str, str] | None = None  # reasoning tags as the template writes them, whitespace included
     think_tags: tuple[str, str] = ("<think>\n", "\n</think>\n\n")  # the tags, when the template has <think>
@@ -260,17 +260,21 @@ class ChatParams:
         return parse(self, text, partial)
 
 
-def tool_grammar(family: Family, req: ChatRequest) -> tuple[str | None, bool, list[tuple[str, str]]]:
-    """The grammar, its laziness and triggers for a request with tools (none: no grammar)."""
+def tool_grammar(family: Family, req: ChatRequest, generation_prompt: str) -> tuple[str | None, bool, list[tuple[str, str]]]:
+    """The grammar, its laziness and triggers for a request with tools (none: no grammar).
+    `generation_prompt`: the template's (before any prefill), which a required grammar starts with."""
     if not req.calls_tools or family.grammar is None or req.tool_choice not in ("auto", "required"):
         return None, False, []
     lazy = req.tool_choice == "auto"
-    text = family.grammar(req.tools, req.parallel_tool_calls)
-    if text is None:
-        return None, False, []
     if lazy and not family.call_start:  # nothing to trigger on: llama.cpp builds no grammar
         return None, False, []
-    return text, lazy, [("word", family.call_start)] if lazy else []
+    think_start = family.think[0].strip() if family.think else ""  # llama.cpp's prefix(): cut at the reasoning tag
+    prefix = generation_prompt
+    if think_start and think_start in prefix:
+        prefix = prefix[:prefix.find(think_start)]
+    think = family.think if family.think and req.reasoning_format != "none" else None
+    text, markers = grammars.build(family.grammar, req.tools, req.parallel_tool_calls, not lazy, prefix, think)
+    return text, lazy, [("word", m) for m in markers] if lazy else []
 
 
 def parse(params: ChatParams, text: str, partial: bool) -> Message:

@@ -138,8 +138,10 @@ def request_grammar(body: dict, chat: bool, tool_call=None) -> dict:
     if body.get("tools") and (body.get("grammar") or body.get("json_schema")):
         raise ApiError(400, "Cannot use custom grammar constraints with tools.")
     if tool_call is not None and tool_call.grammar is not None:
+        # a tool-call grammar is fed the generation prompt first (common_sampler_init's prefill)
         return {"grammar": tool_call.grammar, "grammar_lazy": tool_call.grammar_lazy,
-                "grammar_triggers": list(tool_call.grammar_triggers), "preserved_tokens": list(tool_call.preserved_tokens)}
+                "grammar_triggers": list(tool_call.grammar_triggers), "preserved_tokens": list(tool_call.preserved_tokens),
+                "grammar_type": "tool_calls", "generation_prompt": tool_call.generation_prompt}
     text = _client_grammar(body, chat)
     return {"grammar": text} if text else {}
 
