@@ -6,7 +6,7 @@ The snapshot reads only what the pipeline and engine already keep (placement pla
 slots); it sends nothing to a worker, so the page never contends with the engine for a worker's socket.
 Fields other features fill in are read with getattr and default to "unknown": a worker's state from
 `engine.worker_states` (endpoint -> "up" / "re-planning" / "lost", fault tolerance) and speculation's
-`engine.draft_stats` ({"drafted": n, "accepted": n}).
+`engine.draft_stats` ({"drafted": n, "accepted": n}); the number of re-plans so far from `engine.recovery`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def snapshot(service) -> dict:
     """The page's view of the server: model, workers, links, slots and counters (JSON-ready)."""
     engine = service.engine
     out = {"model": service.name, "loaded": engine is not None, "time": time.time(), "workers": [], "links": [],
-           "slots": [], "metrics": {}, "queue": 0, "processing": 0, "failed": None, "draft": None}
+           "slots": [], "metrics": {}, "queue": 0, "processing": 0, "failed": None, "draft": None, "replans": 0}
     if engine is None:
         return out
     pipe = engine.pipe
@@ -57,6 +57,8 @@ def snapshot(service) -> dict:
     out["slots"] = [{"id": s.index, "busy": s.job is not None} for s in engine.slots]
     out["queue"], out["processing"], out["failed"] = engine.deferred, engine.processing, engine.failed
     out["draft"] = getattr(engine, "draft_stats", None)
+    recovery = getattr(engine, "recovery", None)
+    out["replans"] = recovery.replans if recovery is not None else 0
     return out
 
 

@@ -105,6 +105,7 @@ function show(s) {
     "prompt": (m.prompt_tokens || 0) + " tokens" + (m.prompt_seconds ? ", " + (m.prompt_tokens / m.prompt_seconds).toFixed(1) + " tok/s" : ""),
     "generated": (m.tokens_predicted || 0) + " tokens" + (m.tokens_predicted_seconds ? ", " + (m.tokens_predicted / m.tokens_predicted_seconds).toFixed(1) + " tok/s" : ""),
     "decodes": m.n_decode || 0,
+    "re-plans": s.replans || 0,
   };
   if (s.draft) rows["draft acceptance"] = s.draft.accepted + " / " + s.draft.drafted;
   $("engine").replaceChildren(...Object.entries(rows).flatMap(([k, v]) => {
