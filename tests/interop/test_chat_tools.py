@@ -96,7 +96,7 @@ def workers(bin_dir, tmp_path_factory):
     stop_workers(found)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module")  # its family comes from pytest_generate_tests (below)
 def pair(request, bin_dir, model_path, workers, tmp_path_factory):
     """llama-server and orchestrator serve with the family's template."""
     file = FAMILIES[request.param][0]
@@ -221,14 +221,28 @@ GREEDY_OPTIONS_OF = {"llama-3.1": ("tools", "required"), "mistral-nemo": ("tools
 FEWER_TEXTS = ("llama-3.1", "mistral-nemo", "hermes-2-pro")  # these parse fewer of TEXTS too
 
 
-def skip_unless_wanted(family: str, option: str, wanted: dict) -> None:
-    if option not in wanted.get(family, (option,)):
-        pytest.skip(f"{family}: compared with {wanted[family]} only (CI budget)")
+GREEDY_OPTIONS = ["plain", "tools", "thinking-off", "tool_choice=none", "required"]
 
 
-@pytest.mark.parametrize("option", PARSED_OPTIONS)
+def pytest_generate_tests(metafunc):
+    """Every test that takes `pair` runs for each family; the two comparisons with an `option` run each
+    family with the options it is compared with (above), no others: the pairs (family, option) are
+    generated, not skipped. `pair` is module-scoped, so each family's servers still start once."""
+    if "pair" not in metafunc.fixturenames:
+        return
+    options, wanted = {"test_given_texts_parse_as_llama_servers": (PARSED_OPTIONS, PARSE_OPTIONS_OF),
+                       "test_greedy_answers_with_tools_match_llama_servers": (GREEDY_OPTIONS, GREEDY_OPTIONS_OF),
+                       }.get(metafunc.function.__name__, (None, None))
+    if options is not None:
+        combos = [(family, option) for family in FAMILIES for option in options
+                  if option in wanted.get(family, options)]
+        metafunc.parametrize(("pair", "option"), combos, indirect=["pair"], scope="module",
+                             ids=[f"{family}-{option}" for family, option in combos])
+    else:
+        metafunc.parametrize("pair", list(FAMILIES), indirect=True, scope="module")
+
+
 def test_given_texts_parse_as_llama_servers(pair, option):
-    skip_unless_wanted(pair[0], option, PARSE_OPTIONS_OF)
     name = pair[0]
     texts = (TEXTS if name not in FEWER_TEXTS else [TEXTS[0], TEXTS[4]]) + [t for t in FAMILIES[name][1:] if t]
     texts += [t[:len(t) // 2] for t in FAMILIES[name][1:] if t]  # a call cut in the middle
@@ -248,9 +262,7 @@ def test_given_texts_parse_as_llama_servers(pair, option):
                            "logit_bias": [[EOT, 100]], **fresh, **OPTIONS[option]})
 
 
-@pytest.mark.parametrize("option", ["plain", "tools", "thinking-off", "tool_choice=none", "required"])
 def test_greedy_answers_with_tools_match_llama_servers(pair, option):
-    skip_unless_wanted(pair[0], option, GREEDY_OPTIONS_OF)
     # cache_prompt false: both compute the prompt afresh (a prefix reused by ours is computed on another
     # attention path than the prompt alone, docs/serving.md, so its greedy tokens could differ)
     compare(pair, {"messages": history(pair[0]), "max_tokens": 16, "temperature": 0, "cache_prompt": False,
