@@ -58,6 +58,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{tier:12s} {len(_TIER_TESTS[tier]):5d} tests {seconds / 60:7.1f} min")
     terminalreporter.write_line(f"{'all':12s} {sum(map(len, _TIER_TESTS.values())):5d} tests "
                                 f"{sum(_TIER_SECONDS.values()) / 60:7.1f} min")
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(terminalreporter.config.option, "numprocesses", None)
+    workers = getattr(terminalreporter.config.option, "numprocesses", None)  # -n (the controller prints this)
     terminalreporter.write_line(f"{'wall':12s} {'':11s} {(time.monotonic() - _STARTED) / 60:7.1f} min"
                                 + (f" ({workers} processes)" if workers else ""))
