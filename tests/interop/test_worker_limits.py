@@ -50,8 +50,10 @@ def test_a_budget_too_small_for_the_model_fails_the_client_cleanly_and_spares_th
 
         done = run(completion(bin_dir, model_path, worker))
         assert done.returncode != 0, f"the model fit in 16 MiB?\n{done.stderr[-3000:]}"
-        assert "unable to allocate RPC0" in done.stderr, done.stderr[-3000:]  # it says why, as for a full device
+        # It says why, as for a full device; but llama.cpp's log thread may lose its last lines when the
+        # client exits (common_log_main() is never flushed), so the worker's own log is what we check.
         assert worker.alive(), worker.describe()
+        assert "do not fit; replying with a null buffer" in worker.log_tail(), worker.describe()
         assert "Traceback" not in worker.log_tail()
         assert other.get_tensor(t, data.nbytes) == data.tobytes()  # the other client's memory is intact
         assert other.device_memory() == (15 << 20, 16 << 20)  # the failed client's buffers are all freed
