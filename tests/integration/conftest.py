@@ -20,7 +20,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    w = reference.start_worker("ours", tmp_path_factory.mktemp("worker"), mem_mib=256, timeout=300)
+    w = reference.start_worker("ours", tmp_path_factory.mktemp("worker"), threads=1, mem_mib=256, timeout=300)
     yield w
     w.stop()
 

@@ -27,7 +27,7 @@ def workers(tmp_path_factory):
     started = []
     try:
         for extra in ((), (), ("--no-peer",)):
-            started.append(reference.start_worker("ours", log_dir, mem_mib=256, extra=extra, timeout=300))
+            started.append(reference.start_worker("ours", log_dir, threads=1, mem_mib=256, extra=extra, timeout=300))
         yield started
     finally:
         for w in started:

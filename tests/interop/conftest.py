@@ -22,7 +22,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 reference = load_tool("reference")
 
 IN_CI = os.environ.get("CI", "").strip().lower() == "true"
-CLIENT_THREADS = 2
+# One thread per llama.cpp program and per worker: CI runs two test files at once on two cores, and
+# ggml's threads spin at their barriers, so two-thread programs fought over the cores (a pair of chat-tools
+# cases run twice at once: 170 s with -t 2, 79 s with -t 1). The tests where the thread count is the point
+# (test_replay, test_differential: ggml's per-thread flash-attention split) set their own.
+CLIENT_THREADS = 1
+SPLIT_THREADS = 2  # more than one, so ggml cuts work per thread as it does on a real host
 CPU_TIMEOUT = 180  # a CPU-only llama.cpp run here takes seconds
 # Per RPC-backed client run (or server start / request). The first one also pays for numba
 # compiling our kernels on a clean checkout; raise it on slow machines.

@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator.chat import ChatTemplateError, apply_chat_template
 
-from .conftest import CPU_TIMEOUT, reference, text_diff
+from .conftest import CLIENT_THREADS, CPU_TIMEOUT, reference, text_diff
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -49,7 +49,7 @@ def server(bin_dir, model_path, tmp_path_factory):
     port = reference.free_port()
     log_path = tmp_path_factory.mktemp("llama-server") / "server.log"
     cmd = [str(bin_dir / "llama-server"), "-m", str(model_path), "--port", str(port), "--host", "127.0.0.1",
-           "-t", "2", "-c", "512", "--jinja"]
+           "-t", str(CLIENT_THREADS), "-c", "512", "--jinja"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=reference.llama_env())

@@ -14,7 +14,7 @@ from orchestrator.pipeline.client import RpcClient, WorkerError
 from wire.ggml import GGMLGluOp, GGMLOp, GGMLType, GGMLUnaryOp
 
 from . import differential as d
-from .conftest import CLIENT_THREADS, RPC_TIMEOUT, reference
+from .conftest import RPC_TIMEOUT, SPLIT_THREADS, reference
 from .differential import Case, Leaf
 
 pytestmark = pytest.mark.interop
@@ -566,7 +566,7 @@ def pair(bin_dir, tmp_path_factory):
     started = {}
     try:
         for kind in ("reference", "ours"):
-            started[kind] = reference.start_worker(kind, log_dir, threads=CLIENT_THREADS, timeout=RPC_TIMEOUT)
+            started[kind] = reference.start_worker(kind, log_dir, threads=SPLIT_THREADS, timeout=RPC_TIMEOUT)
     except reference.WorkerFailed as exc:
         for worker in started.values():
             worker.stop()
