@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
@@ -90,17 +89,12 @@ def llama_server_once(argv) -> int:
                                   stdin=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
-            while True:
-                if server.poll() is not None:
-                    log.seek(0)
-                    print(log.read().decode("utf-8", "replace")[-3000:], file=sys.stderr)
-                    return 1
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(0.3)
+            try:
+                reference.wait_healthy(url, server, 1800)
+            except RuntimeError as exc:
+                log.seek(0)
+                print(f"{exc}\n{log.read().decode('utf-8', 'replace')[-3000:]}", file=sys.stderr)
+                return 1
             body = {"prompt": a.p, "n_predict": int(a.n), "temperature": 0, "ignore_eos": True, "seed": 1}
             request = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(),
                                              {"Content-Type": "application/json"})

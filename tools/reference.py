@@ -317,6 +317,26 @@ def start_worker(kind: str, log_dir: Path, *, port: int | None = None, threads: 
     return worker
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, describe=lambda: "") -> None:
+    """Return once GET {url}/health answers 200 (llama-server and orchestrator serve answer 503 while the
+    model loads); RuntimeError with describe() if the process exits first or `timeout` seconds pass."""
+    import urllib.request  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited during start-up.\n{describe()}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass  # not listening yet, or a 503 (urllib's HTTPError is an OSError)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not healthy within {timeout:.0f} s.\n{describe()}")
+        time.sleep(0.25)
+
+
 def simd_build() -> dict[str, bool]:
     """The x86 instruction sets the installed libggml-cpu was compiled for (ggml_cpu_has_*)."""
     import ctypes  # noqa: PLC0415

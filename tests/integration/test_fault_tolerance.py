@@ -140,9 +140,8 @@ class Server:
             [sys.executable, "-m", "orchestrator", "serve", "--rpc", rpc, "-m", str(model), "--port", str(self.port),
              "-c", "512", "-np", "2", *map(str, extra)],
             stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
-        while self.get("/health")[0] != 200:  # a start that fails ends the process
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            time.sleep(0.5)
+        reference.wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, 600,
+                               lambda: self.log_path.read_text()[-3000:])
 
     def request(self, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)

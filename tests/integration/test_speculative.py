@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -117,14 +116,7 @@ def served(model, rpc, tmp_path, *extra):
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:  # until it answers /health (a start that fails ends the process)
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        reference.wait_healthy(url, proc, 600, lambda: log_path.read_text()[-3000:])
         yield url
     finally:
         proc.terminate()

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -86,19 +85,10 @@ class LlamaServer:
         return f"{self.name} ({state})\n  command: {' '.join(self.cmd)}\n  log tail:\n{tail}"
 
     def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited during startup.\n{self.describe()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass  # not listening yet, or 503 while the model loads
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} not healthy within {timeout:.0f}s.\n{self.describe()}")
-            time.sleep(0.25)
+        try:
+            reference.wait_healthy(self.url, self.proc, timeout, self.describe)
+        except RuntimeError as exc:
+            raise AssertionError(f"{self.name}: {exc}") from None
 
     def chat(self, messages) -> dict:
         body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": 16, "seed": 1}).encode()
