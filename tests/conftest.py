@@ -41,6 +41,7 @@ def pytest_collection_modifyitems(config, items):
 # With pytest-xdist (-n) the tiers' times add up the processes' times, so the wall time is printed too.
 _TIER_SECONDS: dict[str, float] = {}
 _TIER_TESTS: dict[str, set] = {}
+_FILE_SECONDS: dict[str, float] = {}
 _STARTED = time.monotonic()
 
 
@@ -48,6 +49,8 @@ def pytest_runtest_logreport(report):
     tier = next((t for t in _TIER_BY_DIR.values() if t in report.keywords), "other")
     _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
     _TIER_TESTS.setdefault(tier, set()).add(report.nodeid)
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -61,3 +64,6 @@ def pytest_terminal_summary(terminalreporter):
     workers = getattr(terminalreporter.config.option, "numprocesses", None)  # -n (the controller prints this)
     terminalreporter.write_line(f"{'wall':12s} {'':11s} {(time.monotonic() - _STARTED) / 60:7.1f} min"
                                 + (f" ({workers} processes)" if workers else ""))
+    terminalreporter.section("slowest files")  # where a cut of the CI time would pay
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
+        terminalreporter.write_line(f"{seconds / 60:7.1f} min  {path}")
