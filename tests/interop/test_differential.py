@@ -566,7 +566,7 @@ def pair(bin_dir, tmp_path_factory):
     started = {}
     try:
         for kind in ("reference", "ours"):
-            started[kind] = reference.start_worker(kind, log_dir, threads=SPLIT_THREADS, timeout=RPC_TIMEOUT)
+            started[kind] = reference.start_worker(kind, log_dir, threads=SPLIT_THREADS)  # its 600 s: the first start compiles
     except reference.WorkerFailed as exc:
         for worker in started.values():
             worker.stop()
