@@ -565,8 +565,8 @@ def pair(bin_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("differential-workers")
     started = {}
     try:
-        for kind in ("reference", "ours"):
-            started[kind] = reference.start_worker(kind, log_dir, threads=SPLIT_THREADS)  # its 600 s: the first start compiles
+        for kind in ("reference", "ours"):  # start_worker's 600 s: the first start compiles the kernels
+            started[kind] = reference.start_worker(kind, log_dir, threads=SPLIT_THREADS)
     except reference.WorkerFailed as exc:
         for worker in started.values():
             worker.stop()
