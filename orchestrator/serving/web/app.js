@@ -71,7 +71,7 @@ async function send(ev) {
   $("go").disabled = false; $("stop").disabled = true;
 }
 
-function mib(n) { return n == null ? "" : (n / 1048576).toFixed(1) + " MiB"; }
+function mib(n) { return n == null ? "" : n >= 10 * 1073741824 ? (n / 1073741824).toFixed(1) + " GiB" : (n / 1048576).toFixed(1) + " MiB"; }
 function ms(s) { return s == null ? "" : (1000 * s).toFixed(s < 0.01 ? 2 : 1) + " ms"; }
 function bytes(n) { return n == null ? "" : n < 10240 ? n.toFixed(0) + " B" : (n / 1024).toFixed(1) + " KiB"; }
 
@@ -94,7 +94,8 @@ function show(s) {
     cell(row, !w.layers ? "none" : (w.layers[1] > w.layers[0] ? w.layers[0] + "–" + (w.layers[1] - 1) : "") +
                       (w.output ? " + output" : ""), "layers");
     cell(row, mib(w.free));
-    cell(row, w.free_now == null ? "" : mib(w.free_now) + " / " + mib(w.total), "free-now");
+    cell(row, mib(w.free_now), "free-now");
+    if (w.total != null) row.cells[row.cells.length - 1].title = "of " + mib(w.total) + ", probed " + w.probe_age.toFixed(0) + " s ago";
     cell(row, mib(w.weight_bytes)); cell(row, mib(w.kv_bytes)); cell(row, mib(w.compute_bytes));
     cell(row, ms(w.rtt), "rtt");
     cell(row, w.state, "state-" + w.state);
