@@ -44,6 +44,7 @@ from orchestrator.engine.batching import OneSequence, Piece, Planner
 from orchestrator.engine.recovery import Recovery, RecoveryError, reset_slots
 from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.ring import Ring
+from orchestrator.pipeline.telemetry import PROBE_PERIOD_S, Mark, Telemetry, clients
 from orchestrator.sampling import Sampler
 from orchestrator.sampling.gbnf import GrammarError
 from orchestrator.engine.slots import Finish, Job, Metrics, Slot, common_prefix, log_probs
@@ -75,7 +76,9 @@ class Engine:
         self.vocab = vocab  # for grammar-constrained requests
         self.n_vocab = pipe.model.hparams.n_vocab
         self.planner = planner
+        self.telemetry = Telemetry()  # the last steps' times and bytes, the workers' round trips (the page)
         self.runner = runner if runner is not None else Waves(pipe)  # how a batch goes through the stages
+        self.runner.telemetry = self.telemetry
         self.ring: Ring | None = None  # the CLI's greedy sequence, when the workers pick its tokens
         self.on_ring_off: Callable[[str], None] | None = None  # told why, when a ring breaks
         self.speculator = None  # drafts for generating slots (orchestrator/engine/speculative.py)
@@ -213,17 +216,32 @@ class Engine:
 
     # -- the engine's thread ------------------------------------------------------------------------
 
+    def _new_runner(self, pipe):
+        runner = type(self.runner)(pipe)
+        runner.telemetry = self.telemetry
+        return runner
+
+    def _has_work(self) -> bool:
+        return bool(self._stopping or self._retry or self.waiting or self.runner.busy or any(s.job for s in self.slots))
+
+    def _probe_due(self) -> bool:
+        """Idle, serving, and the last probe of the workers is PROBE_PERIOD_S old."""
+        return self.failed is None and self.telemetry.due(PROBE_PERIOD_S)
+
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._retry or self.waiting or self.runner.busy or
-                           any(s.job for s in self.slots)):
-                    self._wake.wait()
+                while not self._has_work() and not self._probe_due():
+                    self._wake.wait(PROBE_PERIOD_S)
                 if self._stopping:
                     return
+                idle = not self._has_work()
                 retry, self._retry = self._retry, False
                 self._admit()
             try:
+                if idle:  # nothing to do but the idle probe: the workers' round trips and free memory now
+                    self.telemetry.probe(clients(self.pipe))
+                    continue
                 if retry:  # a request came while failed: perhaps a worker is back
                     self._recover("retrying after a failed re-plan")
                     with self._wake:
@@ -250,7 +268,7 @@ class Engine:
         worker may be the one lost); the ring is set up again. RecoveryError if no pipeline can be built."""
         self._tell()
         self.pipe.close()
-        self.runner = type(self.runner)(self.pipe)  # idle: the batches in flight are lost with the pipeline
+        self.runner = self._new_runner(self.pipe)  # idle: the batches in flight are lost with the pipeline
         self.ring = None
         reset_slots(self.slots)
         if self.speculator is not None:
@@ -260,7 +278,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - its connections may be dead already
                 pass
         pipe = self.recovery.replan(failure)
-        self.pipe, self.runner = pipe, type(self.runner)(pipe)
+        self.pipe, self.runner = pipe, self._new_runner(pipe)
         if isinstance(self.planner, OneSequence):
             self.planner = OneSequence(pipe)
         if self._ring_ignore_eos is not None:
@@ -388,7 +406,7 @@ class Engine:
         job, start = slot.job, slot.n_cached
         room = self.n_ctx_slot - start  # tokens it can feed before the slot is full
         limit = room if job.n_predict < 0 else min(job.n_predict - slot.n_generated, room)
-        began, n = time.perf_counter(), 0
+        began, n, mark = time.perf_counter(), 0, Mark(clients(self.pipe))
         tokens = self.ring.run(slot.tokens[-1], start, limit)
         try:
             for token in tokens:
@@ -403,6 +421,7 @@ class Engine:
             tokens.close()
             self.metrics.eval_runs += n
             self.metrics.tokens_predicted_seconds += time.perf_counter() - began
+            self.telemetry.whole("ring", mark, n)  # the orchestrator sees the run's tokens, not its steps
         if self.ring.broken is not None:
             why, self.ring = self.ring.broken, None
             if self.on_ring_off is not None:
@@ -485,7 +504,7 @@ class Engine:
             self.waiting.clear()
             for slot in self.slots:
                 slot.job, slot.awaiting = None, False
-            self.runner = type(self.runner)(self.pipe)  # idle: what was in flight is dropped
+            self.runner = self._new_runner(self.pipe)  # idle: what was in flight is dropped
         for job in jobs:
             job.emit("error", message)
 

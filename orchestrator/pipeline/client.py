@@ -29,6 +29,9 @@ class RpcClient:
     key: bytes | None = None  # --rpc-key-file: answers a keyed worker's challenge (protocol_spec.md §8.2)
     # --rpc-timeout: seconds a reply (or the connection) may take before the worker counts as hung
     timeout: float = 60.0
+    # bytes written to and read from the worker so far (frames with their headers), for the engine's telemetry
+    sent_bytes: int = 0
+    received_bytes: int = 0
 
     def __init__(self, endpoint: str, timeout: float | None = None, key: bytes | None = None):
         host, _, port = endpoint.rpartition(":")
@@ -102,6 +105,7 @@ class RpcClient:
     def _write(self, data: bytes, what: str) -> None:
         try:
             self.sock.sendall(data)
+            self.sent_bytes += len(data)
         except OSError as exc:
             raise WorkerError(f"worker {self.endpoint} dropped the connection during {what}: {exc}",
                               self.endpoint) from None
@@ -123,6 +127,7 @@ class RpcClient:
                 chunk = self.sock.recv(1 << 20)
                 if not chunk:
                     raise WorkerError(f"worker {self.endpoint} closed the connection during {command.name}", self.endpoint)
+                self.received_bytes += len(chunk)
                 self.reader.feed(chunk)
         except OSError as exc:
             raise WorkerError(f"worker {self.endpoint} failed during {command.name}: {exc}", self.endpoint) from None
@@ -138,6 +143,7 @@ class RpcClient:
             raise WorkerError(f"worker {self.endpoint} failed: {exc}", self.endpoint) from None
         if not chunk:
             raise WorkerError(f"worker {self.endpoint} closed the connection", self.endpoint)
+        self.received_bytes += len(chunk)
         self.reader.feed(chunk)
 
     # -- typed helpers -----------------------------------------------------------------------------

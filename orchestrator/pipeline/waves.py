@@ -27,6 +27,7 @@ import numpy as np
 
 from orchestrator.pipeline.client import replies_waiting
 from orchestrator.pipeline.kv import Batch
+from orchestrator.pipeline.telemetry import Mark, StageTime, StepTime, Telemetry, clients
 from orchestrator.graph.llama import Shape
 
 
@@ -38,9 +39,16 @@ class Flight:
     feed: dict[str, np.ndarray]
     activation: np.ndarray  # the input of the stage it is at
     started: float
+    ready: float = 0.0  # when it became ready for the stage it is at (perf_counter)
+    sent: float = 0.0  # when that stage's requests were written
+    counts: tuple[int, int] = (0, 0)  # that stage's byte counters then
+    sent_bytes: int = 0  # bytes of that stage's requests
+    stages: list[StageTime] | None = None  # what the stages before took (for the telemetry)
 
 
 class Waves:
+    telemetry: Telemetry | None = None  # told each batch's times per stage when it leaves the last
+
     def __init__(self, pipe):
         self.pipe = pipe
         self.at: list[Flight | None] = [None] * len(pipe.stages)  # the batch each stage computes
@@ -74,8 +82,9 @@ class Waves:
             raise RuntimeError("no batch may start now")
         if pipe.swa is not None and batch.swa_cells is None:
             raise ValueError("this model has sliding-window layers: the batch must place their cells too")
+        now = time.perf_counter()
         self.queued[0].append(Flight(batch, tag, pipe.shape(batch), pipe.inputs(batch),
-                                     pipe.model.token_embeddings(batch.tokens), time.perf_counter()))
+                                     pipe.model.token_embeddings(batch.tokens), now, now, stages=[]))
         self._launch()
 
     def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
@@ -92,11 +101,15 @@ class Waves:
             i = computing[j]
             flight, self.at[i] = self.at[i], None
             flight.activation = stages[i].receive_output()
+            self._seen(flight, stages[i])
             if i + 1 < len(stages):
                 self.queued[i + 1].append(flight)
             else:
                 logits = flight.activation.reshape(len(flight.batch.out_ids), self.pipe.model.hparams.n_vocab)
                 done.append((flight.tag, logits, time.perf_counter() - flight.started))
+                if self.telemetry is not None:
+                    self.telemetry.add(StepTime("waves", time.time(), done[-1][2], len(flight.batch.tokens),
+                                                tuple(flight.stages)))
         self._launch()  # the batches that moved on start now, not after the caller has sampled the others
         return done
 
@@ -105,10 +118,22 @@ class Waves:
         for i, stage in enumerate(self.pipe.stages):
             if self.at[i] is None and self.queued[i]:
                 flight = self.at[i] = self.queued[i].popleft()
-                with stage.client.corked():
+                client = stage.client
+                before = client.sent_bytes
+                with client.corked():
                     stage.prepare(flight.shape)
                     stage.launch({**flight.feed, "embd": flight.activation})
                     stage.request_output()
+                flight.sent, flight.counts = time.perf_counter(), (client.sent_bytes, client.received_bytes)
+                flight.sent_bytes = client.sent_bytes - before
+
+    @staticmethod
+    def _seen(flight: Flight, stage) -> None:
+        """Notes the stage's part of the flight, its reply just read: it is ready for the next from now."""
+        now, client = time.perf_counter(), stage.client
+        flight.stages.append(StageTime(stage.endpoint, flight.sent - flight.ready, now - flight.sent,
+                                       flight.sent_bytes, client.received_bytes - flight.counts[1]))
+        flight.ready = now
 
 
 class Stepwise:
@@ -117,6 +142,7 @@ class Stepwise:
     room for one batch: start() takes it, tick() runs it and returns its logits."""
 
     width = 1
+    telemetry: Telemetry | None = None  # told each step's time and bytes per connection
 
     def __init__(self, pipe):
         self.pipe = pipe
@@ -141,6 +167,9 @@ class Stepwise:
 
     def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
         (batch, tag), self._next = self._next, None
-        started = time.perf_counter()
+        mark = Mark(clients(self.pipe))
         logits = self.pipe.run(batch)
-        return [(tag, logits, time.perf_counter() - started)]
+        seconds = time.perf_counter() - mark.started
+        if self.telemetry is not None:
+            self.telemetry.whole("stepwise", mark, len(batch.tokens))
+        return [(tag, logits, seconds)]

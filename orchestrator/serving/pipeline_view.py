@@ -3,7 +3,9 @@
 events, once a second).
 
 The snapshot reads only what the pipeline and engine already keep (placement plans, links, metrics,
-slots); it sends nothing to a worker, so the page never contends with the engine for a worker's socket.
+slots, and the engine's telemetry: the last steps' times and bytes per stage, and each worker's round
+trip and free memory from the engine's idle probe, orchestrator/pipeline/telemetry.py); it sends nothing
+to a worker, so the page never contends with the engine for a worker's socket.
 Fields other features fill in are read with getattr and default to "unknown": a worker's state from
 `engine.worker_states` (endpoint -> "up" / "re-planning" / "lost", fault tolerance) and speculation's
 `engine.draft_stats` ({"drafted": n, "accepted": n}); the number of re-plans so far from `engine.recovery`.
@@ -21,19 +23,23 @@ from aiohttp import web
 WEB = Path(__file__).with_name("web")
 ASSETS = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 EVENT_PERIOD_S = 1.0
+TIMELINE = 16  # steps the page draws
 
 
 def snapshot(service) -> dict:
     """The page's view of the server: model, workers, links, slots and counters (JSON-ready)."""
     engine = service.engine
     out = {"model": service.name, "loaded": engine is not None, "time": time.time(), "workers": [], "links": [],
-           "slots": [], "metrics": {}, "queue": 0, "processing": 0, "failed": None, "draft": None, "replans": 0}
+           "slots": [], "metrics": {}, "queue": 0, "processing": 0, "failed": None, "draft": None, "replans": 0,
+           "timeline": [], "throughput": None}
     if engine is None:
         return out
     pipe = engine.pipe
     states = getattr(engine, "worker_states", None) or {}
     lost = engine.failed is not None
     n_layer = pipe.model.hparams.n_layer  # blocks are the layers, then the output head (block n_layer)
+    telemetry = getattr(engine, "telemetry", None)
+    seen = telemetry.summary(out["time"]) if telemetry is not None else {"steps": [], "stages": {}, "probes": {}}
     for plan in getattr(pipe, "plans", []):
         ours = bool(pipe.features.get(plan.endpoint))
         out["workers"].append({
@@ -41,15 +47,24 @@ def snapshot(service) -> dict:
             "layers": [plan.blocks.start, min(plan.blocks.stop, n_layer)], "output": n_layer in plan.blocks,
             "free": plan.free, "weight_bytes": plan.weight_bytes,
             "kv_bytes": plan.kv_bytes, "compute_bytes": plan.compute_bytes,
-            "state": states.get(plan.endpoint, "failed" if lost else "up")})
+            "state": states.get(plan.endpoint, "failed" if lost else "up"), **measured(seen, plan.endpoint)})
     for endpoint in getattr(pipe, "idle", []):
         out["workers"].append({"endpoint": endpoint, "kind": "ours" if pipe.features.get(endpoint) else "llama.cpp",
                                "layers": None, "state": states.get(endpoint, "idle")})
     shown = {w["endpoint"] for w in out["workers"]}
     out["workers"] += [{"endpoint": endpoint, "kind": "unknown", "layers": None, "state": state}  # lost, left out
                        for endpoint, state in states.items() if endpoint not in shown]
-    out["links"] = [{"src": ln.src, "dst": ln.dst, "push": ln.push, "reason": ln.reason}
-                    for ln in getattr(pipe, "links", [])]
+    carried = seen["steps"][-1]["kind"] if seen["steps"] else None
+    for ln in getattr(pipe, "links", []):
+        # what the last step did: the server's waves relay every boundary, the ring pushes every one
+        relayed = carried == "waves" or (carried == "stepwise" and not ln.push) if carried else None
+        src, dst = (seen["probes"].get(e) for e in (ln.src, ln.dst))
+        out["links"].append({
+            "src": ln.src, "dst": ln.dst, "push": ln.push, "reason": ln.reason, "relayed": relayed,
+            # relayed: the src's reply per token (its activation, framed); pushed: worker to worker, not seen
+            "bytes_per_token": seen["stages"].get(ln.src, {}).get("received_per_token") if relayed else None,
+            "rtt_src": src["rtt"] if src else None, "rtt_dst": dst["rtt"] if dst else None})
+    out["timeline"], out["throughput"] = seen["steps"][-TIMELINE:], seen.get("throughput")
     m = engine.metrics
     out["metrics"] = {"prompt_tokens": m.prompt_tokens, "prompt_seconds": m.prompt_seconds,
                       "tokens_predicted": m.tokens_predicted, "tokens_predicted_seconds": m.tokens_predicted_seconds,
@@ -60,6 +75,14 @@ def snapshot(service) -> dict:
     recovery = getattr(engine, "recovery", None)
     out["replans"] = recovery.replans if recovery is not None else 0
     return out
+
+
+def measured(seen: dict, endpoint: str) -> dict:
+    """A worker's telemetry: free memory and round trip from the last probe, and its recent steps' means."""
+    probe, stage = seen["probes"].get(endpoint), seen["stages"].get(endpoint, {})
+    return {"free_now": probe and probe["free"], "total": probe and probe["total"], "rtt": probe and probe["rtt"],
+            "probe_age": probe and probe["age"], "wait": stage.get("wait"), "busy": stage.get("busy"),
+            "sent_per_token": stage.get("sent_per_token"), "received_per_token": stage.get("received_per_token")}
 
 
 async def page(request: web.Request) -> web.Response:

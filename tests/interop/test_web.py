@@ -89,6 +89,35 @@ def test_page_lists_workers_and_streams_a_reply(server, browser, model_path):
     send(browser, PROMPT, N_TOKENS)
     reply = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".msg.assistant[data-done]"))
     assert reply.text.strip() == greedy(server.url).strip()
+    assert_telemetry_is_plausible(server.url, browser, model_path)
+
+
+def pipeline_state(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/pipeline/state", timeout=RPC_TIMEOUT) as response:
+        return json.loads(response.read())
+
+
+def assert_telemetry_is_plausible(url: str, browser, model_path) -> None:
+    """After a reply: every worker probed (a round trip, free memory within its total), the link relayed
+    (the server's waves) at least a token's activation per token, n_embd float32 as the gguf package reads
+    it, plus framing; the page draws the steps and the round trips."""
+    from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
+
+    wait = WebDriverWait(browser, RPC_TIMEOUT)
+    # the engine probes when it is idle again, just after the reply
+    state = wait.until(lambda _: (s := pipeline_state(url)) and all(w["rtt"] for w in s["workers"]) and s)
+    for w in state["workers"]:
+        assert w["rtt"] > 0 and 0 < w["free_now"] <= w["total"], w
+        assert w["busy"] > 0 and w["sent_per_token"] > 0 and w["received_per_token"] > 0, w
+    n_embd = int(gguf.GGUFReader(model_path).fields["llama.embedding_length"].parts[-1][0])
+    (link,) = state["links"]
+    assert link["relayed"] is True and 4 * n_embd <= link["bytes_per_token"] < 4 * n_embd + 256, (link, n_embd)
+    assert link["rtt_src"] > 0 and link["rtt_dst"] > 0, link
+    assert state["timeline"] and all(len(step["stages"]) == 2 for step in state["timeline"]), state["timeline"]
+    drawn = "return [document.querySelectorAll('#timeline .step').length, " \
+            "[...document.querySelectorAll('#workers tr.worker td.rtt')].map(c => c.textContent)]"
+    steps, rtts = wait.until(lambda d: (r := d.execute_script(drawn)) and r[0] and all(r[1]) and r)
+    assert all(t.endswith(" ms") for t in rtts), rtts
 
 
 def read_rows(driver) -> list[list[str]]:

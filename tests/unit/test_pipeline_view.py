@@ -5,6 +5,7 @@ from types import SimpleNamespace as NS
 from orchestrator.engine.slots import Metrics, Slot
 from orchestrator.pipeline.placement import StagePlan
 from orchestrator.pipeline.push import Link
+from orchestrator.pipeline.telemetry import Probe, StageTime, StepTime, Telemetry
 from orchestrator.serving import pipeline_view
 
 
@@ -25,7 +26,8 @@ def test_snapshot_lists_workers_links_and_slots():
         ("a:1", "ours", [0, 20], "up"), ("b:2", "llama.cpp", [20, 29], "up"), ("c:3", "llama.cpp", None, "idle")]
     assert [w.get("output") for w in s["workers"]] == [False, True, None]
     assert s["workers"][1]["weight_bytes"] == 20 and s["workers"][1]["free"] == 200
-    assert s["links"] == [{"src": "a:1", "dst": "b:2", "push": False, "reason": "llama.cpp's worker"}]
+    assert s["links"] == [{"src": "a:1", "dst": "b:2", "push": False, "reason": "llama.cpp's worker", "relayed": None,
+                           "bytes_per_token": None, "rtt_src": None, "rtt_dst": None}]  # no telemetry: not measured
     assert s["slots"] == [{"id": 0, "busy": False}, {"id": 1, "busy": True}]
     assert (s["queue"], s["processing"], s["metrics"]["tokens_predicted"], s["draft"]) == (3, 1, 5, None)
 
@@ -39,3 +41,27 @@ def test_snapshot_reads_the_hooks_when_present():
 def test_snapshot_before_loading():
     s = pipeline_view.snapshot(NS(name="m.gguf", engine=None))
     assert s["loaded"] is False and s["workers"] == []
+
+
+def test_snapshot_shows_the_engines_telemetry():
+    telemetry = Telemetry()
+    now = 1000.0
+    telemetry._probes = {"a:1": Probe(0.002, 60, 100, now - 1), "b:2": Probe(0.004, 150, 300, now - 1)}
+    for end, n in ((now - 0.2, 2), (now - 0.1, 2)):
+        telemetry.add(StepTime("waves", end, 0.05, n, (StageTime("a:1", 0.001, 0.02, 100, 1160),
+                                                      StageTime("b:2", 0.0, 0.03, 1200, 400))))
+    s = pipeline_view.snapshot(service(telemetry=telemetry))
+    a, b, idle = s["workers"]
+    assert (a["free"], a["free_now"], a["total"], a["rtt"]) == (100, 60, 100, 0.002)  # placed, then as probed
+    assert (b["free_now"], b["sent_per_token"], b["received_per_token"]) == (150, 600, 200)
+    assert (a["wait"], a["busy"]) == (0.001, 0.02) and "rtt" not in idle
+    (link,) = s["links"]
+    assert link["relayed"] is True and link["bytes_per_token"] == 1160 / 2  # a:1's reply per token
+    assert (link["rtt_src"], link["rtt_dst"]) == (0.002, 0.004)
+    assert [step["n_tokens"] for step in s["timeline"]] == [2, 2] and s["throughput"] > 0
+
+
+def test_snapshot_without_steps_leaves_the_measures_empty():
+    s = pipeline_view.snapshot(service(telemetry=Telemetry()))
+    assert s["workers"][0]["rtt"] is None and s["links"][0]["bytes_per_token"] is None
+    assert s["links"][0]["relayed"] is None and s["timeline"] == [] and s["throughput"] is None

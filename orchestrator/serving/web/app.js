@@ -71,7 +71,9 @@ async function send(ev) {
   $("go").disabled = false; $("stop").disabled = true;
 }
 
-function mib(n) { return n == null ? "" : (n / 1048576).toFixed(1) + " MiB"; }
+function mib(n) { return n == null ? "" : n >= 10 * 1073741824 ? (n / 1073741824).toFixed(1) + " GiB" : (n / 1048576).toFixed(1) + " MiB"; }
+function ms(s) { return s == null ? "" : (1000 * s).toFixed(s < 0.01 ? 2 : 1) + " ms"; }
+function bytes(n) { return n == null ? "" : n < 10240 ? n.toFixed(0) + " B" : (n / 1024).toFixed(1) + " KiB"; }
 
 function cell(row, text, cls) {
   const td = row.insertCell();
@@ -91,14 +93,24 @@ function show(s) {
     cell(row, w.kind);
     cell(row, !w.layers ? "none" : (w.layers[1] > w.layers[0] ? w.layers[0] + "–" + (w.layers[1] - 1) : "") +
                       (w.output ? " + output" : ""), "layers");
-    cell(row, mib(w.free)); cell(row, mib(w.weight_bytes)); cell(row, mib(w.kv_bytes)); cell(row, mib(w.compute_bytes));
+    cell(row, mib(w.free));
+    cell(row, mib(w.free_now), "free-now");
+    if (w.total != null) row.cells[row.cells.length - 1].title = "of " + mib(w.total) + ", probed " + w.probe_age.toFixed(0) + " s ago";
+    cell(row, mib(w.weight_bytes)); cell(row, mib(w.kv_bytes)); cell(row, mib(w.compute_bytes));
+    cell(row, ms(w.rtt), "rtt");
     cell(row, w.state, "state-" + w.state);
   }
   $("links").replaceChildren(...s.links.map((l) => {
     const li = document.createElement("li");
-    li.textContent = l.src + " → " + l.dst + ": " + (l.push ? "push" : "relay" + (l.reason ? " (" + l.reason + ")" : ""));
+    li.textContent = l.src + " → " + l.dst + ": set up to " + (l.push ? "push" : "relay" + (l.reason ? " (" + l.reason + ")" : ""));
+    if (l.relayed != null) li.textContent += "; the last step " + (l.relayed ? "relayed it through the server" : "pushed it");
+    if (l.bytes_per_token != null) li.textContent += ", " + bytes(l.bytes_per_token) + " per token from " + l.src;
+    if (l.rtt_src != null && l.rtt_dst != null)
+      li.textContent += "; round trip server ↔ " + l.src + " " + ms(l.rtt_src) + ", ↔ " + l.dst + " " + ms(l.rtt_dst);
+    li.className = "link";
     return li;
   }));
+  timeline(s);
   const m = s.metrics || {};
   const rows = {
     "active slots": s.processing + " / " + s.slots.length, "queue": s.queue,
@@ -107,12 +119,47 @@ function show(s) {
     "decodes": m.n_decode || 0,
     "re-plans": s.replans || 0,
   };
+  if (s.throughput != null) rows["last steps"] = s.throughput.toFixed(1) + " tok/s through the pipeline (prompt and generated)";
   if (s.draft) rows["draft acceptance"] = s.draft.accepted + " / " + s.draft.drafted;
   $("engine").replaceChildren(...Object.entries(rows).flatMap(([k, v]) => {
     const dt = document.createElement("dt"), dd = document.createElement("dd");
     dt.textContent = k; dd.textContent = v;
     return [dt, dd];
   }));
+}
+
+// The last steps, one bar each on a common scale: per stage its wait and its send → reply time, or the
+// whole step where the server saw only that (pushed steps, the ring).
+function timeline(s) {
+  const steps = s.timeline || [];
+  const longest = Math.max(1e-9, ...steps.map((t) => t.stages.reduce((a, st) => a + (st.wait || 0) + (st.busy || 0), 0) || t.seconds));
+  $("timeline").replaceChildren(...steps.map((t) => {
+    const row = document.createElement("div"), label = document.createElement("span"), track = document.createElement("div");
+    row.className = "step"; track.className = "track";
+    label.textContent = t.kind + ", " + t.n_tokens + " tok, " + ms(t.seconds);
+    const segment = (cls, seconds, title) => {
+      const seg = document.createElement("span");
+      seg.className = "seg " + cls; seg.style.width = (100 * seconds / longest) + "%"; seg.title = title;
+      track.appendChild(seg);
+    };
+    if (t.stages.every((st) => st.busy == null)) segment("whole", t.seconds, "whole step " + ms(t.seconds));
+    else t.stages.forEach((st, i) => {
+      segment("wait", st.wait || 0, st.endpoint + ": waited " + ms(st.wait));
+      segment("busy" + (i % 2 ? " odd" : ""), st.busy || 0, st.endpoint + ": send → reply " + ms(st.busy) +
+              ", " + bytes(st.sent) + " sent, " + bytes(st.received) + " received");
+    });
+    row.append(label, track);
+    return row;
+  }));
+  const body = $("stages").tBodies[0];
+  body.replaceChildren();
+  for (const w of s.workers) {
+    if (w.sent_per_token == null) continue;
+    const row = body.insertRow();
+    row.className = "stage";
+    cell(row, w.endpoint); cell(row, ms(w.wait)); cell(row, ms(w.busy));
+    cell(row, bytes(w.sent_per_token)); cell(row, bytes(w.received_per_token));
+  }
 }
 
 async function watch() {
