@@ -1,8 +1,8 @@
 """Runs a model across workers: placement, weight upload, the KV cache, and one decode step at a time.
 
-A Pipeline owns one Stage per worker with blocks to run. Each decode step feeds every stage the same
-small inputs (positions, cache slots, attention mask) and computes the stages in order. Between two of
-our workers the activation goes straight from one to the next (push, protocol_spec.md §8.1): the whole
+A Pipeline owns one Stage per worker with blocks to run (pipeline/stage.py: that worker's buffers, weights
+and graphs). Each decode step feeds every stage the same small inputs (positions, cache slots, attention
+mask) and computes the stages in order. Between two of our workers the activation goes straight from one to the next (push, protocol_spec.md §8.1): the whole
 step is one burst of requests, and the only reply waited for is the logits; elsewhere the orchestrator
 relays it (GET_TENSOR -> SET_TENSOR). A stage whose graph shape did not change since its last step gets
 GRAPH_RECOMPUTE.
@@ -15,32 +15,24 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from orchestrator.pipeline.disk_weights import load_weights, worker_file
+from orchestrator.graph.llama import Shape, mask_name
+from orchestrator.graph.ggml import wire_tensor
+from orchestrator.graph.model import ModelFile
+from orchestrator.graph.planner import round_up
 from orchestrator.pipeline.client import RpcClient, WorkerError, name_the_dead
 from orchestrator.pipeline.kv import KV_PAD, Batch, SwaCells, padded_cells
-from orchestrator.graph.deepseek2 import DeepSeek2Builder
-from orchestrator.graph.gemma3 import Gemma3Builder
-from orchestrator.graph.ggml import RemoteBuffer, Tensor, new_tensor, wire_tensor
-from orchestrator.graph.llama import LayerBuilder, Shape, StageGraph, mask_name
-from orchestrator.graph.model import ModelFile
-from orchestrator.graph.moe import Qwen3MoeBuilder
 from orchestrator.pipeline.placement import PlacementError, StagePlan, check_fit, split_blocks
-from orchestrator.graph.planner import plan_memory, round_up
-from orchestrator.pipeline.push import WAIT_TIMEOUT_MS, Link, connect_links, connect_probing, peer_write, split_endpoint
+from orchestrator.pipeline.push import Link, connect_links, connect_probing, peer_write, split_endpoint
+from orchestrator.pipeline.disk_weights import load_weights, worker_file
+from orchestrator.pipeline.stage import Stage
 from wire import protocol as p
 from wire.protocol import Command
-from kernels.hashing import fnv1a64
 from wire.ggml import TYPE_TRAITS, GGMLType
-
-GRAPH_CACHE = 16  # graphs a stage keeps built
-HASH_THRESHOLD = 10 << 20  # llama.cpp's client tries SET_TENSOR_HASH for tensors above 10 MiB
-BUILDERS = {"gemma3": Gemma3Builder, "qwen3moe": Qwen3MoeBuilder, "deepseek2": DeepSeek2Builder}  # architecture -> its graph builder (else LayerBuilder's llama layer)
 
 
 def context_size(requested: int, n_ctx_train: int) -> int:
@@ -73,148 +65,6 @@ def check_cache_types(hp, type_k: GGMLType, type_v: GGMLType, flash_attn: bool) 
     if hp.is_mla and TYPE_TRAITS[type_k].block_size > 1 and not flash_attn:  # MLA's V is a view of the K cache
         raise ValueError("V cache quantization requires flash_attn")
     return type_k, type_v
-
-
-class Stage:
-    """One worker, the blocks it owns, and its three buffers: weights, KV cache, compute."""
-
-    def __init__(self, client: RpcClient, blocks: range, model: ModelFile, kv_size: int, flash_attn: bool,
-                 cache_types: tuple[GGMLType, GGMLType] = (GGMLType.F16, GGMLType.F16), kv_size_swa: int = 0):
-        self.client, self.blocks, self.model = client, blocks, model
-        self.endpoint = client.endpoint
-        self.alignment = client.alignment()
-        hp = model.hparams
-        self.weights: dict[str, Tensor] = {}
-        for il in blocks:
-            names = model.layer_tensor_names(il) if il < hp.n_layer else model.output_tensor_names()
-            for name in names.values():
-                info = model.weights[name]
-                self.weights[name] = new_tensor(info.type, info.ne, name)
-        size = {il: kv_size_swa if hp.is_swa(il) else kv_size for il in blocks if il < hp.n_layer}
-        # MLA (deepseek2) caches one latent row per token, K only: V is a view of it (llama_kv_cache: has_v)
-        self.kv: dict[int, tuple[Tensor, Tensor | None]] = {
-            il: (new_tensor(cache_types[0], (hp.n_embd_k_gqa, n, 1), f"cache_k_l{il}"),
-                 None if hp.is_mla else new_tensor(cache_types[1], (hp.n_embd_v_gqa, n, 1), f"cache_v_l{il}"))
-            for il, n in size.items()
-        }
-        self.builder = BUILDERS.get(hp.arch, LayerBuilder)(hp, self.weights, self.kv, flash_attn)
-        self.weight_bytes = self._layout(self.weights.values(), RemoteBuffer(0, 0, 0))
-        self.kv_bytes = self._layout(self._caches(), RemoteBuffer(0, 0, 0))
-        self.compute: RemoteBuffer | None = None
-        self.graph: StageGraph | None = None
-        self.key = None  # what the worker's last graph was built for: (shape, ring options)
-        self.fresh = False  # the graph changed since the worker last computed one
-        # graphs built before, by key, with their serialized form once sent: steps whose shapes alternate
-        # (sequences joining and leaving a batch) send them again without building them again
-        self.graphs: OrderedDict[tuple, list] = OrderedDict()
-
-    def _caches(self) -> list[Tensor]:
-        return [t for pair in self.kv.values() for t in pair if t is not None]
-
-    def _layout(self, tensors, buffer: RemoteBuffer) -> int:
-        offset = 0
-        for t in tensors:
-            t.place(buffer, offset)
-            offset += round_up(t.nbytes, self.alignment)
-        return offset
-
-    def _allocate(self, size: int, what: str) -> RemoteBuffer:
-        try:
-            handle, base = self.client.alloc_buffer(max(size, 1))
-        except WorkerError as exc:
-            raise PlacementError(f"{exc} for its {what}") from None
-        return RemoteBuffer(handle, base, size)
-
-    def compute_bytes(self, shape: Shape) -> int:
-        sg = self.builder.build(self.blocks, shape)
-        return plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment).size
-
-    def allocate(self, compute_bytes: int) -> None:
-        self._layout(self.weights.values(), self._allocate(self.weight_bytes, "weights"))
-        kv = self._allocate(self.kv_bytes, "KV cache")
-        self._layout(self._caches(), kv)
-        self.client.buffer_clear(kv.handle, 0)  # empty cells must hold finite values (llama.cpp clears too)
-        self.compute = self._allocate(compute_bytes, "compute buffer")
-
-    def upload(self, progress: Callable[[int], None], loaded: frozenset = frozenset()) -> None:
-        """Sends the stage's weights but those `loaded` from the worker's disk (SET_TENSOR_HASH first for
-        large ones); progress(bytes) after each tensor."""
-        for name, tensor in self.weights.items():
-            if name in loaded:
-                continue
-            data = self.model.weights[name].data
-            wire = wire_tensor(tensor)
-            if not (data.nbytes > HASH_THRESHOLD and self.client.set_tensor_hash(wire, fnv1a64(data))):
-                self.client.set_tensor(wire, data)
-            progress(data.nbytes)
-
-    def prepare(self, shape: Shape, **ring) -> None:
-        """Builds and binds the graph for `shape` unless the worker already holds it (then it recomputes);
-        `ring`: LayerBuilder.build's ring options (token ids in, greedy token out)."""
-        key = (shape, tuple(sorted(ring.items())))
-        if key == self.key:
-            return
-        entry = self.graphs.pop(key, None)
-        if entry is None:
-            sg = self.builder.build(self.blocks, shape, **ring)
-            plan = plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment)
-            if plan.size > self.compute.size:  # the graphs bound to the old buffer go with it
-                self.client.free_buffer(self.compute.handle)
-                self.compute = self._allocate(plan.size, "compute buffer")
-                self.graphs.clear()
-            plan.bind(self.compute)
-            entry = [sg, None]
-        self.graphs[key] = entry
-        while len(self.graphs) > GRAPH_CACHE:
-            self.graphs.popitem(last=False)
-        self.graph, self.key, self.fresh = entry[0], key, True
-
-    def launch(self, feed: dict[str, np.ndarray], sticky: dict[str, np.ndarray] | None = None,
-               wait_step: int | None = None) -> None:
-        """Sets the inputs `feed` names (a pushed input is absent) and, for a new graph, those in `sticky`
-        (they keep their value from step to step); computes without waiting. With `wait_step`, the
-        computation waits on the worker for the push of that step (WAIT_PUSH, whose reply the caller
-        reads); the inputs go before it, so they land while the previous stage still computes."""
-        values = {**feed, **(sticky or {}), **self.graph.constants} if self.fresh else feed
-        for name, tensor in self.graph.inputs.items():
-            if name in values:
-                data = np.ascontiguousarray(values[name])
-                assert data.nbytes == tensor.nbytes, (name, data.nbytes, tensor.nbytes)
-                self.client.set_tensor(wire_tensor(tensor), data)
-        if wait_step is not None:
-            self.client.send(Command.WAIT_PUSH, p.WaitPushRequest(wait_step, WAIT_TIMEOUT_MS))
-        if self.fresh:
-            entry = self.graphs[self.key]
-            if entry[1] is None:
-                entry[1] = self.graph.graph.serialize()
-            self.client.graph_compute(*entry[1])
-            self.fresh = False
-        else:
-            self.client.graph_recompute()
-
-    def add_token_embd(self) -> None:
-        """Uploads token_embd into a buffer of its own, unless the stage has it, so that its graph can look
-        up token ids itself (the first stage of the ring)."""
-        name = "token_embd.weight"
-        if name in self.weights:
-            return
-        info = self.model.weights[name]
-        tensor = new_tensor(info.type, info.ne, name)
-        tensor.place(self._allocate(tensor.nbytes, "token embeddings"), 0)
-        self.client.set_tensor(wire_tensor(tensor), info.data)
-        self.weights[name] = tensor
-
-    def request_output(self) -> None:
-        """Asks for the output after the commands sent so far, without waiting: receive_output() reads it."""
-        out = self.graph.output
-        self.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
-
-    def receive_output(self) -> np.ndarray:
-        return np.frombuffer(self.client.receive(Command.GET_TENSOR), dtype=np.float32)
-
-    def read_output(self) -> np.ndarray:
-        self.request_output()
-        return self.receive_output()
 
 
 @dataclass

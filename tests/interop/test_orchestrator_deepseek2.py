@@ -23,7 +23,7 @@ import pytest
 from orchestrator.graph.ggml import new_tensor
 from orchestrator.graph.llama import Shape
 from orchestrator.graph.model import ModelFile
-from orchestrator.pipeline.runner import BUILDERS
+from orchestrator.pipeline.stage import BUILDERS
 from tools.trace_proxy import TraceProxy, describe_graph
 from wire import protocol as p
 from wire.ggml import GGMLType
