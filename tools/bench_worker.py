@@ -1,13 +1,14 @@
 """Benchmark our worker against llama.cpp's ggml-rpc-server, side by side in one run.
 
     python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--gemma3] [--moe]
-                                 [--all]
+                                 [--deepseek2] [--all]
     python tools/bench_worker.py --gguf-dir [-r 3] [--link-mbit 1000 ...] [-m MODEL ... | --synthetic TYPE ...]
 
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
 TYPE, written once by tools/make_model.py into ~/.cache/pyrpc-llama, Q4_K_M via llama-quantize;
 `--gemma3` the real Gemma 3 270M Q4_K_M that tools/install_reference.sh fetched; `--moe` a random
-qwen3moe in Q4_K_M shaped like a small Qwen3-30B-A3B: 16 experts of 768, 4 routed per token):
+qwen3moe in Q4_K_M shaped like a small Qwen3-30B-A3B: 16 experts of 768, 4 routed per token; `--deepseek2`
+a random deepseek2 in Q4_K_M with GLM-4.7-Flash's layer, fewer layers and experts):
   * llama-bench --rpc against each worker (alternating, -r repetitions): pp and tg tokens/s;
   * load time: llama-completion -n 1 through each worker, its "load time" (weight upload, context
     set-up and the first graph), once per repetition;
@@ -53,6 +54,12 @@ SYNTHETIC_1B = dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192)
 # 128 experts and 4 of its 8 routed, 8 layers: about 0.7B parameters, 0.1B active per token
 SYNTHETIC_MOE = dict(n_layer=8, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=768, n_expert=16,
                      n_expert_used=4)
+# GLM-4.7-Flash's layer (2048 wide, 20 heads; MLA with q_lora 768, kv_lora 512, key heads 128 + 64 roped,
+# value heads 256; one leading dense block of FFN 10240, experts 1536 wide, one shared, sigmoid gating scaled
+# by 1.8) with 16 of its 64 experts and its 4 routed, 6 layers: about 1B parameters, 0.2B active per token
+SYNTHETIC_DEEPSEEK2 = dict(n_layer=6, n_embd=2048, n_head=20, head_dim=128, n_ff=1536, n_expert=16, n_expert_used=4)
+SYNTHETIC_MLA = dict(q_lora=768, kv_lora=512, qk_nope=128, qk_rope=64, v_head=256, n_dense_lead=1, n_ff_dense=10240,
+                     n_expert_shared=1)
 # about 0.3B parameters, ~300 MB in Q8_0: the --gguf-dir comparison's default model
 SYNTHETIC_300M = dict(n_layer=12, n_embd=1024, n_head=16, n_head_kv=4, n_ff=4096)
 LOAD_TIME_RE = re.compile(r"load time =\s*([\d.]+) ms")
@@ -100,8 +107,9 @@ def peak_rss_mib(worker) -> float:
 
 
 def synthetic_model(weight_type: str, arch: str = "llama", stem: str = "") -> Path:
-    """A ~1B random llama (or the small qwen3moe, or the 300M llama) in weight_type, made once and cached."""
-    from tools.make_model import write_model  # noqa: PLC0415
+    """A ~1B random llama (or the small qwen3moe or deepseek2, or the 300M llama) in weight_type, made once
+    and cached."""
+    from tools.make_model import MlaShape, write_model  # noqa: PLC0415
 
     CACHE.mkdir(parents=True, exist_ok=True)
     stem = stem or ("synthetic-1b" if arch == "llama" else f"synthetic-{arch}")
@@ -112,7 +120,10 @@ def synthetic_model(weight_type: str, arch: str = "llama", stem: str = "") -> Pa
     base = CACHE / f"{stem}-{base_type}.gguf"
     if not base.is_file():
         print(f"writing {base} (once)...", file=sys.stderr, flush=True)
-        shape = SYNTHETIC_300M if stem == "synthetic-300m" else SYNTHETIC_1B if arch == "llama" else SYNTHETIC_MOE
+        shape = SYNTHETIC_300M if stem == "synthetic-300m" else SYNTHETIC_1B if arch == "llama" else \
+            SYNTHETIC_DEEPSEEK2 if arch == "deepseek2" else SYNTHETIC_MOE
+        if arch == "deepseek2":
+            shape = {**shape, "mla": MlaShape(**SYNTHETIC_MLA)}
         write_model(base.with_suffix(".tmp"), arch, weight_type=base_type, vocab_from=reference.model_path(),
                     **shape)
         base.with_suffix(".tmp").rename(base)
@@ -283,8 +294,9 @@ def main(argv=None) -> int:
                     help="also bench a ~1B random llama in this type (repeatable)")
     ap.add_argument("--gemma3", action="store_true", help="also bench Gemma 3 270M Q4_K_M")
     ap.add_argument("--moe", action="store_true", help="also bench the random qwen3moe in Q4_K_M")
+    ap.add_argument("--deepseek2", action="store_true", help="also bench the random deepseek2 in Q4_K_M")
     ap.add_argument("--all", action="store_true",
-                    help="SmolLM2, Gemma 3, every synthetic type and the MoE (the issue's full set)")
+                    help="SmolLM2, Gemma 3, every synthetic type, the MoE and deepseek2 (the issue's full set)")
     ap.add_argument("--gguf-dir", action="store_true",
                     help="compare uploading the weights with our worker reading them from its --gguf-dir")
     ap.add_argument("--link-mbit", type=float, action="append", default=[],
@@ -302,13 +314,15 @@ def main(argv=None) -> int:
             for model in models or [synthetic_model("Q8_0", stem="synthetic-300m")]:
                 bench_gguf_dir(model, args, Path(logs))
         return 0
-    if not models and (args.all or not (synthetic or args.gemma3 or args.moe)):
+    if not models and (args.all or not (synthetic or args.gemma3 or args.moe or args.deepseek2)):
         models.append(reference.model_path())
     if args.gemma3 or args.all:
         models.append(reference.gemma3_model_path())
     models += [synthetic_model(t) for t in synthetic]
     if args.moe or args.all:
         models.append(synthetic_model("Q4_K_M", "qwen3moe"))
+    if args.deepseek2 or args.all:
+        models.append(synthetic_model("Q4_K_M", "deepseek2"))
     with tempfile.TemporaryDirectory() as logs:
         for model in models:
             bench_model(model, args, Path(logs))
