@@ -2,10 +2,10 @@
 
 A Pipeline owns one Stage per worker with blocks to run (pipeline/stage.py: that worker's buffers, weights
 and graphs). Each decode step feeds every stage the same small inputs (positions, cache slots, attention
-mask) and computes the stages in order. Between two of our workers the activation goes straight from one to the next (push, protocol_spec.md §8.1): the whole
-step is one burst of requests, and the only reply waited for is the logits; elsewhere the orchestrator
-relays it (GET_TENSOR -> SET_TENSOR). A stage whose graph shape did not change since its last step gets
-GRAPH_RECOMPUTE.
+mask) and computes the stages in order. Between two of our workers the activation goes straight from one
+to the next (push, protocol_spec.md §8.1): the whole step is one burst of requests, and the only reply
+waited for is the logits; elsewhere the orchestrator relays it (GET_TENSOR -> SET_TENSOR). A stage whose
+graph shape did not change since its last step gets GRAPH_RECOMPUTE (Stage.prepare, Stage.launch).
 
 This is a library: each step (connect, place, allocate, upload, evaluate) is a method the caller invokes,
 and nothing here prints; the `orchestrator` command (orchestrator/cli.py) reports the steps.

@@ -42,21 +42,22 @@ def test_completion_matches_cpu(llama, deepseek2_model, worker, flash_attn, cach
 
 @pytest.fixture(scope="module")
 def deepseek2_q4_k_m(llama, deepseek2_model, tmp_path_factory):
-    """The same file through llama-quantize's Q4_K_M mix (Q4_K, Q6_K where the mix wants it, and a fallback
-    type for the low-rank rows too narrow for a 256-wide K-quant block), as GLM-4.7-Flash Q4_K_M is made."""
+    """The same file through llama-quantize's Q4_K_M mix, as GLM-4.7-Flash Q4_K_M is made: Q4_K, Q5_K and Q6_K
+    where the mix wants them, Q5_0 and Q8_0 for the rows too narrow for a 256-wide K-quant block."""
     path = tmp_path_factory.mktemp("deepseek2-q4_k_m") / "deepseek2-Q4_K_M.gguf"
-    llama("llama-quantize", ["--allow-requantize", deepseek2_model, path, "Q4_K_M", CLIENT_THREADS], timeout=CPU_TIMEOUT)
+    llama("llama-quantize", ["--allow-requantize", deepseek2_model, path, "Q4_K_M", CLIENT_THREADS],
+          timeout=CPU_TIMEOUT)
     return path
 
 
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_K_M"])
-def test_kl_divergence_against_llama_cpp_worker(llama, deepseek2_model, deepseek2_q4_k_m, worker, reference_worker,
-                                                text_file, tmp_path, weight_type):
+def test_kl_divergence_against_llama_cpp_worker(llama, deepseek2_model, deepseek2_q4_k_m, worker,
+                                                reference_worker, text_file, tmp_path, weight_type):
     model = deepseek2_model if weight_type == "Q8_0" else deepseek2_q4_k_m
     base = tmp_path / "reference.kld"
     args = perplexity_args(model, text_file, "on", "f16", batch=[])  # llama-perplexity's default -b and -ub
-    done = llama("llama-perplexity", args + ["--rpc", reference_worker.address, "-ngl", 99,
-                                             "--kl-divergence-base", base], timeout=RPC_TIMEOUT, worker=reference_worker)
+    done = llama("llama-perplexity", args + ["--rpc", reference_worker.address, "-ngl", 99, "--kl-divergence-base",
+                                             base], timeout=RPC_TIMEOUT, worker=reference_worker)
     assert_fully_offloaded(done.stderr)
     assert base.is_file() and base.stat().st_size > 0, f"llama-perplexity wrote no logits to {base}"
     assert_kl_matches_cpu(llama, worker, model, text_file, base, "on", "f16", f"deepseek2 {weight_type}", batch=[],
