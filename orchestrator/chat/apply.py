@@ -127,6 +127,8 @@ def _finish(params: ChatParams, tmpl: ChatTemplate, family: Family, req: ChatReq
         gp = params.generation_prompt if params.parser_prefix is None else params.parser_prefix
         params.grammar, params.grammar_lazy, params.grammar_triggers = tool_grammar(family, req, gp)
         params.preserved_tokens = list(family.preserved)
+    elif family.own_prefill:  # Ministral 3's handler preserves its four tokens whatever the request
+        params.preserved_tokens = list(family.preserved)
     elif family.think:
         params.preserved_tokens = [t for t in family.preserved if "think" in t]
     if not tmpl.caps.tool_calls:  # llama.cpp parses tool calls only for templates that render them
