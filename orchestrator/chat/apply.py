@@ -69,15 +69,24 @@ def _continued(messages: list) -> str | None:
 def apply(tmpl: ChatTemplate, family: Family, messages: list, req: ChatRequest, kwargs: Mapping) -> ChatParams:
     """The prompt, generation prompt, grammar and parser settings for one request."""
     prepared = tmpl.prepare(messages)
+    last = prepared[-1] if prepared else {}
+    if family.content_blocks:
+        prepared = [_as_blocks(m) for m in prepared]
     options = {"tools": req.tools, "enable_thinking": req.enable_thinking,
                "extra_context": json.loads(json.dumps(dict(kwargs)))}
     continued = _continued(messages)
     if continued:
-        last, prepared = prepared[-1], prepared[:-1]
+        prepared = prepared[:-1]
         prompt = tmpl.render(prepared, add_generation_prompt=False, **options)
         generation_prompt = tmpl.generation_prompt(prepared, **options)
         if continued == "empty":  # chat.cpp builds no prefill for an empty message (and renders none)
             return _finish(ChatParams(prompt, generation_prompt, family, req, continuation=True), tmpl, family, req)
+        if family.own_prefill:  # Ministral 3's handler: the prefill in its think tags is the whole generation prompt
+            generation_prompt = family.think[0] + last.get("reasoning_content", "")
+            if continued == "content":
+                generation_prompt += family.think[1] + last["content"]
+            params = ChatParams(prompt + generation_prompt, generation_prompt, family, req, continuation=True)
+            return _finish(params, tmpl, family, req)
         parser_prefix = generation_prompt
         if family.think:  # the prefill's reasoning inside the family's tags, as the parser will read it
             start, end = family.think
@@ -95,11 +104,30 @@ def apply(tmpl: ChatTemplate, family: Family, messages: list, req: ChatRequest, 
     return _finish(ChatParams(prompt, generation_prompt, family, req), tmpl, family, req)
 
 
+def _as_blocks(message: dict) -> dict:
+    """A system or assistant message with its reasoning and content as `thinking` and `text` blocks, as
+    chat.cpp's Ministral 3 handler hands them to the template (a content of parts is kept as its blocks)."""
+    if message.get("role") not in ("system", "assistant"):
+        return message
+    blocks = []
+    if isinstance(message.get("reasoning_content"), str):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"]})
+    if isinstance(message.get("content"), str):
+        blocks.append({"type": "text", "text": message["content"]})
+    elif isinstance(message.get("content"), list):
+        blocks.extend(message["content"])
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    out["content"] = blocks
+    return out
+
+
 def _finish(params: ChatParams, tmpl: ChatTemplate, family: Family, req: ChatRequest) -> ChatParams:
     """The grammar and preserved tokens of a request with tools; no tool parsing for templates without them."""
     if req.calls_tools and tmpl.caps.tool_calls and family.parse_calls is not None:
         gp = params.generation_prompt if params.parser_prefix is None else params.parser_prefix
         params.grammar, params.grammar_lazy, params.grammar_triggers = tool_grammar(family, req, gp)
+        params.preserved_tokens = list(family.preserved)
+    elif family.own_prefill:  # Ministral 3's handler preserves its four tokens whatever the request
         params.preserved_tokens = list(family.preserved)
     elif family.think:
         params.preserved_tokens = [t for t in family.preserved if "think" in t]

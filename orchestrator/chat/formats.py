@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.chat import grammars
+from orchestrator.chat.jsonscan import WHITESPACE, JsonSyntax, json_end
 from orchestrator.chat.parse import Cursor, Message, ParseError, ToolCall, parse_json_call, parse_reasoning
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")  # llama-server's --reasoning-format names
@@ -38,6 +39,9 @@ class Family:
     json_keys: tuple[str, str, str] = ("name", "arguments", "")  # a JSON call's name, arguments, id keys
     openai_wrapper: bool = False  # a JSON call may open with "type": "function",
     array: bool = False  # the JSON calls are in a [...] list after the marker
+    own_prefill: bool = False  # Ministral 3's handler: a continued message's generation prompt is only its reasoning
+    #   and content in the think tags, and the parser reads the generation prompt as text (no prefix)
+    content_blocks: bool = False  # system and assistant contents rendered as thinking/text blocks (Ministral 3)
 
 
 @dataclass
@@ -202,12 +206,62 @@ def _parse_glm(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> b
     return True
 
 
+def _parse_ministral(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> bool | None:
+    """([TOOL_CALLS]NAME[ARGS]{…}){1 if required, else 0,} at most once without parallel calls: Ministral 3's
+    and Devstral's repeat. The text after the calls is left unread (no end of input in that parser)."""
+    least, most = (1 if req.tool_choice == "required" else 0), (None if req.parallel_tool_calls else 1)
+    n = 0
+    while most is None or n < most:
+        saved, n_calls = cur.pos, len(msg.tool_calls)
+        got = _ministral_call(cur, msg, req)
+        if got is None:
+            return None
+        if not got:  # this repetition fails: the ones before stand, if there are enough
+            cur.pos = saved
+            del msg.tool_calls[n_calls:]
+            return n >= least
+        n += 1
+    return True
+
+
+def _ministral_call(cur: Cursor, msg: Message, req: ChatRequest) -> bool | None:
+    if not (got := cur.literal("[TOOL_CALLS]")):
+        return got
+    rest = cur.rest()
+    name = next((n for n in req.tool_names if rest.startswith(n + "[ARGS]")), None)
+    if name is None:
+        if not any((n + "[ARGS]").startswith(rest) for n in req.tool_names):
+            return False
+        cur.pos = len(cur.text)  # cut before [ARGS] ends: no call yet (the name and [ARGS] open it together)
+        return None
+    cur.pos += len(name) + len("[ARGS]")
+    call = ToolCall(name, "{")
+    msg.tool_calls.append(call)
+    start = cur.pos
+    try:
+        end = json_end(cur.text, start)
+    except JsonSyntax:
+        return False
+    text = cur.text[start:end].rstrip(WHITESPACE) if end is not None else cur.rest().rstrip(WHITESPACE)
+    if text.startswith("{"):  # the arguments are the JSON text as it stands, when it is an object
+        call.arguments = text
+    if end is None:
+        cur.pos = len(cur.text)
+        return None
+    cur.pos = end
+    return True
+
+
 def _has(*needles: str, lacks: tuple[str, ...] = ()) -> Callable[[str], bool]:
     return lambda src: all(n in src for n in needles) and not any(n in src for n in lacks)
 
 
 # In chat.cpp's order of detection; the first family whose test passes owns the template.
 FAMILIES: tuple[Family, ...] = (
+    # Ministral 3, Devstral Small 2507: chat.cpp's own handler (reasoning [THINK]…[/THINK] whatever the template)
+    Family("ministral", _has("[SYSTEM_PROMPT]", "[TOOL_CALLS]", "[ARGS]", lacks=("[CALL_ID]",)), "[TOOL_CALLS]", "",
+           _parse_ministral, grammars.ministral, ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]"),
+           think=("[THINK]", "[/THINK]"), own_prefill=True, content_blocks=True),
     Family("qwen3-coder", _has("<tool_call>", "<function=", "<parameter=",
                                lacks=("'<tool_call><function=' ~ tool_call.name ~ '>'",)),
            "<tool_call>", "</tool_call>", _parse_qwen3_coder, grammars.qwen3_coder, ("<tool_call>", "</tool_call>"),
@@ -269,11 +323,12 @@ def tool_grammar(family: Family, req: ChatRequest, generation_prompt: str) -> tu
     if lazy and not family.call_start:  # nothing to trigger on: llama.cpp builds no grammar
         return None, False, []
     think_start = family.think[0].strip() if family.think else ""  # llama.cpp's prefix(): cut at the reasoning tag
-    prefix = generation_prompt
+    prefix = "" if family.own_prefill else generation_prompt
     if think_start and think_start in prefix:
         prefix = prefix[:prefix.find(think_start)]
     think = family.think if family.think and req.reasoning_format != "none" else None
-    text, markers = grammars.build(family.grammar, req.tools, req.parallel_tool_calls, not lazy, prefix, think)
+    text, markers = grammars.build(family.grammar, req.tools, req.parallel_tool_calls, not lazy, prefix, think,
+                                   think_first=family.own_prefill)
     return text, lazy, [("word", m) for m in markers] if lazy else []
 
 
@@ -284,13 +339,15 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
     prefix = gp if params.parser_prefix is None else params.parser_prefix
     prefix = prefix[:prefix.find(think_start)] if think_start and think_start in prefix else prefix
     cur = Cursor(gp + text, partial=True)  # llama.cpp parses leniently: text may stop anywhere, even at the end
-    cur.pos = len(prefix)
+    cur.pos = 0 if family.own_prefill else len(prefix)
     msg = Message()
     tools = req.calls_tools and family.parse_calls is not None
-    if tools or family.think:  # llama.cpp's parser skips space after the prompt unless it is pure content
-        cur.space()
+    if (tools or family.think) and not family.own_prefill:  # llama.cpp's parser skips space after the prompt
+        cur.space()  # unless it is pure content
     if params.extracts_reasoning:
         parse_reasoning(cur, msg, *family.think)
+    if family.own_prefill:  # Ministral 3's handler: the space is after the reasoning
+        cur.space()
     if not tools:
         msg.content += cur.rest()
         msg.reasoning_content = "" if not msg.reasoning_content.strip() else msg.reasoning_content

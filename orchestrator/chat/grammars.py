@@ -195,6 +195,15 @@ def mistral_nemo(g: ToolGrammar, tools, parallel: bool, required: bool) -> Calls
     return _json_section(g, tools, parallel, "[TOOL_CALLS]", "arguments", "id", True, False)
 
 
+def ministral(g: ToolGrammar, tools, parallel: bool, required: bool) -> Calls:
+    """Ministral 3, Devstral: ([TOOL_CALLS]NAME[ARGS]ARGS) once or repeated (parallel), optional unless required."""
+    names = [g.rule(f"tool-{t['function']['name']}", f'({format_literal(t["function"]["name"])} "[ARGS]") '
+                    + g.schema(f"tool-{t['function']['name']}-schema", _parameters(t))) for t in tools]
+    repeat = ("+" if parallel else "") if required else ("*" if parallel else "?")
+    g.rule("tool-call", f'("[TOOL_CALLS]" ({" | ".join(names)})){repeat}')
+    return Calls("tool-call", ("tool-call",), ("[TOOL_CALLS]",), content_optional=False)
+
+
 def _tagged_args(g: ToolGrammar, tool: dict, arg, joiner: str, first: str) -> str:
     """build_tool_parser_tag_tagged's arguments: the required ones in order, then any optional ones."""
     name = tool["function"]["name"]
@@ -253,11 +262,12 @@ def _optspace(tag: str) -> str:
 
 
 def build(family_grammar, tools: list[dict], parallel: bool, required: bool, prefix: str,
-          think: tuple[str, str] | None) -> tuple[str, tuple[str, ...]]:
+          think: tuple[str, str] | None, think_first: bool = False) -> tuple[str, tuple[str, ...]]:
     """The grammar text and the markers that trigger it when lazy (the call markers: Qwen3-Coder's
     per-tool <function=NAME> too, as llama-server's triggers). Lazy (the trigger rules) unless `required`; then the root is the whole parser:
     `prefix` (the generation prompt up to the reasoning tag), space, `think` (reasoning tags when
-    reasoning is extracted), content without the call markers, the calls."""
+    reasoning is extracted; `think_first`: before the space, as Ministral 3's handler has it), content without
+    the call markers, the calls."""
     g = ToolGrammar()
     calls = family_grammar(g, tools, parallel, required)
     if not required:
@@ -266,7 +276,8 @@ def build(family_grammar, tools: list[dict], parallel: bool, required: bool, pre
     parts = [format_literal(prefix)] if prefix else []
     parts.append("space")
     if think:
-        parts.append(f"({_optspace(think[0])} {g.until([think[1].strip()])} {_optspace(think[1])})?")
+        parts.insert(len(parts) - think_first, f"({_optspace(think[0])} {g.until([think[1].strip()])} "
+                                                f"{_optspace(think[1])})?")
     content = g.until(calls.content_until)
     parts.append(f"{content}?" if calls.content_optional else f"{content} space")
     parts.append(calls.expression)

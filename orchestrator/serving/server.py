@@ -379,7 +379,9 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             if reason == "stop" and parsed.message.tool_calls:
                 reason = "tool_calls"
         if stream is None:
-            message = parsed.message.to_json() if parsed is not None else None
+            # a message that parsed to nothing is answered as the raw text (llama-server's final result does
+            # so: a Llama 3.x "required" answer of only a newline is content "\n", not "")
+            message = parsed.message.to_json() if parsed is not None and parsed.message != chat.Message() else None
             return web.json_response(shape.whole(api.response(c, s.name, "".join(collected), reason, finish, logprobs,
                                                               message)))
         if parsed is not None:

@@ -32,6 +32,7 @@ SOURCES = {  # just the markers detection looks for
     "glm": "<tool_call><arg_key><arg_value><think></think>",
     "llama3-json": 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
     "mistral-nemo": "{{ '[TOOL_CALLS]' }}",
+    "ministral": "[SYSTEM_PROMPT][TOOL_CALLS][ARGS]",
     "plain": "{{ messages }}",
 }
 
@@ -85,6 +86,14 @@ CASES = [  # (family, generation prompt, request options, text, content, reasoni
      [("special_function", {"arg1": 1}), ("python", {"code": "x"})]),
     ("mistral-nemo", "", {}, 'Hi {x} [TOOL_CALLS] [{"name": "python", "arguments": {"code": "x"},}]', "Hi {x}", "",
      [("python", {"code": "x"})]),
+    ("ministral", "", {}, '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}', "", "", [("special_function", {"arg1": 1})]),
+    ("ministral", "", {}, "[THINK]hm[/THINK]\nSure [TOOL_CALLS]python[ARGS]{\"code\": \"x\"} and more", "Sure", "hm",
+     [("python", {"code": "x"})]),
+    ("ministral", "", {"parallel_tool_calls": True}, '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}'
+     '[TOOL_CALLS]python[ARGS]{"code": "x"}', "", "", [("special_function", {"arg1": 1}), ("python", {"code": "x"})]),
+    ("ministral", "", {}, '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}[TOOL_CALLS]python[ARGS]{"code": "x"}', "",
+     "", [("special_function", {"arg1": 1})]),  # one call without parallel calls; the rest is not read
+    ("ministral", "[THINK]R", {"reasoning_format": "none"}, "[/THINK]Hi", "[THINK]R[/THINK]Hi", "", []),
     ("plain", "", {}, '<tool_call>{"name": "special_function"}</tool_call>',
      '<tool_call>{"name": "special_function"}</tool_call>', "", []),
 ]
@@ -118,6 +127,38 @@ def test_mistral_nemo_takes_the_models_call_id():
     assert [(tc.name, tc.arguments, tc.id) for tc in msg.tool_calls] == [("python", "{}", "abc123XYZ")]
     cut = params("mistral-nemo").parse('[TOOL_CALLS][{"name": "python", "arguments": {}, "id": "abc', partial=True)
     assert [(tc.name, tc.arguments, tc.id) for tc in cut.tool_calls] == [("python", "{}", "")]
+
+
+def test_ministral_reads_its_generation_prompt_as_text_and_a_cut_call_waits_for_its_args_marker():
+    # a continued message: the generation prompt is the prefill in the think tags, parsed with the answer
+    msg = params("ministral", "[THINK]I think[/THINK]Hello").parse(" there", partial=False)
+    assert (msg.reasoning_content, msg.content) == ("I think", "Hello there")
+    assert params("ministral").parse("[TOOL_CALLS]python[ARG", partial=True) == chat.Message()
+    cut = params("ministral").parse('[TOOL_CALLS]python[ARGS]{"co', partial=True)
+    assert [(tc.name, tc.arguments) for tc in cut.tool_calls] == [("python", '{"co')]
+    with pytest.raises(chat.ParseError):  # required: a call that is no call (an unknown tool) is an error
+        params("ministral", tool_choice="required").parse("[TOOL_CALLS]nope[ARGS]{}", partial=False)
+    # not required: the calls may be none, and the text from the marker on is left unread
+    assert simple(params("ministral").parse("Hi [TOOL_CALLS]nope[ARGS]{}", partial=False)) == ("Hi", "", [])
+
+
+def test_ministral_grammar_is_llama_servers():
+    """The rules of llama-server 11434's --verbose grammar for Devstral Small 2507's template."""
+    from orchestrator.chat.formats import tool_grammar
+    family = chat.detect(SOURCES["ministral"])
+    def lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(("root", "tool-call", "tool-python ::="))]
+    grammar, lazy, triggers = tool_grammar(family, chat.ChatRequest(TOOLS, "auto", False), "")
+    assert (lazy, triggers) == (True, [("word", "[TOOL_CALLS]")])
+    assert lines(grammar) == ["root ::= tool-call",
+                              'tool-call ::= ("[TOOL_CALLS]" (tool-special-function | tool-python))?',
+                              'tool-python ::= ("python" "[ARGS]") tool-python-schema']
+    grammar, lazy, _ = tool_grammar(family, chat.ChatRequest(TOOLS, "required", True), "[THINK]R")
+    root = lines(grammar)[0].split()
+    assert not lazy and lines(grammar)[1] == 'tool-call ::= ("[TOOL_CALLS]" (tool-special-function | tool-python))+'
+    assert root[:3] + root[4:] == ["root", "::=", '("[THINK]"', '"[/THINK]")?', "space", root[6], "space", "tool-call"]
+    grammar, _, _ = tool_grammar(family, chat.ChatRequest(TOOLS, "required", False, "none"), "")
+    assert lines(grammar)[0].split()[2::2] == ["space", "space"]
 
 
 def replay(p: chat.ChatParams, text: str, cut_points) -> tuple[chat.Message, list[dict]]:
