@@ -53,6 +53,7 @@ from orchestrator.pipeline.waves import Stepwise, Waves
 __all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
 
 log = logging.getLogger(__name__)
+STOP_GRACE_S = 10.0  # how long stop() waits for the engine's thread before cutting its worker connections
 
 
 class Busy(Exception):
@@ -137,6 +138,8 @@ class Engine:
             try:
                 self._step()
             except WorkerError as exc:
+                if self._stopping:  # stopping: no re-plan (stop() may have cut the sockets itself)
+                    return
                 if self.recovery is None:
                     raise
                 self._recover(str(exc))  # RecoveryError if the workers left cannot hold the model
@@ -172,7 +175,12 @@ class Engine:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(STOP_GRACE_S)
+            if self._thread.is_alive():  # waiting on a worker: cut its sockets, the thread then sees an error
+                log.warning("the engine did not stop within %.0f s: closing its worker connections", STOP_GRACE_S)
+                for client in clients(self.pipe):
+                    client.abort()
+                self._thread.join(STOP_GRACE_S)
         self.pipe.close()
         if self.speculator is not None:
             self.speculator.close()
@@ -248,6 +256,8 @@ class Engine:
                         self.failed = None
                 self._step()
             except WorkerError as exc:
+                if self._stopping:  # stopping: no re-plan (stop() may have cut the sockets itself)
+                    return
                 if self.recovery is None:  # every waiting client is told, and the engine stops
                     self._fail(str(exc))
                     return

@@ -71,6 +71,13 @@ class RpcClient:
     def close(self) -> None:
         self.sock.close()
 
+    def abort(self) -> None:
+        """From another thread: a send or receive blocked on this connection fails at once (WorkerError)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
+
     def __enter__(self):
         return self
 

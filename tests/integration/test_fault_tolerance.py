@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -243,4 +244,27 @@ def test_the_server_finds_a_hung_worker_by_its_timeout(model, workers, tmp_path)
         assert {w["endpoint"]: w["state"] for w in state["workers"]}[workers.all[1].address] == "lost"
     finally:
         server.close()
+        workers.revive()
+
+
+def test_sigterm_stops_the_server_while_a_worker_hangs(model, workers, tmp_path):
+    """A worker stopped mid-reply with the default --rpc-timeout (60 s): SIGTERM still ends the server, its
+    engine's connections cut rather than waited on (a server that ignores SIGTERM is killed by its supervisor
+    and loses what it was saying)."""
+    server = Server(model, workers.rpc, tmp_path / "serve.log")
+    try:
+        assert server.complete()[0] == 200
+        streaming = threading.Thread(target=server.stream, kwargs={"on_first": lambda: workers.all[1].proc.send_signal(
+            signal.SIGSTOP)}, daemon=True)
+        streaming.start()
+        status = Path(f"/proc/{workers.all[1].proc.pid}/status")
+        while "(stopped)" not in status.read_text():  # the first token came: the reply is under way
+            time.sleep(0.1)
+        server.proc.terminate()
+        assert server.proc.wait(timeout=45) == 0, server.log_path.read_text()[-3000:]  # not the rpc timeout's 60 s
+        assert "closing its worker connections" in server.log_path.read_text()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.log.close()
         workers.revive()
