@@ -28,12 +28,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _IN_CI el
 _TIER_BY_DIR = {"unit": "unit", "kernels": "kernels", "integration": "integration", "interop": "interop"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Each test's tier marker comes from its folder, so `-m unit` etc. select whole tiers."""
+    """Each test's tier marker comes from its folder, so `-m unit` etc. select whole tiers.
+
+    With -n (pytest-xdist, `--dist loadgroup` in pyproject.toml) a test file runs in one process, so its
+    module fixtures (workers, servers) start once; a file that names a parameter in XDIST_GROUP_BY is
+    shared out by that parameter's values instead (test_chat_tools: one template family per group, each
+    with its own servers), so the slowest file does not hold one process while the other idles."""
     for item in items:
         tier = _TIER_BY_DIR.get(pathlib.Path(item.fspath).parent.name)
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
+        group = item.nodeid.split("::")[0]
+        by = getattr(getattr(item, "module", None), "XDIST_GROUP_BY", None)
+        callspec = getattr(item, "callspec", None)
+        if by is not None and callspec is not None and by in callspec.params:
+            group += f"[{callspec.params[by]}]"
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # Time per tier (setup + call + teardown of its tests, fixtures included), printed at the end of every run:

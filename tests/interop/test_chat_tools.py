@@ -209,6 +209,7 @@ def test_prompts_with_tools_match_llama_servers(pair):
 # (the end of the turn is not allowed before one, the prefill itself must fit it); ours writes the same
 # grammar (orchestrator/chat/grammars.py), so the one token after the given text is the same too
 PARSED_OPTIONS = list(OPTIONS)
+XDIST_GROUP_BY = "pair"  # with -n, the families are shared out over the processes (tests/conftest.py)
 
 
 # the CI budget (a family costs ~100 s with every option, most of it in the parse of the given texts):
