@@ -6,6 +6,7 @@ earlier need no new run:
 
     python tools/charts.py pipeline docs/benchmarks.md docs/bench_pipeline.png --match together --series "llama.cpp,ours relay,push,ring"
     python tools/charts.py serve docs/bench_serving.md docs/bench_serve.png
+    python tools/charts.py worker docs/benchmarks.md docs/charts/worker_ratios.png
 """
 
 from __future__ import annotations
@@ -81,6 +82,39 @@ def serve_chart(rows: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
+def worker_chart(ratios: list[dict], path: Path, title: str = "") -> None:
+    """ours / llama.cpp's worker per model, prompt and generation side by side, 1.0 drawn.
+    ratios: {"model": name, "pp": ratio or None, "tg": ratio or None}."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.1 * len(ratios) + 2, 3.8))
+    xs = range(len(ratios))
+    for offset, key, label in ((-0.2, "pp", "prompt (pp)"), (0.2, "tg", "generation (tg)")):
+        ax.bar([x + offset for x in xs], [r[key] or 0 for r in ratios], width=0.4, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), [r["model"] for r in ratios], rotation=25, ha="right", fontsize=7)
+    ax.set_ylabel("ours / llama.cpp's worker (tok/s)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def worker_ratios(head: list[str], rows: list[list[str]]) -> list[dict]:
+    """docs/benchmarks.md's worker table (model | test | ... | ours/reference; an empty model cell goes on
+    with the model above): the pp and tg ratios per model."""
+    out: list[dict] = []
+    for r in rows:
+        if r[0]:
+            out.append({"model": r[0], "pp": None, "tg": None})
+        key = r[1][:2]
+        if out and key in ("pp", "tg"):
+            out[-1][key] = _number(r[-1])
+    return [m for m in out if m["pp"] is not None or m["tg"] is not None]
+
+
 def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
     """Every markdown table in text: (headings, rows of cells)."""
     tables, lines = [], text.splitlines()
@@ -132,7 +166,7 @@ def serve_rows(head: list[str], rows: list[list[str]]) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["pipeline", "serve"])
+    ap.add_argument("kind", choices=["pipeline", "serve", "worker"])
     ap.add_argument("source", type=Path, help="a file with the benchmark's printed markdown table")
     ap.add_argument("out", type=Path, help="the PNG to write")
     ap.add_argument("--table", type=int, default=None, help="which matching table in the file (default: the first)")
@@ -143,6 +177,8 @@ def main(argv=None) -> int:
     tables = markdown_tables(args.source.read_text())
     if args.kind == "pipeline":
         wanted = [t for t in tables if ("nodes" in t[0] or "N" in t[0]) and ("latency ms" in t[0] or "L ms" in t[0])]
+    elif args.kind == "worker":
+        wanted = [t for t in tables if t[0][:2] == ["model", "test"] and t[0][-1] == "ours/reference"]
     else:
         wanted = [t for t in tables if t[0][0] == "clients" and any(h.endswith(" aggregate tok/s") for h in t[0])]
     if not wanted:
@@ -151,6 +187,8 @@ def main(argv=None) -> int:
     if args.kind == "pipeline":
         series = [s.strip() for s in args.series.split(",") if s.strip()]
         pipeline_chart(pipeline_points(head, rows, series, args.match), args.out, args.title)
+    elif args.kind == "worker":
+        worker_chart(worker_ratios(head, rows), args.out, args.title)
     else:
         serve_chart(serve_rows(head, rows), args.out, args.title)
     print(args.out)
