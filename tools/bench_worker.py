@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import reference  # noqa: E402
+from tools import charts, reference  # noqa: E402
 
 KINDS = ("reference", "ours")
 CACHE = Path.home() / ".cache" / "pyrpc-llama"
@@ -135,7 +135,8 @@ def synthetic_model(weight_type: str, arch: str = "llama", stem: str = "") -> Pa
     return path
 
 
-def bench_model(model: Path, args, logs: Path) -> None:
+def bench_model(model: Path, args, logs: Path) -> dict:
+    """Both workers on `model`, alternately; prints the table and returns the pp/tg ratios (for --chart)."""
     samples: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
     workers = {kind: reference.start_worker(kind, logs, threads=args.threads, timeout=600) for kind in KINDS}
     load_before = load_average()
@@ -169,11 +170,15 @@ def bench_model(model: Path, args, logs: Path) -> None:
           f"load average before/after: {load_before} / {load_average()}")
     print("| test | reference | ours | ours/reference |")
     print("|---|---|---|---|")
+    ratios = {"model": model.stem, "pp": None, "tg": None}
     for test in samples["reference"]:
         ref = statistics.median(samples["reference"][test])
         ours = statistics.median(samples["ours"][test])
         label = f"{test} t/s" if test[:2] in ("pp", "tg") else test
         print(f"| {label} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |", flush=True)
+        if test[:2] in ("pp", "tg"):
+            ratios[test[:2]] = ours / ref
+    return ratios
 
 
 class ThrottledLink:
@@ -305,6 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--chart", type=Path, default=None, help="also draw the pp/tg ratios per model to this PNG")
     args = ap.parse_args(argv)
     synthetic = ["Q4_0", "Q8_0", "Q4_K_M"] if args.all else args.synthetic
     models = [Path(m) for m in args.model]
@@ -323,9 +329,13 @@ def main(argv=None) -> int:
         models.append(synthetic_model("Q4_K_M", "qwen3moe"))
     if args.deepseek2 or args.all:
         models.append(synthetic_model("Q4_K_M", "deepseek2"))
+    if args.chart is not None:
+        charts.require()  # before the run, not after it
     with tempfile.TemporaryDirectory() as logs:
-        for model in models:
-            bench_model(model, args, Path(logs))
+        ratios = [bench_model(model, args, Path(logs)) for model in models]
+    if args.chart is not None:
+        charts.worker_chart(ratios, args.chart, f"ours / llama.cpp's worker, {args.threads} threads")
+        print(f"chart: {args.chart}")
     return 0
 
 
