@@ -45,7 +45,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import bench_pipeline as bp, reference  # noqa: E402
+from tools import bench_pipeline as bp, charts, reference  # noqa: E402
 from tools.bench_worker import load_average  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
@@ -176,6 +176,8 @@ def parse_args(argv):
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--mode", default="transfer", help="which commands the proxies delay (latency_proxy MODES)")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--chart", type=Path, default=None,
+                    help="also draw tok/s against latency per design to this PNG (one per topology: NAME-apart.png ...)")
     args = ap.parse_args(argv)
     args.serial, args.apart = False, False
     args.designs = [d.strip() for d in args.designs.split(",") if d.strip()]
@@ -214,6 +216,9 @@ def main(argv=None) -> int:
     print(bp.markdown(["---"] * len(cols)), flush=True)
     reference_text = None
     status = 0
+    points: dict[str, list[dict]] = {}  # for --chart, per topology
+    if args.chart is not None:
+        charts.require()  # before the run, not after it
     with tempfile.TemporaryDirectory(prefix="bench_speculative-") as logs, ExitStack() as stack:
         workers = bp.WorkerSets(Path(logs), args.threads)
         stack.callback(workers.close)
@@ -231,6 +236,9 @@ def main(argv=None) -> int:
                         if reference_text is None and first:
                             reference_text = first[0].stdout
                         cols = row(cell, args.designs, topology, args.tokens, reference_text)
+                        points.setdefault(topology, []).append({
+                            "nodes": nodes, "latency_ms": latency,
+                            "tok_s": {bp.DESIGNS[n].label: tok_s(cell, n, args.tokens) for n in args.designs}})
                         status |= bool(cell.errors) or "DIFF" in cols[-1]
                         print(bp.markdown(cols), flush=True)
         except KeyboardInterrupt:
@@ -238,6 +246,10 @@ def main(argv=None) -> int:
             status = 130
     print()
     print(f"load average at end: {load_average()}")
+    for topology, mine in points.items():
+        path = args.chart if len(points) == 1 else args.chart.with_name(f"{args.chart.stem}-{topology}{args.chart.suffix}")
+        charts.pipeline_chart(mine, path, f"{args.model.name} with draft {draft.name}, {topology}, {args.tokens} tokens")
+        print(f"chart: {path}")
     return int(status)
 
 
