@@ -31,6 +31,17 @@ def require() -> None:
     _pyplot()
 
 
+def _finish(plt, fig, ax, path: Path, title: str, grid: str) -> None:
+    """One panel's grid, legend and title, then the PNG written and the figure closed."""
+    ax.grid(axis=grid, alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def pipeline_chart(points: list[dict], path: Path, title: str = "") -> None:
     """tok/s against link latency, one panel per node count, a line per design, the ideal lines dashed.
     points: {"nodes": n, "latency_ms": L, "tok_s": {design: v}, "ideal": {design: v}}."""
@@ -73,13 +84,7 @@ def serve_chart(rows: list[dict], path: Path, title: str = "") -> None:
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("aggregate tok/s")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title, grid="both")
 
 
 def worker_chart(ratios: list[dict], path: Path, title: str = "") -> None:
@@ -93,13 +98,7 @@ def worker_chart(ratios: list[dict], path: Path, title: str = "") -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(xs), [r["model"] for r in ratios], rotation=25, ha="right", fontsize=7)
     ax.set_ylabel("ours / llama.cpp's worker (tok/s)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, title, grid="y")
 
 
 def worker_ratios(head: list[str], rows: list[list[str]]) -> list[dict]:
