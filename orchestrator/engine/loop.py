@@ -138,8 +138,6 @@ class Engine:
             try:
                 self._step()
             except WorkerError as exc:
-                if self._stopping:  # stopping: no re-plan (stop() may have cut the sockets itself)
-                    return
                 if self.recovery is None:
                     raise
                 self._recover(str(exc))  # RecoveryError if the workers left cannot hold the model
