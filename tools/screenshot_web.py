@@ -18,7 +18,7 @@ try:
     w = WebDriverWait(d, 120)
     w.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#workers tr.worker"))
     d.execute_script("document.getElementById('temperature').value='0'; document.getElementById('max_tokens').value='48'")
-    d.find_element(By.ID, "prompt").send_keys("What is the capital of France?")
+    d.find_element(By.ID, "prompt").send_keys("Name three primary colors.")
     d.find_element(By.ID, "go").click()
     w.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))
     time.sleep(2)  # the pipeline view's next event, with the counters after the reply
