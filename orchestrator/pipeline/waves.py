@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,9 +41,9 @@ class Flight:
     started: float
     ready: float = 0.0  # when it became ready for the stage it is at (perf_counter)
     sent: float = 0.0  # when that stage's requests were written
-    counts: tuple[int, int] = (0, 0)  # that stage's byte counters then
+    received: int = 0  # that stage's count of received bytes then
     sent_bytes: int = 0  # bytes of that stage's requests
-    stages: list[StageTime] | None = None  # what the stages before took (for the telemetry)
+    stages: list[StageTime] = field(default_factory=list)  # what the stages before took (for the telemetry)
 
 
 class Waves:
@@ -84,7 +84,7 @@ class Waves:
             raise ValueError("this model has sliding-window layers: the batch must place their cells too")
         now = time.perf_counter()
         self.queued[0].append(Flight(batch, tag, pipe.shape(batch), pipe.inputs(batch),
-                                     pipe.model.token_embeddings(batch.tokens), now, now, stages=[]))
+                                     pipe.model.token_embeddings(batch.tokens), now, now))
         self._launch()
 
     def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
@@ -124,7 +124,7 @@ class Waves:
                     stage.prepare(flight.shape)
                     stage.launch({**flight.feed, "embd": flight.activation})
                     stage.request_output()
-                flight.sent, flight.counts = time.perf_counter(), (client.sent_bytes, client.received_bytes)
+                flight.sent, flight.received = time.perf_counter(), client.received_bytes
                 flight.sent_bytes = client.sent_bytes - before
 
     @staticmethod
@@ -132,7 +132,7 @@ class Waves:
         """Notes the stage's part of the flight, its reply just read: it is ready for the next from now."""
         now, client = time.perf_counter(), stage.client
         flight.stages.append(StageTime(stage.endpoint, flight.sent - flight.ready, now - flight.sent,
-                                       flight.sent_bytes, client.received_bytes - flight.counts[1]))
+                                       flight.sent_bytes, client.received_bytes - flight.received))
         flight.ready = now
 
 
