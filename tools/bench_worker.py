@@ -1,7 +1,7 @@
 """Benchmark our worker against llama.cpp's ggml-rpc-server, side by side in one run.
 
     python tools/bench_worker.py [-p 128] [-n 64] [-r 2] [-m MODEL ...] [--synthetic Q4_0 ...] [--gemma3] [--moe]
-                                 [--deepseek2] [--all]
+                                 [--deepseek2] [--all] [--native] [--speed-only]
     python tools/bench_worker.py --gguf-dir [-r 3] [--link-mbit 1000 ...] [-m MODEL ... | --synthetic TYPE ...]
 
 For each model (SmolLM2 Q4_1 by default; `--synthetic TYPE` adds a ~1B-parameter random llama in
@@ -23,7 +23,10 @@ file, against a worker started with `--gguf-dir` holding a hard link to it (LOAD
 FNV-1a checked on both sides). Default model: a ~300 MB random llama in Q8_0 (`--synthetic` or `-m` for
 others). Both run on this machine, so the upload crosses loopback, its best case; `--link-mbit 1000`
 also runs both through a forwarder paced to 1 Gbit/s each way (a worker on another host of a LAN).
-Ratios are ours/reference; only ratios measured side by side in one run mean anything. The load
+`--native` adds a third worker, llama.cpp built for this CPU (-march=native, tools/build_native.sh): the
+build a user who compiles llama.cpp on an AVX-512 host runs, faster than the pinned portable AVX2 build
+(issue 32); `--speed-only` keeps llama-bench's pp and tg and skips the load, RSS and first-token rows.
+Ratios are ours/reference (and ours/native); only ratios measured side by side in one run mean anything. The load
 average before and after is printed too: numbers taken while others compile are noisy.
 """
 
@@ -136,9 +139,10 @@ def synthetic_model(weight_type: str, arch: str = "llama", stem: str = "") -> Pa
 
 
 def bench_model(model: Path, args, logs: Path) -> dict:
-    """Both workers on `model`, alternately; prints the table and returns the pp/tg ratios (for --chart)."""
-    samples: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
-    workers = {kind: reference.start_worker(kind, logs, threads=args.threads, timeout=600) for kind in KINDS}
+    """The workers on `model`, alternately; prints the table and returns the pp/tg ratios (for --chart)."""
+    kinds = ("reference", "native", "ours") if args.native else KINDS
+    samples: dict[str, dict[str, list[float]]] = {kind: {} for kind in kinds}
+    workers = {kind: reference.start_worker(kind, logs, threads=args.threads, timeout=600) for kind in kinds}
     load_before = load_average()
     try:
         for rep in range(args.repetitions):
@@ -146,19 +150,23 @@ def bench_model(model: Path, args, logs: Path) -> dict:
                 for test, ts in llama_bench(worker, model, args.n_prompt, args.n_gen, args.threads).items():
                     samples[kind].setdefault(test, []).append(ts)
                     print(f"rep {rep + 1} {kind:9} {test:6} {ts:8.2f} t/s", file=sys.stderr, flush=True)
+            if args.speed_only:
+                continue
             for kind, worker in workers.items():
                 load_ms, allocated = one_token(worker, model, args.threads)
                 samples[kind].setdefault("load ms", []).append(load_ms)
                 samples[kind]["allocated by the client MiB"] = [allocated]
                 print(f"rep {rep + 1} {kind:9} load   {load_ms:8.1f} ms", file=sys.stderr, flush=True)
         for kind, worker in workers.items():
+            if args.speed_only:
+                break
             samples[kind]["peak RSS MiB"] = [peak_rss_mib(worker)]
             samples[kind]["peak RSS / allocated"] = [peak_rss_mib(worker) / samples[kind]["allocated by the client MiB"][0]]
     finally:
         for worker in workers.values():
             worker.stop()
-    for rep in range(args.repetitions):
-        for kind in KINDS:  # a fresh worker each: start-up, JIT warm-up, upload, one token
+    for rep in range(0 if args.speed_only else args.repetitions):
+        for kind in kinds:  # a fresh worker each: start-up, JIT warm-up, upload, one token
             start = time.perf_counter()
             with reference.start_worker(kind, logs, threads=args.threads, timeout=600) as worker:
                 one_token(worker, model, args.threads)
@@ -168,16 +176,17 @@ def bench_model(model: Path, args, logs: Path) -> dict:
 
     print(f"\nmodel: {model.name}, threads: {args.threads}, repetitions: {args.repetitions}, "
           f"load average before/after: {load_before} / {load_average()}")
-    print("| test | reference | ours | ours/reference |")
-    print("|---|---|---|---|")
+    bases = [k for k in kinds if k != "ours"]
+    print("| test | " + " | ".join(kinds) + " | " + " | ".join(f"ours/{k}" for k in bases) + " |")
+    print("|---" * (len(kinds) + len(bases) + 1) + "|")
     ratios = {"model": model.stem, "pp": None, "tg": None}
     for test in samples["reference"]:
-        ref = statistics.median(samples["reference"][test])
-        ours = statistics.median(samples["ours"][test])
+        median = {k: statistics.median(samples[k][test]) for k in kinds}
         label = f"{test} t/s" if test[:2] in ("pp", "tg") else test
-        print(f"| {label} | {ref:.2f} | {ours:.2f} | {ours / ref:.3f} |", flush=True)
-        if test[:2] in ("pp", "tg"):
-            ratios[test[:2]] = ours / ref
+        print(f"| {label} | " + " | ".join(f"{median[k]:.2f}" for k in kinds) + " | "
+              + " | ".join(f"{median['ours'] / median[k]:.3f}" for k in bases) + " |", flush=True)
+        if test[:2] in ("pp", "tg"):  # the chart's ratio: against the build users have, when measured
+            ratios[test[:2]] = median["ours"] / median[bases[-1]]
     return ratios
 
 
@@ -310,6 +319,9 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--native", action="store_true",
+                    help="also llama.cpp built for this CPU (tools/build_native.sh): ours/native ratios too")
+    ap.add_argument("--speed-only", action="store_true", help="only llama-bench's pp and tg (no load, RSS, first token)")
     ap.add_argument("--chart", type=Path, default=None, help="also draw the pp/tg ratios per model to this PNG")
     args = ap.parse_args(argv)
     synthetic = ["Q4_0", "Q8_0", "Q4_K_M"] if args.all else args.synthetic
@@ -334,7 +346,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as logs:
         ratios = [bench_model(model, args, Path(logs)) for model in models]
     if args.chart is not None:
-        charts.worker_chart(ratios, args.chart, f"ours / llama.cpp's worker, {args.threads} threads")
+        build = "built for this CPU" if args.native else "the pinned AVX2 build"
+        charts.worker_chart(ratios, args.chart, f"ours / llama.cpp's worker ({build}), {args.threads} threads")
         print(f"chart: {args.chart}")
     return 0
 

