@@ -262,7 +262,7 @@ def _parse_mistral_small(cur: Cursor, msg: Message, family: Family, req: ChatReq
     """[TOOL_CALLS]NAME[ARGS]([CALL_ID]ID)?[ARGS]{…} space, then (space [TOOL_CALLS] …)* with
     parallel_tool_calls, then the end of the text: what llama.cpp's template analysis makes of Mistral
     Small 3.2's template (it takes [ARGS] for the end of the name too, so the model's own
-    NAME[CALL_ID]ID[ARGS]{…} and NAME[ARGS]{…} are no calls there). Required: at least one call."""
+    NAME[CALL_ID]ID[ARGS]{…} and NAME[ARGS]{…} are no calls there)."""
     n = 0
     while n == 0 or req.parallel_tool_calls:
         saved, n_calls = cur.pos, len(msg.tool_calls)
@@ -276,9 +276,7 @@ def _parse_mistral_small(cur: Cursor, msg: Message, family: Family, req: ChatReq
             del msg.tool_calls[n_calls:]
             break
         n += 1
-    if n == 0 and req.tool_choice == "required":
-        return False
-    return True if cur.at_end else False
+    return True if cur.at_end else False  # (required or not: a failed first call leaves text before the end)
 
 
 def _mistral_small_call(cur: Cursor, msg: Message, req: ChatRequest) -> bool | None:
