@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.chat import grammars
-from orchestrator.chat.jsonscan import WHITESPACE, JsonSyntax, json_end
+from orchestrator.chat.jsonscan import WHITESPACE, JsonSyntax, brace_depth, json_end
 from orchestrator.chat.parse import Cursor, Message, ParseError, ToolCall, parse_json_call, parse_reasoning
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")  # llama-server's --reasoning-format names
@@ -237,6 +237,12 @@ def _ministral_call(cur: Cursor, msg: Message, req: ChatRequest) -> bool | None:
     cur.pos += len(name) + len("[ARGS]")
     call = ToolCall(name, "{")
     msg.tool_calls.append(call)
+    return _json_arguments(cur, call)
+
+
+def _json_arguments(cur: Cursor, call: ToolCall) -> bool | None:
+    """A call's arguments: a JSON value, kept as the model wrote it (as far as it goes when cut) if it is an
+    object; a call whose arguments are not yet there (or no object) keeps "{", as llama.cpp's mapper."""
     start = cur.pos
     try:
         end = json_end(cur.text, start)
@@ -250,6 +256,64 @@ def _ministral_call(cur: Cursor, msg: Message, req: ChatRequest) -> bool | None:
         return None
     cur.pos = end
     return True
+
+
+def _parse_mistral_small(cur: Cursor, msg: Message, family: Family, req: ChatRequest) -> bool | None:
+    """[TOOL_CALLS]NAME[ARGS]([CALL_ID]ID)?[ARGS]{…} space, then (space [TOOL_CALLS] …)* with
+    parallel_tool_calls, then the end of the text: what llama.cpp's template analysis makes of Mistral
+    Small 3.2's template (it takes [ARGS] for the end of the name too, so the model's own
+    NAME[CALL_ID]ID[ARGS]{…} and NAME[ARGS]{…} are no calls there)."""
+    n = 0
+    while n == 0 or req.parallel_tool_calls:
+        saved, n_calls = cur.pos, len(msg.tool_calls)
+        if n:
+            cur.space()
+        got = _mistral_small_call(cur, msg, req)
+        if got is None:
+            return None
+        if not got:  # this call fails: the ones before stand, and the text must end there
+            cur.pos = saved
+            del msg.tool_calls[n_calls:]
+            break
+        n += 1
+    return True if cur.at_end else False  # (required or not: a failed first call leaves text before the end)
+
+
+def _mistral_small_call(cur: Cursor, msg: Message, req: ChatRequest) -> bool | None:
+    if not (got := cur.literal("[TOOL_CALLS]")):
+        return got
+    rest = cur.rest()
+    name = next((n for n in req.tool_names if rest.startswith(n + "[ARGS]")), None)
+    if name is None:  # NAME[ARGS] opens the call at once (atomic): cut before, no call yet
+        return None if cur.partial and any((n + "[ARGS]").startswith(rest) for n in req.tool_names) else False
+    cur.pos += len(name) + len("[ARGS]")
+    call = ToolCall(name, "{")
+    msg.tool_calls.append(call)
+    if (got := cur.literal("[CALL_ID]")) is None:
+        return None
+    if got:
+        call_id, found = cur.until("[ARGS]")
+        if not found:  # cut: the id stands once what follows it may be the start of [ARGS] (held back)
+            if cur.at_end:
+                return None
+            call.id = _call_id_text(call_id)
+            cur.pos = len(cur.text)
+            return None
+        call.id = _call_id_text(call_id)
+    if not (got := cur.literal("[ARGS]")):
+        return got
+    cur.space()
+    if not (got := _json_arguments(cur, call)):
+        return got
+    call.arguments += "}" * brace_depth(call.arguments)  # the call's end closes what is open ("{" for no object)
+    cur.space()
+    return True
+
+
+def _call_id_text(text: str) -> str:
+    """llama.cpp's mapper: the id without its trailing space and its quotes, if it has both."""
+    text = text.rstrip(WHITESPACE)
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
 
 
 def _has(*needles: str, lacks: tuple[str, ...] = ()) -> Callable[[str], bool]:
@@ -274,6 +338,9 @@ FAMILIES: tuple[Family, ...] = (
     # Llama 3.1/3.2/3.3: a bare {"name": …, "parameters": …} (no marker, so no lazy grammar for "auto")
     Family("llama3-json", _has('{"name": function name', '"parameters"'), "", "", _parse_json_section,
            grammars.llama3_json, content_until="{", json_keys=("name", "parameters", ""), openai_wrapper=True),
+    # Mistral Small 3.2: what llama.cpp's template analysis finds, [ARGS] read as the name's end too (docs/chat_tools.md)
+    Family("mistral-small-3.2", _has("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"), "[TOOL_CALLS]", "", _parse_mistral_small,
+           grammars.mistral_small),
     # Mistral Nemo: [TOOL_CALLS][{"name": …, "arguments": …, "id": …}] (Mistral Small 3.2, Devstral and
     # Ministral render [SYSTEM_PROMPT] or [ARGS] and are other formats)
     Family("mistral-nemo", _has("[TOOL_CALLS]", lacks=("[SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]")), "[TOOL_CALLS]", "",

@@ -204,6 +204,21 @@ def ministral(g: ToolGrammar, tools, parallel: bool, required: bool) -> Calls:
     return Calls("tool-call", ("tool-call",), ("[TOOL_CALLS]",), content_optional=False)
 
 
+def mistral_small(g: ToolGrammar, tools, parallel: bool, required: bool) -> Calls:
+    """Mistral Small 3.2, as llama.cpp's template analysis has it: [TOOL_CALLS]NAME[ARGS]([CALL_ID]ID)?[ARGS]ARGS,
+    then, with parallel calls, any number of further ones (the model's own NAME[CALL_ID]ID[ARGS]ARGS does not fit)."""
+    names = []
+    for t in tools:
+        name = t["function"]["name"]
+        call_id = g.until(["[ARGS]"])
+        names.append(g.rule(f"tool-{name}", f'("" {format_literal(name)} "[ARGS]") ("[CALL_ID]" {call_id})? "[ARGS]" '
+                            f'space {g.schema(f"tool-{name}-schema", _parameters(t))} space'))
+    alts = " | ".join(names)
+    more = f' (space "[TOOL_CALLS]" ({alts}) "")*' if parallel else ""
+    g.rule("tool-call", f'"[TOOL_CALLS]" ({alts}) ""{more}')
+    return Calls("tool-call", ("tool-call",), ("[TOOL_CALLS]",))
+
+
 def _tagged_args(g: ToolGrammar, tool: dict, arg, joiner: str, first: str) -> str:
     """build_tool_parser_tag_tagged's arguments: the required ones in order, then any optional ones."""
     name = tool["function"]["name"]

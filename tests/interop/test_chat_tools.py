@@ -74,6 +74,12 @@ FAMILIES = {
     "devstral": ("unsloth-mistral-Devstral-Small-2507.jinja",  # Ministral 3's family (chat.cpp's own handler)
                  '[TOOL_CALLS]python[ARGS]{"code": "print(1)"}',
                  '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}[TOOL_CALLS]python[ARGS]{"code": "x"}'),
+    # Mistral Small 3.2: llama-server's own call syntax (NAME[ARGS], optional [CALL_ID]ID, [ARGS] again), then
+    # a second call as the template writes it, which llama-server does not read (an error, cut: a call and a marker)
+    "mistral-small-3.2": ("Mistral-Small-3.2-24B-Instruct-2506.jinja",
+                          '[TOOL_CALLS]python[ARGS][CALL_ID]abc123456[ARGS]{"code": "print(1)"}',
+                          '[TOOL_CALLS]special_function[ARGS][ARGS]{"arg1": 1}\n'
+                          '[TOOL_CALLS]python[CALL_ID]abc123456[ARGS]{"code": "x"}'),
     "smollm2": (None, "", ""),  # the model's own template: no tools in it, content only
 }
 
@@ -179,17 +185,17 @@ def compare(pair, body: dict) -> None:
 
 
 def history(name: str) -> list[dict]:
-    """HISTORY as the family's template takes it: Mistral Nemo's refuses call ids that are not 9 letters
-    and digits, and turns that do not alternate user/assistant (a developer turn)."""
-    if name != "mistral-nemo":
+    """HISTORY as the family's template takes it: Mistral Nemo's and Mistral Small 3.2's refuse call ids that
+    are not 9 letters and digits, and turns that do not alternate user/assistant (a developer turn)."""
+    if name not in ("mistral-nemo", "mistral-small-3.2"):
         return HISTORY
     return [m for m in json.loads(json.dumps(HISTORY).replace("call_1", "call00001")) if m["role"] != "developer"]
 
 
 def asked(name: str) -> list[dict]:
-    """The user's question the given texts answer; Devstral's template writes a default system prompt of
-    ~1,000 tokens when there is none, so it gets the short one of HISTORY (the CI budget)."""
-    return HISTORY[:2] if name == "devstral" else [HISTORY[1]]
+    """The user's question the given texts answer; Devstral's and Mistral Small 3.2's templates write a long
+    default system prompt when there is none, so they get the short one of HISTORY (the CI budget)."""
+    return HISTORY[:2] if name in ("devstral", "mistral-small-3.2") else [HISTORY[1]]
 
 
 def test_prompts_with_tools_match_llama_servers(pair):
@@ -222,14 +228,14 @@ NO_THINK = ("plain", "tools", "tool_choice=none", "required", "parallel")
 PARSE_OPTIONS_OF = {"llama-3.1": ("tools", "required"), "mistral-nemo": ("tools", "required"),
                     "hermes-2-pro": ("tools", "required"), "qwen2.5": NO_THINK, "qwen3-coder": NO_THINK,
                     "glm-4.6": ("tools", "required", "thinking-off", "reasoning=none"), "devstral": ("tools", "required"),
-                    "smollm2": ("plain", "tools")}
+                    "mistral-small-3.2": ("tools", "required"), "smollm2": ("plain", "tools")}
 GREEDY_OPTIONS_OF = {"llama-3.1": ("tools", "required"), "mistral-nemo": ("tools", "required"),
                      "hermes-2-pro": ("tools", "required"), "qwen2.5": NO_THINK, "qwen3-coder": NO_THINK,
-                     "devstral": ("required",), "smollm2": ("plain", "tools")}
-FEWER_TEXTS = ("llama-3.1", "mistral-nemo", "hermes-2-pro", "devstral")  # these parse fewer of TEXTS too
-# Devstral, the last family added, within ~60 s: greedy only held to its grammar ("required"), and the given
-# texts with "required" only its call, whole and cut (the grammar's next token)
-CALLS_ONLY_REQUIRED = ("devstral",)
+                     "devstral": ("required",), "mistral-small-3.2": ("required",), "smollm2": ("plain", "tools")}
+FEWER_TEXTS = ("llama-3.1", "mistral-nemo", "hermes-2-pro", "devstral", "mistral-small-3.2")  # fewer of TEXTS too
+# Devstral and Mistral Small 3.2, the last families added, each within ~60 s: greedy only held to its grammar
+# ("required"), and the given texts with "required" only its call, whole and cut (the grammar's next token)
+CALLS_ONLY_REQUIRED = ("devstral", "mistral-small-3.2")
 
 
 GREEDY_OPTIONS = ["plain", "tools", "thinking-off", "tool_choice=none", "required"]

@@ -10,6 +10,7 @@ streamed chunks reassemble to its whole answer.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -33,6 +34,7 @@ SOURCES = {  # just the markers detection looks for
     "llama3-json": 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
     "mistral-nemo": "{{ '[TOOL_CALLS]' }}",
     "ministral": "[SYSTEM_PROMPT][TOOL_CALLS][ARGS]",
+    "mistral-small-3.2": "[SYSTEM_PROMPT][TOOL_CALLS][CALL_ID][ARGS]",
     "plain": "{{ messages }}",
 }
 
@@ -94,6 +96,13 @@ CASES = [  # (family, generation prompt, request options, text, content, reasoni
     ("ministral", "", {}, '[TOOL_CALLS]special_function[ARGS]{"arg1": 1}[TOOL_CALLS]python[ARGS]{"code": "x"}', "",
      "", [("special_function", {"arg1": 1})]),  # one call without parallel calls; the rest is not read
     ("ministral", "[THINK]R", {"reasoning_format": "none"}, "[/THINK]Hi", "[THINK]R[/THINK]Hi", "", []),
+    # Mistral Small 3.2 as llama-server 11434 reads it: NAME[ARGS], an optional [CALL_ID]ID, [ARGS] again
+    ("mistral-small-3.2", "", {}, '[TOOL_CALLS]special_function[ARGS][ARGS]{"arg1": 1}', "", "",
+     [("special_function", {"arg1": 1})]),
+    ("mistral-small-3.2", "", {"parallel_tool_calls": True}, 'Hi [TOOL_CALLS]special_function[ARGS][CALL_ID]abc123456'
+     '[ARGS]{"arg1": 1}\n[TOOL_CALLS]python[ARGS][ARGS] {"code": "x"} ', "Hi", "",
+     [("special_function", {"arg1": 1}), ("python", {"code": "x"})]),
+    ("mistral-small-3.2", "", {}, "Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", "", []),
     ("plain", "", {}, '<tool_call>{"name": "special_function"}</tool_call>',
      '<tool_call>{"name": "special_function"}</tool_call>', "", []),
 ]
@@ -159,6 +168,47 @@ def test_ministral_grammar_is_llama_servers():
     assert root[:3] + root[4:] == ["root", "::=", '("[THINK]"', '"[/THINK]")?', "space", root[6], "space", "tool-call"]
     grammar, _, _ = tool_grammar(family, chat.ChatRequest(TOOLS, "required", False, "none"), "")
     assert lines(grammar)[0].split()[2::2] == ["space", "space"]
+
+
+def test_mistral_small_takes_the_models_call_id_and_not_its_own_call_syntax():
+    p = params("mistral-small-3.2", parallel_tool_calls=True)
+    msg = p.parse('[TOOL_CALLS]python[ARGS][CALL_ID]"abc123456" [ARGS]"x"', partial=False)  # quotes and space dropped
+    assert [(tc.name, tc.arguments, tc.id) for tc in msg.tool_calls] == [("python", "{}", "abc123456")]
+    # cut in the id: it stands once what follows may be the start of [ARGS], not before
+    cut = p.parse("[TOOL_CALLS]python[ARGS][CALL_ID]abc[ARG", partial=True)
+    assert [(tc.name, tc.arguments, tc.id) for tc in cut.tool_calls] == [("python", "{", "abc")]
+    assert [tc.id for tc in p.parse("[TOOL_CALLS]python[ARGS][CALL_ID]abc", partial=True).tool_calls] == [""]
+    assert p.parse("[TOOL_CALLS]python[ARG", partial=True) == chat.Message()
+    cut = p.parse('[TOOL_CALLS]python[ARGS][ARGS]{"co', partial=True)
+    assert [(tc.name, tc.arguments) for tc in cut.tool_calls] == [("python", '{"co')]
+    for text in ('[TOOL_CALLS]python[ARGS]{"code": "x"}',  # what the template renders: no call for llama-server
+                 '[TOOL_CALLS]python[CALL_ID]abc123456[ARGS]{"code": "x"}',
+                 '[TOOL_CALLS]python[ARGS][ARGS]{"code": "x"} and more',  # nothing may follow the calls
+                 "a [TOOL_CALLS] b"):
+        with pytest.raises(chat.ParseError):
+            p.parse(text, partial=False)
+    with pytest.raises(chat.ParseError):  # one call without parallel_tool_calls
+        params("mistral-small-3.2").parse('[TOOL_CALLS]python[ARGS][ARGS]{"code": "x"}'
+                                          '[TOOL_CALLS]python[ARGS][ARGS]{"code": "y"}', partial=False)
+
+
+def test_mistral_small_grammar_is_llama_servers():
+    """The rules of llama-server 11434's --verbose grammar for Mistral Small 3.2's template."""
+    from orchestrator.chat.formats import tool_grammar
+    family = chat.detect(SOURCES["mistral-small-3.2"])
+    assert family.name == "mistral-small-3.2"
+    def lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(("root", "tool-call", "tool-python ::="))]
+    grammar, lazy, triggers = tool_grammar(family, chat.ChatRequest(TOOLS, "auto", False), "")
+    assert (lazy, triggers) == (True, [("word", "[TOOL_CALLS]")])
+    assert lines(grammar)[:2] == ["root ::= tool-call", 'tool-call ::= "[TOOL_CALLS]" (tool-special-function | tool-python) ""']
+    assert re.sub(r"until-\d+", "until-N", lines(grammar)[2]) == (
+        'tool-python ::= ("" "python" "[ARGS]") ("[CALL_ID]" until-N)? "[ARGS]" space tool-python-schema space')
+    grammar, lazy, _ = tool_grammar(family, chat.ChatRequest(TOOLS, "required", True), "")
+    root = lines(grammar)[0].split()
+    assert not lazy and lines(grammar)[1] == ('tool-call ::= "[TOOL_CALLS]" (tool-special-function | tool-python) "" '
+                                              '(space "[TOOL_CALLS]" (tool-special-function | tool-python) "")*')
+    assert root[:3] + root[4:] == ["root", "::=", "space", "tool-call"] and root[3].startswith("until-")
 
 
 def replay(p: chat.ChatParams, text: str, cut_points) -> tuple[chat.Message, list[dict]]:
