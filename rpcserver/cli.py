@@ -24,14 +24,6 @@ def default_cache_dir() -> Path:
     return base / "rpc"
 
 
-def _idle_threads_sleep() -> None:
-    """numba's OpenMP threads spin after each parallel loop before they sleep (GNU OpenMP's default);
-    a worker sharing its cores with other workers or the server then takes CPU they need. PASSIVE makes
-    idle threads sleep at once. Set before numba starts its threads; OMP_WAIT_POLICY in the environment
-    wins."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def _print_progress(done: int, total: int, seconds: float) -> None:
     print(f"warm-up: {done}/{total} recorded graphs, {seconds:.0f} s", file=sys.stderr, flush=True)
 
@@ -104,7 +96,6 @@ def main(host, port, threads, device, cache, mem, client_mem, allow, max_connect
     except (OSError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="--key-file") from None
     target = resolve(isa)
-    _idle_threads_sleep()
     _skip_numba_blas_probe()
     if not no_warmup:
         # before listening, as llama.cpp's worker is ready when it listens: the first request a

@@ -39,7 +39,7 @@ def default_threads(count: int, *, concurrent: bool) -> int:
     stage), so each gets its share of the cores: with every worker taking them all, their threads
     fought (4 requests at once 0.35-0.55x one after another on 2 cores, 2.4-2.7x with one thread
     each). Otherwise (one sequence passing the stages in turn, the CLI) one stage computes at a time
-    and may use every core; the workers' idle threads sleep (rpc-server sets OMP_WAIT_POLICY=PASSIVE)."""
+    and may use every core; the workers' idle threads then sleep (LocalWorkers: OMP_WAIT_POLICY)."""
     cores = usable_cores()
     return max(1, cores // max(1, count)) if concurrent else cores
 
@@ -52,6 +52,19 @@ def cpu_seconds(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
     except (OSError, IndexError, ValueError):
         return None
+
+
+def worker_env(threads: int, count: int) -> dict[str, str]:
+    """The local workers' environment: this checkout importable, and for several workers of several threads
+    sharing these cores OMP_WAIT_POLICY=PASSIVE (unless set): numba's OpenMP threads spin after each parallel
+    loop before they sleep (GNU OpenMP's default), taking CPU the stage computing now needs, and PASSIVE puts
+    them to sleep at once. A worker with the host to itself keeps the default, which decodes twice as fast
+    at -t 2 (docs/serving.md)."""
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+    if threads > 1 and count > 1:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 class LocalWorkers:
@@ -81,8 +94,7 @@ class LocalWorkers:
         self.threads = threads
         tier = "all" if concurrent else "demo"
         self.log_dir = Path(tempfile.mkdtemp(prefix="orchestrator-workers-"))
-        repo_root = str(Path(__file__).resolve().parents[1])
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+        self.env = worker_env(threads, count)
         self.command = command or (lambda port: [sys.executable, "-m", "rpcserver", "-H", HOST, "-p", str(port),
                                                  "-t", str(threads), "--warmup-tier", tier])
         try:

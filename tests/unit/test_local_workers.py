@@ -6,8 +6,10 @@ using CPU, one that exits.
 """
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +81,19 @@ def test_default_threads_share_the_cores_only_when_the_workers_compute_at_once(m
         monkeypatch.setattr(local_workers, "usable_cores", lambda cores=cores: cores)
         assert local_workers.default_threads(count, concurrent=True) == together
         assert local_workers.default_threads(count, concurrent=False) == in_turn
+
+
+def test_only_workers_that_share_the_cores_with_threads_to_spare_sleep_at_once(monkeypatch):
+    from orchestrator.pipeline.local_workers import worker_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert worker_env(2, 2)["OMP_WAIT_POLICY"] == "PASSIVE"  # the CLI's workers: every core each, in turn
+    assert "OMP_WAIT_POLICY" not in worker_env(1, 2)  # the server's: one thread each, nothing to spin
+    assert "OMP_WAIT_POLICY" not in worker_env(4, 1)  # one worker, the cores its own
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert worker_env(2, 2)["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's setting wins
+    root = Path(worker_env(1, 1)["PYTHONPATH"].split(os.pathsep)[0])
+    assert (root / "rpcserver" / "__main__.py").is_file()  # `python -m rpcserver` from a plain checkout
 
 
 # prints two warm-up progress lines (the second without its newline for a while), then listens
