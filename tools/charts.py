@@ -7,6 +7,7 @@ earlier need no new run:
     python tools/charts.py pipeline docs/benchmarks.md docs/bench_pipeline.png --match together --series "llama.cpp,ours relay,push,ring"
     python tools/charts.py serve docs/bench_serving.md docs/bench_serve.png
     python tools/charts.py worker docs/benchmarks.md docs/charts/worker_ratios.png
+    python tools/charts.py worker docs/benchmarks.md docs/charts/worker_native_ratios.png --table 1   # ours/native
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     if args.kind == "pipeline":
         wanted = [t for t in tables if ("nodes" in t[0] or "N" in t[0]) and ("latency ms" in t[0] or "L ms" in t[0])]
     elif args.kind == "worker":
-        wanted = [t for t in tables if t[0][:2] == ["model", "test"] and t[0][-1] == "ours/reference"]
+        wanted = [t for t in tables if t[0][:2] == ["model", "test"] and t[0][-1] in ("ours/reference", "ours/native")]
     else:
         wanted = [t for t in tables if t[0][0] == "clients" and any(h.endswith(" aggregate tok/s") for h in t[0])]
     if not wanted:
