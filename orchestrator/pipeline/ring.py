@@ -95,16 +95,15 @@ class Ring:
         else:
             stage.launch(feed, sticky, wait_step=step)
             replies.append(Command.WAIT_PUSH)
+        out = stage.graph.output  # this step's: in a one-stage ring, the prepare below moves the stage to the next graph
         if i + 1 < len(stages):
             dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
         else:  # the token goes round to the first stage, as its input of the next step
             stages[0].prepare(pipe.next_shape(pos + 1), **self._ring_options(0))
             dst, link, to_step = stages[0].graph.inputs["tokens"], self.link, step + 1
-        stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(
-            link, to_step, wire_tensor(stage.graph.output), wire_tensor(dst)))
+        stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(link, to_step, wire_tensor(out), wire_tensor(dst)))
         replies.append(Command.PUSH_TENSOR)
         if i == len(stages) - 1:
-            out = stage.graph.output
             stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
             replies.append(Command.GET_TENSOR)
         return replies

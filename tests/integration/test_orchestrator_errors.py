@@ -164,6 +164,20 @@ def _running(pid: int) -> bool:
         return False
 
 
+def test_a_one_worker_ring_runs_past_a_graph_change(model):
+    """The ring on one worker (it pushes each token to itself) past the 256th cell, where the next step's
+    graph differs: the same text as stepwise. (Its push once named the next graph's output as this step's:
+    a garbage token, the worker closing the connection, re-plans without end.)"""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    args = ["-m", str(model), "--workers", "1", "-t", "1", "-p", "Once", "-n", "300", "--ignore-eos", "-c", "1024",
+            "--temp", "0"]
+    runs = [subprocess.run([sys.executable, "-m", "orchestrator", *args, *extra], capture_output=True, timeout=180,
+                           env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL) for extra in ((), ("--no-ring",))]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    assert b"ring: on" in runs[0].stderr and b"re-planning" not in runs[0].stderr, runs[0].stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout
+
+
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_sigterm_stops_the_local_workers_too(model, command):
     """`kill` (SIGTERM) ends a run as Ctrl-C does: the local workers it started go with it (they were left
