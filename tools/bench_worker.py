@@ -150,14 +150,18 @@ def bench_model(model: Path, args, logs: Path) -> dict:
                 for test, ts in llama_bench(worker, model, args.n_prompt, args.n_gen, args.threads).items():
                     samples[kind].setdefault(test, []).append(ts)
                     print(f"rep {rep + 1} {kind:9} {test:6} {ts:8.2f} t/s", file=sys.stderr, flush=True)
-            for kind, worker in workers.items() if not args.speed_only else ():
+            if args.speed_only:
+                continue
+            for kind, worker in workers.items():
                 load_ms, allocated = one_token(worker, model, args.threads)
                 samples[kind].setdefault("load ms", []).append(load_ms)
                 samples[kind]["allocated by the client MiB"] = [allocated]
                 print(f"rep {rep + 1} {kind:9} load   {load_ms:8.1f} ms", file=sys.stderr, flush=True)
-        for kind, worker in workers.items() if not args.speed_only else ():
-            samples[kind]["peak RSS MiB"] = [peak_rss_mib(worker)]
-            samples[kind]["peak RSS / allocated"] = [peak_rss_mib(worker) / samples[kind]["allocated by the client MiB"][0]]
+        if not args.speed_only:
+            for kind, worker in workers.items():
+                rss = peak_rss_mib(worker)
+                samples[kind]["peak RSS MiB"] = [rss]
+                samples[kind]["peak RSS / allocated"] = [rss / samples[kind]["allocated by the client MiB"][0]]
     finally:
         for worker in workers.values():
             worker.stop()
