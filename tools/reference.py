@@ -239,7 +239,7 @@ def worker_command(kind: str, port: int, *, host: str = LOCALHOST, threads: int 
         if not program.is_file():
             raise ReferenceMissing(f"{program} is missing; build it with:\n  bash tools/build_native.sh")
         return [str(program), "-H", host, "-p", str(port), "-t", str(threads)]
-    raise ValueError(f"unknown worker kind {kind!r}; expected one of {WORKER_KINDS}")
+    raise ValueError(f"unknown worker kind {kind!r}; expected one of {WORKER_KINDS} or native")
 
 
 class Worker:
