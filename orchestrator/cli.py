@@ -136,8 +136,11 @@ def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min,
 
     endpoints = tuple(e.strip() for e in (rpc_draft or "").split(",") if e.strip())
     log(f"draft model: {draft.model.path.name} (up to {draft_max} tokens a step)")
-    return start_speculator(pipe, draft, DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min, endpoints),
-                            n_slots, PrintedReport())
+    speculator = start_speculator(pipe, draft, DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min,
+                                                            endpoints), n_slots, PrintedReport())
+    how = "from the draft's ring (one round trip per draft)" if speculator.drafter.ring else "a round trip per token"
+    log(f"draft: greedy drafts {how}")
+    return speculator
 
 
 gpu_layers_option = click.option(

@@ -152,9 +152,12 @@ class PeerConnection:
 class PeerSide:
     """One client connection's links (SET_PEER) and its waits for pushes (WAIT_PUSH)."""
 
-    def __init__(self, session, enabled: bool):
+    def __init__(self, session, enabled: bool, write_local=None):
         self.session = session
         self.enabled = enabled
+        # async (PeerWriteRequest) -> reply bytes: a PEER_WRITE into a session of this very worker (the
+        # connection's own for a one-stage ring, or another client's), done without a connection
+        self.write_local = write_local
         self.links: dict[int, tuple[str, int, bytes]] = {}
         self.connections: dict[int, PeerConnection] = {}
         self.landed = asyncio.Event()  # set whenever a PEER_WRITE lands in this session
@@ -194,6 +197,9 @@ class PeerSide:
         if link is None:
             return 0
         host, port, token = link
+        if self.write_local is not None and self.session.config.tokens.session(token) is not None:
+            return asyncio.ensure_future(self._write_here(p.PeerWriteRequest(token, req.step, req.dst, 0,
+                                                                              memoryview(data))))
         head = p.PeerWriteRequest(token, req.step, req.dst, 0, memoryview(b"")).encode_head()
         try:
             conn = self.connections.get(req.link)
@@ -207,6 +213,15 @@ class PeerSide:
             self._drop_connection(req.link)
             return 0
         return asyncio.ensure_future(self._acknowledged(req.link, conn, ack))
+
+    async def _write_here(self, req: p.PeerWriteRequest) -> bytes:
+        """A push whose token names a session of this worker: written in process, acknowledged as a peer
+        would (0 if the write is refused: the token's session gone, or the tensor outside its buffers)."""
+        try:
+            return await self.write_local(req)
+        except (RequestError, ProtocolError) as exc:
+            log.warning("push into this worker's own session refused: %s", exc)
+            return p.U8Response(0).encode()
 
     async def _acknowledged(self, link: int, conn: PeerConnection, ack: asyncio.Future) -> bytes:
         try:

@@ -83,7 +83,7 @@ class WorkerProtocol(asyncio.BufferedProtocol):
             return
         self.connections.add(self)
         log.info("client %s connected", self.peer)
-        self.peer_side = PeerSide(self.session, self.config.peer_push)
+        self.peer_side = PeerSide(self.session, self.config.peer_push, self._write_here)
         self.task = asyncio.get_running_loop().create_task(self._serve())
         self._watch_stall()  # its HELLO must come in time too
 
@@ -237,6 +237,12 @@ class WorkerProtocol(asyncio.BufferedProtocol):
     def _write(self, reply: bytes) -> None:
         self.transport.write(p.response_header(len(reply)))
         self.transport.write(reply)
+
+    async def _write_here(self, request: p.PeerWriteRequest) -> bytes:
+        """A PEER_WRITE this worker pushes to one of its own sessions, run as one from a peer would be."""
+        if not self.compute.in_flight and len(request.data) <= INLINE_PEER_WRITE:
+            return self.session.handle(Command.PEER_WRITE, request)
+        return await self.compute.run(self.session.handle, Command.PEER_WRITE, request)
 
     async def _dispatch(self, frame: Frame):
         command = frame.command

@@ -29,6 +29,7 @@ import numpy as np
 
 from orchestrator.engine.batching import Piece, Planner
 from orchestrator.engine.slots import common_prefix
+from orchestrator.pipeline.ring import Ring
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_START_TOKEN_ID = 5  # SPEC_VOCAB_CHECK_START_TOKEN_ID
@@ -99,7 +100,12 @@ def accept_or_resample(p: np.ndarray, q: np.ndarray, drafted: int, rng: np.rando
 
 class Drafter:
     """The draft model's pipeline and, per slot, which tokens its cells hold (cell i: position i of the
-    slot's run, as the engine's Planner lays them out)."""
+    slot's run, as the engine's Planner lays them out).
+
+    Greedy drafts of slot 0 come from the ring (pipeline/ring.py) when the draft's workers can run one:
+    the draft's last stage picks each token and feeds it back to its first, so k drafted tokens cost one
+    round trip to the draft's workers instead of k. Slot 0's cells are where the ring's one sequence puts
+    them (cell i: position i), and its masks hide every other slot's cells."""
 
     def __init__(self, pipe, n_slots: int):
         if pipe.n_swa:
@@ -108,6 +114,8 @@ class Drafter:
         self.planner = Planner(n_slots, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
                                cache_types=pipe.cache_types)
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]
+        ring = Ring(pipe, [])
+        self.ring = ring if ring.why_not() is None and ring.setup() else None
 
     def room(self, n_tokens: int) -> int:
         """Tokens that can be drafted after a sequence of n_tokens (the draft's cells of a slot)."""
@@ -132,6 +140,8 @@ class Drafter:
         tokens and the distribution each was drawn from (for speculative sampling)."""
         cached = self.cached[slot]
         keep = min(common_prefix(cached, sequence), len(sequence) - 1)
+        if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
+            return self._draft_ring(sequence, keep, n_max), []
         logits = self._feed(slot, sequence[keep:], keep)
         fed = list(sequence)
         tokens, dists = [], []
@@ -148,6 +158,19 @@ class Drafter:
             fed.append(token)
         self.cached[slot] = fed
         return tokens, dists
+
+    def _draft_ring(self, sequence: list[int], keep: int, n_max: int) -> list[int]:
+        """Slot 0's greedy drafts from the ring: one token more than wanted, so that the cells hold every
+        token drafted (the next call then starts at the last token, after a rejection or none)."""
+        start = len(sequence) - 1
+        if keep < start:  # the prompt, or what a ring that broke left unfed
+            self._feed(0, sequence[keep:start], keep)
+        tokens = list(self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)))
+        # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
+        self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
+        if self.ring.broken is not None:  # a push failed: stepwise from now on
+            self.ring = None
+        return tokens[:n_max]
 
     def close(self) -> None:
         self.pipe.close()

@@ -116,6 +116,28 @@ def test_push_lands_exactly_and_waits_are_ordered(workers, connect):
     np.testing.assert_array_equal(gb.read(inp, np.float32), x.reshape(-1))
 
 
+def test_a_push_into_the_same_workers_session_lands_without_a_connection(workers, connect):
+    """A one-stage ring pushes each token to its own session, and two clients of one worker may link their
+    sessions: the worker writes such a push itself, so the link's address is never dialled (here it
+    leads nowhere, and the push still lands)."""
+    nowhere = reference.free_port()
+    a, b = connect(0), connect(0)
+    ga, gb = GraphBuilder(a), GraphBuilder(b)
+    x = np.arange(64, dtype=np.float32)
+    src = ga.tensor(F32, (64,), data=x)
+    doubled = ga.tensor(F32, (64,), op=GGMLOp.ADD, src=(src, src))
+    mine = ga.tensor(F32, (64,), data=np.zeros(64, np.float32))
+    theirs = gb.tensor(F32, (64,), data=np.zeros(64, np.float32))
+    assert set_peer(a, 0, token_of(a), port=nowhere) == 1 and set_peer(a, 1, token_of(b), port=nowhere) == 1
+    ga.compute(doubled)
+    assert push(a, 0, 1, doubled, mine) == 1 and wait_push(a, 1) == 1
+    assert push(a, 1, 1, doubled, theirs) == 1 and wait_push(b, 1) == 1
+    np.testing.assert_array_equal(ga.read(mine, np.float32), x + x)
+    np.testing.assert_array_equal(gb.read(theirs, np.float32), x + x)
+    assert push(a, 1, 2, doubled, mine) == 0  # b's token, a's tensor: refused, as a peer refuses it
+    alive(workers[0])
+
+
 def test_wait_push_times_out_without_a_push(connect):
     b = connect(1)
     assert wait_push(b, 5, timeout_ms=50) == 0

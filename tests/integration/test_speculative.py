@@ -77,6 +77,7 @@ def test_a_draft_that_agrees_gives_the_same_text(model, workers, n_workers):
     plain = generate(model, rpc)
     spec = generate(model, rpc, "-md", model, "--draft-max", 6)
     assert spec.stdout == plain.stdout
+    assert "draft: greedy drafts from the draft's ring" in spec.stderr  # our workers: no round trip per token
     n_drafted, n_accepted = drafted(spec.stderr)
     assert n_drafted >= 20 and n_accepted >= n_drafted // 2, spec.stderr[-1000:]
 
