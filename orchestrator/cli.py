@@ -278,6 +278,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     from orchestrator.chat import apply_chat_template  # noqa: PLC0415
     from orchestrator.engine.loop import Engine, Job  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
+    from orchestrator.engine.speculative import Pace  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
     from orchestrator.engine.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 
@@ -360,9 +361,12 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
         if verbose:
             log(f"prompt: {len(tokens)} tokens {tokens}")
         # the ring keeps cell i at position i: a context that shifts goes token by token
-        if not (no_ring or no_push or context_shift or speculator) and params.greedy:
+        if not (no_ring or no_push or context_shift) and params.greedy:
             why = engine.start_ring(ignore_eos)
-            log(f"  ring: {'on' if why is None else f'off ({why})'}")
+            if why is None and speculator is not None:  # both can make the tokens: the faster does
+                speculator.pace = Pace()
+            log(f"  ring: {'on' if why is None else f'off ({why})'}"
+                f"{' (and drafting: the faster of the two as it runs)' if why is None and speculator else ''}")
         engine.on_ring_off = lambda why: log(f"\n  ring: off ({why}); going on stepwise")
         finish = engine.generate(Job(tokens, params, n_predict, on_event, ignore_eos=ignore_eos,
                                      n_keep=n_keep if context_shift else None))
@@ -382,6 +386,10 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     if m.n_drafted:
         log(f"draft: {m.n_drafted} tokens drafted, {m.n_drafted_accepted} accepted "
             f"({100 * m.n_drafted_accepted / m.n_drafted:.1f}%)")
+    pace = engine.speculator.pace if engine.speculator is not None else None
+    if pace is not None:
+        rates = ", ".join(f"{way} {rate:.1f} tokens/s" for way, rate in pace.rates.items())
+        log(f"draft: {pace.made['draft']} tokens made drafting, {pace.made['ring']} by the ring (last measured: {rates})")
     return 0
 
 

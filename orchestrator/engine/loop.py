@@ -380,7 +380,9 @@ class Engine:
             start, drafts = slot.n_cached, []
             if start >= slot.n_prompt:  # the token sampled last, and a draft's guesses of the next ones
                 if self.speculator is not None and start == len(slot.tokens) - 1:
+                    began = time.perf_counter()
                     drafts = self.speculator.propose(self, slot, budget - 1)
+                    self.metrics.tokens_predicted_seconds += time.perf_counter() - began  # drafting is eval time
                 n, path = 1, self.planner.path(1 + len(drafts), start + 1 + len(drafts))
             else:
                 n = self.planner.piece(start, slot.n_prompt, slot.want, budget)
@@ -406,7 +408,7 @@ class Engine:
         """The ring has the next tokens: it is on and the one slot has a sampled token to feed."""
         slot = self.slots[0]
         return self.ring is not None and slot.job is not None and slot.generating and \
-            slot.n_cached == len(slot.tokens) - 1
+            slot.n_cached == len(slot.tokens) - 1 and (self.speculator is None or self.speculator.wants_ring())
 
     def _run_ring(self, slot: Slot) -> None:
         """The slot's greedy tokens from the ring, each taken as a sampled one is, until the job ends or
@@ -414,6 +416,9 @@ class Engine:
         job, start = slot.job, slot.n_cached
         room = self.n_ctx_slot - start  # tokens it can feed before the slot is full
         limit = room if job.n_predict < 0 else min(job.n_predict - slot.n_generated, room)
+        pace = self.speculator.pace if self.speculator is not None else None
+        if pace is not None:  # the ring's stretch, then drafting's (speculative.Pace)
+            limit = min(limit, pace.left)
         began, n, mark = time.perf_counter(), 0, Mark(clients(self.pipe))
         tokens = self.ring.run(slot.tokens[-1], start, limit)
         try:
@@ -430,6 +435,8 @@ class Engine:
             self.metrics.eval_runs += n
             self.metrics.tokens_predicted_seconds += time.perf_counter() - began
             self.telemetry.whole("ring", mark, n)  # the orchestrator sees the run's tokens, not its steps
+            if pace is not None:
+                pace.record("ring", n, time.perf_counter() - began)
         if self.ring.broken is not None:
             why, self.ring = self.ring.broken, None
             if self.on_ring_off is not None:

@@ -22,6 +22,7 @@ pinned build's defaults (its names --spec-draft-n-max etc. are accepted too).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,7 @@ class Drafter:
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]
         ring = Ring(pipe, [])
         self.ring = ring if ring.why_not() is None and ring.setup() else None
+        self.catch_up_s = 0.0  # what the last draft() from the ring spent feeding tokens it had not seen
 
     def room(self, n_tokens: int) -> int:
         """Tokens that can be drafted after a sequence of n_tokens (the draft's cells of a slot)."""
@@ -140,6 +142,7 @@ class Drafter:
         tokens and the distribution each was drawn from (for speculative sampling)."""
         cached = self.cached[slot]
         keep = min(common_prefix(cached, sequence), len(sequence) - 1)
+        self.catch_up_s = 0.0
         if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
             return self._draft_ring(sequence, keep, n_max), []
         logits = self._feed(slot, sequence[keep:], keep)
@@ -163,8 +166,10 @@ class Drafter:
         """Slot 0's greedy drafts from the ring: one token more than wanted, so that the cells hold every
         token drafted (the next call then starts at the last token, after a rejection or none)."""
         start = len(sequence) - 1
-        if keep < start:  # the prompt, or what a ring that broke left unfed
+        if keep < start:  # the prompt, what the target's ring made, or what a ring that broke left unfed
+            began = time.perf_counter()
             self._feed(0, sequence[keep:start], keep)
+            self.catch_up_s = time.perf_counter() - began
         tokens = list(self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)))
         # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
         self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
@@ -180,6 +185,50 @@ class Drafter:
 class Pending:
     tokens: list[int]
     dists: list[np.ndarray]
+    began: float  # when the drafting started (perf_counter)
+
+
+PROBE_TOKENS = 8  # tokens each way makes when the two are measured against each other
+LEAD_GROWTH, LEAD_MAX = 4, 64  # the winner's stretch, in probes: x4 each time it wins again, at most 64
+
+
+class Pace:
+    """Drafting or the target's ring, for the CLI's greedy sequence when both can run: which makes tokens
+    faster here. Where the workers sit decides it: drafting pays where every link is slow (one pass
+    through the pipeline verifies several tokens), the ring where only the orchestrator is far (a token
+    costs the workers' compute and their links, no round trip). The ring makes PROBE_TOKENS, then drafting;
+    the faster makes a stretch (LEAD_GROWTH times longer each time it wins again), the slower a probe, and
+    so on. A way's rate is its tokens over its steps' seconds; the draft's catch-up on the tokens the ring
+    made is the price of switching, not counted in its rate."""
+
+    def __init__(self):
+        self.rates: dict[str, float] = {}
+        self.plan = [("ring", PROBE_TOKENS), ("draft", PROBE_TOKENS)]
+        self.lead, self.winner = 1, None
+        self.made = {"draft": 0, "ring": 0}  # tokens made each way (the CLI's summary)
+        self._next()
+
+    def _next(self) -> None:
+        self.mode, self.left = self.plan.pop(0)
+        self._tokens, self._seconds = 0, 0.0
+
+    def record(self, mode: str, n_tokens: int, seconds: float) -> None:
+        """`mode` made n_tokens in `seconds`; the next stretch begins when this one has made its tokens."""
+        self.made[mode] += n_tokens
+        if mode != self.mode:
+            return
+        self._tokens += n_tokens
+        self._seconds += seconds
+        self.left -= n_tokens
+        if self.left > 0:
+            return
+        self.rates[mode] = self._tokens / max(self._seconds, 1e-9)
+        if not self.plan:
+            best = max(self.rates, key=self.rates.get)
+            self.lead = min(self.lead * LEAD_GROWTH, LEAD_MAX) if best == self.winner else LEAD_GROWTH
+            self.winner = best
+            self.plan = [(best, PROBE_TOKENS * self.lead), ("ring" if best == "draft" else "draft", PROBE_TOKENS)]
+        self._next()
 
 
 class Speculator:
@@ -188,6 +237,7 @@ class Speculator:
     def __init__(self, drafter: Drafter, options: DraftOptions):
         self.drafter, self.options = drafter, options
         self.pending: dict[int, Pending] = {}
+        self.pace: Pace | None = None  # set when the target's ring can run too (the CLI's greedy sequence)
         self.rngs: dict[int, tuple[object, np.random.Generator]] = {}  # per slot: its job and its RNG
 
     def close(self) -> None:
@@ -211,10 +261,11 @@ class Speculator:
         if k <= 0 or k < opts.n_min or job.n_keep is not None or (sampled and job.params.grammar):
             return []
         rng = self._rng(slot) if sampled else None
+        began = time.perf_counter()
         tokens, dists = self.drafter.draft(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng)
         if len(tokens) < opts.n_min:
             return []
-        self.pending[slot.index] = Pending(tokens, dists)
+        self.pending[slot.index] = Pending(tokens, dists, began + self.drafter.catch_up_s)
         engine.metrics.n_drafted += len(tokens)
         return tokens
 
@@ -222,13 +273,22 @@ class Speculator:
         """The target's rows for the slot's last fed token and its drafts (n_cached counts the last fed
         one only): the verified drafts join the cached tokens, the next token is the target's."""
         pending = self.pending.pop(slot.index)
+        made = self._verify(engine, slot, rows, pending)
+        if self.pace is not None:
+            self.pace.record("draft", made, time.perf_counter() - pending.began)
+
+    def wants_ring(self) -> bool:
+        return self.pace is not None and self.pace.mode == "ring"
+
+    def _verify(self, engine, slot, rows: np.ndarray, pending: Pending) -> int:
+        """verify()'s work; the number of tokens the slot took."""
         job = slot.job
         path = slot.paths[-1]
         for i, row in enumerate(rows):
             if exact(job.params):
                 engine._sample(slot, row)
                 if slot.job is not job:
-                    return
+                    return i + 1
                 token, kept = slot.tokens[-1], i < len(pending.tokens) and slot.tokens[-1] == pending.tokens[i]
             else:
                 if job.ignore_eos:
@@ -242,12 +302,13 @@ class Speculator:
                 slot.sampler.accept(token)
                 engine._take(slot, token, row, accepted=True)
                 if slot.job is not job:
-                    return
+                    return i + 1
             if not kept:
-                return
+                return i + 1
             slot.n_cached += 1  # the draft's cell at this position holds the verified token
             slot.paths.append(path)
             engine.metrics.n_drafted_accepted += 1
+        return len(rows)
 
 
 def open_draft(path: Path, target_vocab, target_n_vocab: int):
