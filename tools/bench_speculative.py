@@ -3,7 +3,7 @@
 one run, with the draft's acceptance rate.
 
     python tools/bench_speculative.py [--nodes 3] [--latency-ms 0,10] [--topology apart,together]
-        [--draft Q4_0] [--draft-max 16] [--draft-p-min 0.75] [--tokens 48] [--reps 2]
+        [--draft Q4_0] [--draft-max 3] [--draft-p-min 0] [--tokens 48] [--reps 2]
 
 The target is the packaged SmolLM2-135M requantized to Q8_0 and the drafts the same file as Q4_0 or Q2_K
 (llama-quantize --allow-requantize of the pinned build, made once into ~/.cache/pyrpc-llama/bench_speculative).
@@ -18,8 +18,10 @@ Designs (columns):
                 --spec-type; its draft sampling: greedy), one /completion request per run;
                 its draft is split over the same RPC workers as the target
   push, ring    our orchestrator without a draft (stepwise push; the ring)
-  ours -md      our orchestrator with -md DRAFT (stepwise push; the draft on the target's worker with the
-                most free memory)
+  ours -md      our orchestrator with -md DRAFT as users run it: drafting and the target's ring both run,
+                the faster one making most tokens (speculative.Pace); the draft on the target's worker with
+                the most free memory
+  drafting      the same with --no-ring: every token from drafting and a verification (stepwise push)
 
 tok/s = (tokens - 1) / the client's eval time (after the first token, prompt excluded), so that a run
 that verifies several tokens per decode counts every token. acc = drafts accepted / drafted. Every run's
@@ -50,7 +52,7 @@ from tools.bench_worker import load_average  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
 DRAFT_RE = re.compile(r"draft: (\d+) tokens drafted, (\d+) accepted")
-SPEC_DESIGNS = ("llamacpp-spec", "spec")
+SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only")
 
 
 def quantized(source: Path, wtype: str) -> Path:
@@ -115,9 +117,9 @@ def register(draft: Path, draft_max: int, p_min: float) -> None:
     d = bp.DESIGNS
     d["llamacpp-spec"] = bp.Design("llama.cpp -md", "reference", "relay", bp.relay_hops,
                                    llama_server_command(draft, draft_max, p_min))
-    d["spec"] = bp.Design("ours -md", "ours", "push", bp.push_hops,
-                          bp.ours_command("-md", str(draft), "--draft-max", str(draft_max),
-                                          "--draft-p-min", str(p_min)))
+    flags = ("-md", str(draft), "--draft-max", str(draft_max), "--draft-p-min", str(p_min))
+    d["spec"] = bp.Design("ours -md", "ours", "ring", bp.ring_hops, bp.ours_command(*flags))
+    d["spec-only"] = bp.Design("drafting", "ours", "push", bp.push_hops, bp.ours_command(*flags, "--no-ring"))
 
 
 def tok_s(cell: bp.Cell, name: str, tokens: int) -> float | None:
@@ -165,10 +167,10 @@ def parse_args(argv):
                     help="one-way latencies in ms (default 0,10)")
     ap.add_argument("--topology", default="apart,together", help="apart, together or both (default both)")
     ap.add_argument("--draft", default="Q4_0", help="the draft's quantization: Q4_0 or Q2_K (default Q4_0)")
-    ap.add_argument("--draft-max", type=int, default=16, help="--draft-max of both (default 16)")
-    ap.add_argument("--draft-p-min", type=float, default=0.75, help="--draft-p-min of both (default 0.75)")
-    ap.add_argument("--designs", default="llamacpp,llamacpp-spec,push,ring,spec",
-                    help="of llamacpp, llamacpp-spec, push, ring, spec (the first gives the reference text)")
+    ap.add_argument("--draft-max", type=int, default=3, help="--draft-max of both (default 3, llama.cpp's)")
+    ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of both (default 0, llama.cpp's)")
+    ap.add_argument("--designs", default="llamacpp,llamacpp-spec,push,ring,spec,spec-only",
+                    help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only (the first gives the reference text)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per run (default 48)")
     ap.add_argument("--prompt", default=bp.PROMPT)
     ap.add_argument("--reps", type=int, default=2, help="repetitions per cell and design (default 2)")

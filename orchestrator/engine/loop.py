@@ -54,6 +54,7 @@ __all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0  # how long stop() waits for the engine's thread before cutting its worker connections
+FRUITLESS_REPLANS = 3  # re-plans in a row with no token made in between: the failure is not the workers'
 
 
 class Busy(Exception):
@@ -92,6 +93,8 @@ class Engine:
         self.recovery: Recovery | None = None  # re-plans over the workers that answer when one fails
         self._retry = False  # a request came while failed: the engine's thread tries a re-plan
         self._ring_ignore_eos: bool | None = None  # how the ring was set up, to set it up again after a re-plan
+        self._fruitless = 0  # re-plans since the last one after which a token was made
+        self._made_at_replan: int | None = None  # metrics.tokens_predicted at the last re-plan
         self._wake = threading.Condition()
         # a byte here ends the engine's wait for the workers' outputs: a new job can start on a free stage
         self._interrupt, self._interrupter = socket.socketpair()
@@ -249,6 +252,7 @@ class Engine:
                     self.telemetry.probe(clients(self.pipe))
                     continue
                 if retry:  # a request came while failed: perhaps a worker is back
+                    self._fruitless = 0
                     self._recover("retrying after a failed re-plan")
                     with self._wake:
                         self.failed = None
@@ -273,8 +277,16 @@ class Engine:
     def _recover(self, failure: str) -> None:
         """A worker failed: the old pipeline closed, a new one over the workers that answer (Recovery),
         every slot's cells rebuilt from its tokens by the next batches. The draft model is dropped (its
-        worker may be the one lost); the ring is set up again. RecoveryError if no pipeline can be built."""
+        worker may be the one lost); the ring is set up again. RecoveryError if no pipeline can be built,
+        or if FRUITLESS_REPLANS re-plans in a row made no token (a failure that every pipeline meets is not
+        a lost worker's: re-planning again would only repeat it)."""
         self._tell()
+        made = self.metrics.tokens_predicted
+        self._fruitless = self._fruitless + 1 if made == self._made_at_replan else 0
+        self._made_at_replan = made
+        if self._fruitless >= FRUITLESS_REPLANS:
+            raise RecoveryError(f"{failure}; the same step failed after {FRUITLESS_REPLANS} re-plans in a row "
+                                "(no token made in between): giving up")
         self.pipe.close()
         self.runner = self._new_runner(self.pipe)  # idle: the batches in flight are lost with the pipeline
         self.ring = None

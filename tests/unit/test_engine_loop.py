@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.engine.loop import Engine, Job
+from orchestrator.engine.loop import FRUITLESS_REPLANS, Engine, Job
+from orchestrator.engine.recovery import RecoveryError
 from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.kv import Batch
 from orchestrator.sampling import SamplingParams
@@ -164,3 +165,18 @@ def test_a_worker_lost_mid_sequence_is_replaced_and_the_tokens_read_again(prompt
     assert first.closed and engine.pipe is second
     assert first.batches == decodes[:dies_at]
     assert second.batches == decodes  # the lost cells read again, then the rest
+
+
+def test_a_step_that_fails_on_every_pipeline_ends_the_run_after_a_few_replans():
+    """A failure that every new pipeline meets at the same step (not a lost worker: e.g. a graph that a
+    worker refuses) is re-planned FRUITLESS_REPLANS times, then given up with an error saying so, instead
+    of re-planning without end; a pipeline after which tokens are made resets the count."""
+    n_ctx, prompt = 90, [1, 2, 3]
+    _, decodes, _ = llama_completion(prompt, 20, n_ctx, 64, 64, True)
+    dies_at = len(decodes) - 5  # every pipeline dies at the same decode, after reading the tokens again
+    engine = Engine.one_sequence(DyingPipe(n_ctx, 64, 64, dies_at=dies_at), [EOG])
+    engine.recovery = Replanned(lambda: DyingPipe(n_ctx, 64, 64, dies_at=dies_at))
+    with pytest.raises(RecoveryError, match=f"after {FRUITLESS_REPLANS} re-plans in a row"):
+        engine.generate(Job(prompt, SamplingParams(temp=0), 20, lambda k, v: None, ignore_eos=True))
+    # the first re-plan follows tokens made by the first pipeline; then FRUITLESS_REPLANS more without any
+    assert len(engine.recovery.pipes) == FRUITLESS_REPLANS
