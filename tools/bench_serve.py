@@ -8,8 +8,9 @@
 --reps rounds; it prints the aggregate tokens/s of both and their ratio (the median over the rounds).
 
 For each kind of worker in turn (llama.cpp's ggml-rpc-server, then ours), starts the workers, then, for
-each server in turn (llama-server, ours; same workers, model, -c and -np), streams requests with the
-official openai client: for each number of concurrent clients, one warm-up round, then --reps rounds
+each server in turn (llama-server, ours; same workers, model, -c and -np), streams requests (--client: plain
+http.client by default, whose CPU per token is a tenth of the openai package's: the clients share the cores
+with what they measure; or the official openai client): for each number of concurrent clients, one warm-up round, then --reps rounds
 (medians), in each of which every client sends one completion (the same prompt with its number
 appended, greedy, --ignore-eos, n tokens) and the tool records time to first
 token, each request's generation rate (tokens after the first over the time after the first) and the
@@ -24,6 +25,7 @@ the ratio of many clients to one.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import statistics
@@ -74,22 +76,66 @@ def start_server(kind: str, model: str, rpc: str, args, log: Path) -> subprocess
     return healthy(proc, log, kind, timeout=600, poll=0.25)
 
 
-def client(url: str):
-    """An openai client of the server. Made before the clock starts, as an application makes its one
-    client once: making one takes ~20 ms of CPU here (an SSL context even for http), which a round of
-    eight clients would otherwise spend, under one GIL, in its timed part."""
-    import openai  # noqa: PLC0415 - a test dependency, needed only here
+CLIENTS = ("http", "openai")
+client_kind = "http"  # --client
 
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0)
+
+class HttpClient:
+    """A streamed /v1/completions over http.client, its SSE lines read with json: about a tenth of the
+    openai package's CPU per token (which parses each chunk into pydantic objects). The clients share the
+    machine's cores with the server they measure, so their own cost is kept small (--client openai: the
+    official client, as an application would use it)."""
+
+    def __init__(self, url: str):
+        self.host, _, port = url.removeprefix("http://").partition(":")
+        self.port = int(port)
+
+    def texts(self, prompt: str, n: int):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=1800)
+        try:
+            body = json.dumps({"model": "any", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                               "ignore_eos": True})
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.startswith(b"data: [DONE]"):
+                    return
+                choices = json.loads(line[6:])["choices"]
+                yield choices[0]["text"] if choices else ""
+        finally:
+            conn.close()
+
+
+class OpenAIClient:
+    """The official openai client. Made before the clock starts, as an application makes its one client
+    once: making one takes ~20 ms of CPU here (an SSL context even for http), which a round of eight
+    clients would otherwise spend, under one GIL, in its timed part."""
+
+    def __init__(self, url: str):
+        import openai  # noqa: PLC0415 - a test dependency, needed only here
+
+        self.api = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0)
+
+    def texts(self, prompt: str, n: int):
+        for chunk in self.api.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}):
+            yield chunk.choices[0].text if chunk.choices else ""
+
+
+def client(url: str):
+    return HttpClient(url) if client_kind == "http" else OpenAIClient(url)
 
 
 def stream(api, prompt: str, n: int) -> dict:
     """One streamed greedy completion: times of the request, first and last token, and the token count."""
     start = time.perf_counter()
     first, tokens = None, 0
-    for chunk in api.completions.create(model="any", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                        extra_body={"ignore_eos": True}):
-        if chunk.choices and chunk.choices[0].text:
+    for text in api.texts(prompt, n):
+        if text:
             tokens += 1  # one chunk per token here (plain English text, no stop strings)
             first = first or time.perf_counter()
     end = time.perf_counter()
@@ -130,7 +176,7 @@ def median_round(url: str, clients: int, n: int, reps: int, pids: dict[str, list
     as llama-bench's warm-up run: the first batches of each new size and mix build their graphs (our
     server and workers cache them per connection; a new shape costs ~30 ms once).
     Also the CPU time per generated token over the counted rounds, of the workers and the server (`pids`)
-    and of this process (the openai clients), in ms: how much of the machine one token takes."""
+    and of this process (the clients), in ms: how much of the machine one token takes."""
     round_of(url, clients, n)
     before = {who: sum(map(cpu_seconds, ps)) for who, ps in pids.items()} | {"clients": sum(os.times()[:2])}
     rounds = [round_of(url, clients, n) for _ in range(reps)]
@@ -193,7 +239,7 @@ def default_command(model: str, clients: int, args) -> int:
             os.killpg(server.pid, 15)
             server.wait(30)
     print(f"\n`orchestrator serve -m {Path(model).name} {args.extra}`, {clients} prompts of {args.n_predict} greedy "
-          f"tokens, medians of {args.reps} rounds ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})\n")
+          f"tokens streamed with the {client_kind} client, medians of {args.reps} rounds ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})\n")
     print("| one after another tok/s | at once tok/s | at once / one after another |")
     print("|---|---|---|")
     serial, together = (statistics.median(r[i] for r in rows) for i in (0, 1))
@@ -221,7 +267,12 @@ def main(argv=None) -> int:
                     help="measure `orchestrator serve -m MODEL` as users run it: --clients (default 4) prompts one "
                          "after another and at once")
     ap.add_argument("--extra", default="", help="with --default-command: flags added to it, e.g. '-t 2'")
+    ap.add_argument("--client", choices=CLIENTS, default="http",
+                    help="how this process streams its requests: plain http.client (default; light on the shared "
+                         "cores) or the openai package")
     args = ap.parse_args(argv)
+    global client_kind
+    client_kind = args.client
     if args.chart is not None:
         charts.require()  # before the run, not after it
     model = str(args.model or reference.model_path())
@@ -271,7 +322,7 @@ def measure(worker: str, model: str, clients: list[int], args) -> dict[str, dict
 
 def print_table(worker: str, table: dict[str, dict], model: str, clients: list[int], args) -> None:
     print(f"\nSmolLM2 {Path(model).name}, {args.workers} {worker} workers x {args.threads} thread(s), -np {args.parallel}, "
-          f"-c {args.ctx}, {args.n_predict} greedy tokens per request, streamed with the openai client, "
+          f"-c {args.ctx}, {args.n_predict} greedy tokens per request, streamed with the {client_kind} client, "
           f"medians of {args.reps} rounds\n")
     print("| clients | llama-server TTFT ms | ours TTFT ms | llama-server tok/s per request | ours tok/s per request "
           "| llama-server aggregate tok/s | ours aggregate tok/s | ours / llama-server aggregate | ours / ours at 1 client |")
@@ -282,7 +333,7 @@ def print_table(worker: str, table: dict[str, dict], model: str, clients: list[i
               f"| {ref[c]['aggregate']:.1f} | {ours[c]['aggregate']:.1f} | {ours[c]['aggregate'] / ref[c]['aggregate']:.2f} "
               f"| {ours[c]['aggregate'] / ours[clients[0]]['aggregate']:.2f} |")
     cores = len(os.sched_getaffinity(0))
-    print(f"\nCPU time per generated token (ms; workers, server, the benchmark's openai clients) and the aggregate "
+    print(f"\nCPU time per generated token (ms; workers, server, the benchmark's {client_kind} clients) and the aggregate "
           f"it allows on {cores} cores if they were always busy:\n")
     print("| clients | llama-server CPU ms | llama-server ceiling tok/s | ours CPU ms | ours ceiling tok/s |")
     print("|---|---|---|---|---|")

@@ -64,22 +64,31 @@ class Recovery:
 
     def replan(self, failure: str) -> Pipeline:
         """A pipeline over the workers that answer now; RecoveryError (saying what failed and why the rest
-        cannot take over) if there is none or start-up fails over them."""
+        cannot take over) if there is none or start-up fails over them. A worker lost during the start-up
+        itself (it answered, then went away) is left out and the start-up tried again over the rest."""
         with self._lock:
             for endpoint in self.states:
                 self.states[endpoint] = REPLANNING
-            alive = self.answering()
-            if not alive:
-                raise RecoveryError(f"{failure}; no worker answers")
-            self.tell(f"{failure}: re-planning over {', '.join(split_endpoint(e)[0] for e in alive)}")
-            try:
-                pipe = self.build(alive)
-            except (StartupError, WorkerError, PlacementError, ModelError, ValueError, OSError) as exc:
+            while True:
+                alive = self.answering()
+                if not alive:
+                    raise RecoveryError(f"{failure}; no worker answers")
+                self.tell(f"{failure}: re-planning over {', '.join(split_endpoint(e)[0] for e in alive)}")
+                try:
+                    pipe = self.build(alive)
+                    break
+                except WorkerError as exc:
+                    if len(self.answering()) < len(alive):  # one of them went away meanwhile: again without it
+                        failure = str(exc)
+                        continue
+                    why = exc
+                except (StartupError, PlacementError, ModelError, ValueError, OSError) as exc:
+                    why = exc
                 for endpoint in self.states:
                     if self.states[endpoint] == REPLANNING:
                         self.states[endpoint] = LOST
                 names = ", ".join(split_endpoint(e)[0] for e in alive)
-                raise RecoveryError(f"{failure}; the workers that answer ({names}) cannot take over: {exc}") from None
+                raise RecoveryError(f"{failure}; the workers that answer ({names}) cannot take over: {why}") from None
             used = {p.endpoint for p in pipe.plans} | set(pipe.idle)
             for entry in alive:
                 endpoint = split_endpoint(entry)[0]
