@@ -188,8 +188,11 @@ class Pending:
     began: float  # when the drafting started (perf_counter)
 
 
-PROBE_TOKENS = 8  # tokens each way makes when the two are measured against each other
-LEAD_GROWTH, LEAD_MAX = 4, 64  # the winner's stretch, in probes: x4 each time it wins again, at most 64
+# Measured against each other, each way makes PROBE_TOKENS (about two drafting blocks); the faster then
+# makes LEAD_GROWTH probes' worth, LEAD_GROWTH times more each time it wins again, at most LEAD_MAX: where
+# the ring wins (workers together) drafting costs 8 of the first 128 tokens (docs/speculative.md).
+PROBE_TOKENS = 4
+LEAD_GROWTH, LEAD_MAX = 8, 64
 
 
 class Pace:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.engine.speculative import PROBE_TOKENS
 from tools import reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -87,10 +88,10 @@ def test_a_draft_that_agrees_gives_the_same_text(model, workers, n_workers):
     assert "draft: greedy drafts from the draft's ring" in spec.stderr  # our workers: no round trip per token
     n_drafted, n_accepted = drafted(spec.stderr)
     assert n_drafted >= 6 and n_accepted >= n_drafted // 2, spec.stderr[-1000:]
-    # the target's ring could run too: it makes the first 8 tokens, drafting the next 8 at least, then
-    # whichever was faster (Pace); which one that is depends on timing, the text does not
+    # the target's ring could run too: it makes the first PROBE_TOKENS tokens, drafting the next ones at
+    # least, then whichever was faster (Pace); which one that is depends on timing, the text does not
     by_draft, by_ring = made(spec.stderr)
-    assert by_draft >= 8 and by_ring >= 8 and by_draft + by_ring == 39, spec.stderr[-1000:]  # the first: the prompt's
+    assert by_draft >= PROBE_TOKENS and by_ring >= PROBE_TOKENS and by_draft + by_ring == 39, spec.stderr[-1000:]  # the first: the prompt's
 
 
 @pytest.mark.parametrize(("arch", "n_workers"), [("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen2", 3),
