@@ -229,12 +229,14 @@ def default_command(model: str, clients: int, args) -> int:
             stream(client(server.url), PROMPT, 4)
             round_of(server.url, clients, args.n_predict)  # each batch size builds its graphs once
             rows = []
+            cpu_before = sum(os.times()[:2])
             for _ in range(args.reps):
                 serial = one_after_another(server.url, clients, args.n_predict)
                 together = round_of(server.url, clients, args.n_predict)["aggregate"]
                 rows.append((serial, together))
                 print(f"one after another {serial:.1f} tok/s, at once {together:.1f} tok/s: {together / serial:.2f}x",
                       flush=True)
+            client_cpu = sum(os.times()[:2]) - cpu_before
         finally:
             os.killpg(server.pid, 15)
             server.wait(30)
@@ -244,6 +246,8 @@ def default_command(model: str, clients: int, args) -> int:
     print("|---|---|---|")
     serial, together = (statistics.median(r[i] for r in rows) for i in (0, 1))
     print(f"| {serial:.1f} | {together:.1f} | {statistics.median(t / s for s, t in rows):.2f} |")
+    print(f"\nthe {client_kind} clients' CPU: {1e3 * client_cpu / (2 * clients * args.n_predict * args.reps):.2f} ms "
+          "per streamed token")
     return 0
 
 
