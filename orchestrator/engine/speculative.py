@@ -22,6 +22,7 @@ pinned build's defaults (its names --spec-draft-n-max etc. are accepted too).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,26 +189,28 @@ class Pending:
     began: float  # when the drafting started (perf_counter)
 
 
-# Measured against each other, each way makes PROBE_TOKENS (about two drafting blocks); the faster then
-# makes LEAD_GROWTH probes' worth, LEAD_GROWTH times more each time it wins again, at most LEAD_MAX: where
-# the ring wins (workers together) drafting costs 8 of the first 128 tokens (docs/speculative.md).
-PROBE_TOKENS = 4
-LEAD_GROWTH, LEAD_MAX = 8, 64
+PROBE_TOKENS = 8  # tokens each way makes when the two are measured against each other (4 drafting blocks)
+LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the ring's probes, in probes: x8 on each win
 
 
 class Pace:
     """Drafting or the target's ring, for the CLI's greedy sequence when both can run: which makes tokens
     faster here. Where the workers sit decides it: drafting pays where every link is slow (one pass
     through the pipeline verifies several tokens), the ring where only the orchestrator is far (a token
-    costs the workers' compute and their links, no round trip). The ring makes PROBE_TOKENS, then drafting;
-    the faster makes a stretch (LEAD_GROWTH times longer each time it wins again), the slower a probe, and
-    so on. A way's rate is its tokens over its steps' seconds; the draft's catch-up on the tokens the ring
-    made is the price of switching, not counted in its rate."""
+    costs the workers' compute and their links, no round trip).
+
+    The ring makes PROBE_TOKENS, then drafting. If the ring was faster it keeps the sequence: while it
+    runs the draft's cells fall behind, and catching them up costs the draft a prompt's worth of compute
+    (32 tokens took 0.19 s here, as long as the ring took to make them), so drafting is not tried again.
+    If drafting was faster it makes a stretch of LEAD_GROWTH probes' worth (LEAD_GROWTH times longer each
+    time it wins again, at most LEAD_MAX probes), the ring a probe between stretches (cheap: the target's
+    cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the draft's
+    catch-up is not counted in it (it is the price of switching)."""
 
     def __init__(self):
         self.rates: dict[str, float] = {}
         self.plan = [("ring", PROBE_TOKENS), ("draft", PROBE_TOKENS)]
-        self.lead, self.winner = 1, None
+        self.lead = 1
         self.made = {"draft": 0, "ring": 0}  # tokens made each way (the CLI's summary)
         self._next()
 
@@ -227,10 +230,11 @@ class Pace:
             return
         self.rates[mode] = self._tokens / max(self._seconds, 1e-9)
         if not self.plan:
-            best = max(self.rates, key=self.rates.get)
-            self.lead = min(self.lead * LEAD_GROWTH, LEAD_MAX) if best == self.winner else LEAD_GROWTH
-            self.winner = best
-            self.plan = [(best, PROBE_TOKENS * self.lead), ("ring" if best == "draft" else "draft", PROBE_TOKENS)]
+            if self.rates["ring"] >= self.rates["draft"]:
+                self.plan = [("ring", math.inf)]  # for good
+            else:
+                self.lead = min(self.lead * LEAD_GROWTH, LEAD_MAX)
+                self.plan = [("draft", PROBE_TOKENS * self.lead), ("ring", PROBE_TOKENS)]
         self._next()
 
 

@@ -1,6 +1,6 @@
 """speculative.Pace: which of drafting and the target's ring makes the CLI's greedy tokens, from rates fed
-in by hand (no clock): the ring's probe, drafting's, then the faster's stretch growing while it keeps
-winning, the slower's probe between stretches, and a change of winner when the rates change."""
+in by hand (no clock): the ring's probe, drafting's, then the ring for good if it was faster, else
+drafting's stretches growing while it keeps winning with the ring's probes between."""
 
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ def run(pace: Pace, seconds_per_token: dict[str, float], n_tokens: int) -> list[
     return seen
 
 
-def test_the_ring_then_drafting_are_probed_and_the_faster_runs_ever_longer():
+def test_drafting_that_is_faster_runs_ever_longer_stretches_between_the_rings_probes():
     pace = Pace()
-    seen = run(pace, {"draft": 0.02, "ring": 0.04}, 2000)
-    p, g = PROBE_TOKENS, LEAD_GROWTH
-    stretches = [p * g, p * g * g, p * g * g * g]  # drafting wins again and again, up to LEAD_MAX probes
-    stretches = [min(n, p * LEAD_MAX) for n in stretches]
+    seen = run(pace, {"draft": 0.02, "ring": 0.04}, 3000)
+    p = PROBE_TOKENS
+    stretches = [p * min(LEAD_GROWTH ** i, LEAD_MAX) for i in (1, 2, 3)]
     # drafting's first stretch follows its probe directly: the two make one run here
     expected = [("ring", p), ("draft", p + stretches[0])]
     for n in stretches[1:]:
@@ -32,17 +31,22 @@ def test_the_ring_then_drafting_are_probed_and_the_faster_runs_ever_longer():
     assert seen[:len(expected)] == expected
     assert all(n == p for mode, n in seen if mode == "ring")
     assert pace.rates == pytest.approx({"ring": 25.0, "draft": 50.0})
-    assert pace.made == {"draft": 2000 - sum(n for mode, n in seen if mode == "ring"),
-                         "ring": sum(n for mode, n in seen if mode == "ring")}
+    by_ring = sum(n for mode, n in seen if mode == "ring")
+    assert pace.made == {"draft": 3000 - by_ring, "ring": by_ring}
 
 
-def test_a_change_of_rates_changes_the_winner():
+def test_a_ring_that_is_faster_keeps_the_sequence():
     pace = Pace()
-    run(pace, {"draft": 0.04, "ring": 0.02}, 200)
-    assert pace.winner == "ring"
-    # drafting gets faster: its next probe measures it, and it takes over
-    run(pace, {"draft": 0.01, "ring": 0.02}, 2000)
-    assert pace.winner == "draft" and pace.rates["draft"] > pace.rates["ring"]
+    seen = run(pace, {"draft": 0.04, "ring": 0.03}, 2000)
+    assert seen == [("ring", PROBE_TOKENS), ("draft", PROBE_TOKENS), ("ring", 2000 - 2 * PROBE_TOKENS)]
+
+
+def test_a_ring_probe_that_beats_drafting_later_takes_over_for_good():
+    pace = Pace()
+    run(pace, {"draft": 0.02, "ring": 0.04}, 200)
+    assert pace.mode == "draft"
+    seen = run(pace, {"draft": 0.05, "ring": 0.04}, 2000)  # drafting slows down (its stretch goes on)
+    assert seen[-1][0] == "ring" and seen[-1][1] > 1000 and [m for m, _ in seen].count("ring") == 1
 
 
 def test_tokens_made_the_other_way_count_but_do_not_end_a_stretch():
