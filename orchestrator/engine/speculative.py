@@ -189,8 +189,11 @@ class Pending:
     began: float  # when the drafting started (perf_counter)
 
 
-PROBE_TOKENS = 8  # tokens each way makes when the two are measured against each other (4 drafting blocks)
-LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the ring's probes, in probes: x8 on each win
+# Tokens each way makes when the two are measured against each other: drafting's probe is short (two
+# blocks of llama.cpp's 3 drafts at its usual acceptance) because a ring wrongly kept costs little, while
+# drafting where it does not pay costs a good deal (0.4x the ring's rate with workers together).
+PROBE_TOKENS = {"ring": 8, "draft": 4}
+LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the ring's probes, in ring probes: x8 a win
 
 
 class Pace:
@@ -199,17 +202,17 @@ class Pace:
     through the pipeline verifies several tokens), the ring where only the orchestrator is far (a token
     costs the workers' compute and their links, no round trip).
 
-    The ring makes PROBE_TOKENS, then drafting. If the ring was faster it keeps the sequence: while it
+    The ring makes its PROBE_TOKENS, then drafting its own. If the ring was faster it keeps the sequence: while it
     runs the draft's cells fall behind, and catching them up costs the draft a prompt's worth of compute
     (32 tokens took 0.19 s here, as long as the ring took to make them), so drafting is not tried again.
-    If drafting was faster it makes a stretch of LEAD_GROWTH probes' worth (LEAD_GROWTH times longer each
-    time it wins again, at most LEAD_MAX probes), the ring a probe between stretches (cheap: the target's
+    If drafting was faster it makes a stretch of LEAD_GROWTH ring probes' worth (LEAD_GROWTH times longer
+    each time it wins again, at most LEAD_MAX), the ring a probe between stretches (cheap: the target's
     cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the draft's
     catch-up is not counted in it (it is the price of switching)."""
 
     def __init__(self):
         self.rates: dict[str, float] = {}
-        self.plan = [("ring", PROBE_TOKENS), ("draft", PROBE_TOKENS)]
+        self.plan = [("ring", PROBE_TOKENS["ring"]), ("draft", PROBE_TOKENS["draft"])]
         self.lead = 1
         self.made = {"draft": 0, "ring": 0}  # tokens made each way (the CLI's summary)
         self._next()
@@ -234,7 +237,7 @@ class Pace:
                 self.plan = [("ring", math.inf)]  # for good
             else:
                 self.lead = min(self.lead * LEAD_GROWTH, LEAD_MAX)
-                self.plan = [("draft", PROBE_TOKENS * self.lead), ("ring", PROBE_TOKENS)]
+                self.plan = [("draft", PROBE_TOKENS["ring"] * self.lead), ("ring", PROBE_TOKENS["ring"])]
         self._next()
 
 

@@ -22,10 +22,10 @@ def run(pace: Pace, seconds_per_token: dict[str, float], n_tokens: int) -> list[
 def test_drafting_that_is_faster_runs_ever_longer_stretches_between_the_rings_probes():
     pace = Pace()
     seen = run(pace, {"draft": 0.02, "ring": 0.04}, 3000)
-    p = PROBE_TOKENS
+    p, d = PROBE_TOKENS["ring"], PROBE_TOKENS["draft"]
     stretches = [p * min(LEAD_GROWTH ** i, LEAD_MAX) for i in (1, 2, 3)]
     # drafting's first stretch follows its probe directly: the two make one run here
-    expected = [("ring", p), ("draft", p + stretches[0])]
+    expected = [("ring", p), ("draft", d + stretches[0])]
     for n in stretches[1:]:
         expected += [("ring", p), ("draft", n)]
     assert seen[:len(expected)] == expected
@@ -38,7 +38,8 @@ def test_drafting_that_is_faster_runs_ever_longer_stretches_between_the_rings_pr
 def test_a_ring_that_is_faster_keeps_the_sequence():
     pace = Pace()
     seen = run(pace, {"draft": 0.04, "ring": 0.03}, 2000)
-    assert seen == [("ring", PROBE_TOKENS), ("draft", PROBE_TOKENS), ("ring", 2000 - 2 * PROBE_TOKENS)]
+    p, d = PROBE_TOKENS["ring"], PROBE_TOKENS["draft"]
+    assert seen == [("ring", p), ("draft", d), ("ring", 2000 - p - d)]
 
 
 def test_a_ring_probe_that_beats_drafting_later_takes_over_for_good():
@@ -52,4 +53,4 @@ def test_a_ring_probe_that_beats_drafting_later_takes_over_for_good():
 def test_tokens_made_the_other_way_count_but_do_not_end_a_stretch():
     pace = Pace()
     pace.record("draft", 5, 0.1)  # e.g. a verification that was already under way
-    assert (pace.mode, pace.left) == ("ring", PROBE_TOKENS) and pace.made == {"draft": 5, "ring": 0}
+    assert (pace.mode, pace.left) == ("ring", PROBE_TOKENS["ring"]) and pace.made == {"draft": 5, "ring": 0}
