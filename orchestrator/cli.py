@@ -389,7 +389,8 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     pace = engine.speculator.pace if engine.speculator is not None else None
     if pace is not None:
         rates = ", ".join(f"{way} {rate:.1f} tokens/s" for way, rate in pace.rates.items())
-        log(f"draft: {pace.made['draft']} tokens made drafting, {pace.made['ring']} by the ring (last measured: {rates})")
+        log(f"draft: {pace.made['draft']} tokens made drafting, {pace.made['ring']} by the ring "
+            f"(last measured: {rates})")
     return 0
 
 

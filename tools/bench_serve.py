@@ -8,15 +8,15 @@
 --reps rounds; it prints the aggregate tokens/s of both and their ratio (the median over the rounds).
 
 For each kind of worker in turn (llama.cpp's ggml-rpc-server, then ours), starts the workers, then, for
-each server in turn (llama-server, ours; same workers, model, -c and -np), streams requests (--client: plain
-http.client by default, whose CPU per token is a tenth of the openai package's: the clients share the cores
-with what they measure; or the official openai client): for each number of concurrent clients, one warm-up round, then --reps rounds
-(medians), in each of which every client sends one completion (the same prompt with its number
-appended, greedy, --ignore-eos, n tokens) and the tool records time to first
-token, each request's generation rate (tokens after the first over the time after the first) and the
-aggregate rate (all tokens over the wall time of the round). Then the interference case: a short request
-(8 tokens) sent while a long one generates, its time to first token beside the same request's on an idle
-server (medians of five). Prints, per kind of worker, one table of both servers and the ratios ours /
+each server in turn (llama-server, ours; same workers, model, -c and -np), streams requests (--client:
+plain http.client by default, whose CPU per token is a tenth of the openai package's, since the clients
+share the cores with what they measure; or the official openai client): for each number of concurrent
+clients, one warm-up round, then --reps rounds (medians), in each of which every client sends one
+completion (the same prompt with its number appended, greedy, --ignore-eos, n tokens) and the tool
+records time to first token, each request's generation rate (tokens after the first over the time after
+the first) and the aggregate rate (all tokens over the wall time of the round). Then the interference
+case: a short request (8 tokens) sent while a long one generates, its time to first token beside the
+same request's on an idle server (medians of five). Prints, per kind of worker, one table of both servers and the ratios ours /
 llama-server, and one of the CPU time per generated token of the workers, the server and this process's
 clients, with the aggregate that would allow on this machine's cores if they never idled: what bounds
 the ratio of many clients to one.

@@ -250,8 +250,10 @@ def main(argv=None) -> int:
     print(f"load average at end: {load_average()}")
     if args.chart is not None:
         for topology, mine in points.items():
-            path = args.chart if len(points) == 1 else args.chart.with_name(f"{args.chart.stem}-{topology}{args.chart.suffix}")
-            charts.pipeline_chart(mine, path, f"{args.model.name} with draft {draft.name}, {topology}, {args.tokens} tokens")
+            path = args.chart if len(points) == 1 else \
+                args.chart.with_name(f"{args.chart.stem}-{topology}{args.chart.suffix}")
+            charts.pipeline_chart(mine, path,
+                                  f"{args.model.name} with draft {draft.name}, {topology}, {args.tokens} tokens")
             print(f"chart: {path}")
     return int(status)
 

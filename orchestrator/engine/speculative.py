@@ -202,9 +202,10 @@ class Pace:
     through the pipeline verifies several tokens), the ring where only the orchestrator is far (a token
     costs the workers' compute and their links, no round trip).
 
-    The ring makes its PROBE_TOKENS, then drafting its own. If the ring was faster it keeps the sequence: while it
-    runs the draft's cells fall behind, and catching them up costs the draft a prompt's worth of compute
-    (32 tokens took 0.19 s here, as long as the ring took to make them), so drafting is not tried again.
+    The ring makes its PROBE_TOKENS, then drafting its own. If the ring was faster it keeps the sequence:
+    while it runs the draft's cells fall behind, and catching them up costs the draft a prompt's worth of
+    compute (32 tokens took it 0.19 s here, a third of the ring's time for them), so drafting is not
+    tried again.
     If drafting was faster it makes a stretch of LEAD_GROWTH ring probes' worth (LEAD_GROWTH times longer
     each time it wins again, at most LEAD_MAX), the ring a probe between stretches (cheap: the target's
     cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the draft's
