@@ -221,7 +221,7 @@ def prepare(node: Node):
         return run_float
     ne10 = src1.ne[0]
     if src0.type in KQUANT_TYPES:
-        return kquant_dot.bind(src0, x, out)
+        return kquant_dot.bind(src0, x, out, node.target)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     with_sum = VEC_DOT_TYPE[src0.type] == GGMLType.Q8_1
     qs = np.empty(n_rows * ne10, np.int8)  # scratch for the quantized activations, reused every run
