@@ -19,7 +19,6 @@ in tests.
 from __future__ import annotations
 
 import numba
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -27,7 +26,7 @@ from numba.extending import intrinsic
 
 from wire.ggml import TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 from ..jit import JIT
-from ..llvm import byte_ptr, elem_ptr, i8_t, i32_t, llvm_fn, shuffle, splat, vec
+from ..llvm import HAS_VNNI, dpbusd, elem_ptr, i8_t, i32_t, splat, vec
 from ..tasks import ROWS_PER_TASK
 from .kquant_lanes import Args, block_scales, chunk_quants, f32_t, fma_fn, i64c, per_32
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, quantize_q8_k_row
@@ -39,36 +38,9 @@ BIAS = {T.Q3_K: 4, T.Q6_K: 32, T.IQ4_XS: 128}  # signed codes stored as code + B
 GROUPS = QK_K // 4  # 4-byte groups per block: one vpdpbusd each
 V16 = vec(i32_t, 16)
 F16 = vec(f32_t, 16)
-
-
-def _host_has_vnni() -> bool:
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    try:
-        f = llvm_binding.get_host_cpu_features()
-    except Exception:  # pragma: no cover - exotic hosts
-        return False
-    return all(f.get(x, False) for x in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
-
-
-HAS_VNNI = _host_has_vnni()
 # activation rows whose sums stay in registers at once (2 x COLS of the 32 zmm registers); fewer where
 # vpdpbusd is emulated, which only tests run
 COLS = 8 if HAS_VNNI else 2
-
-
-def dpbusd(builder, acc, w, y):
-    """acc + per lane the sum of 4 products of w's unsigned bytes by y's signed bytes (<16 x i32> each)."""
-    if HAS_VNNI:
-        fn = llvm_fn(builder, "llvm.x86.avx512.vpdpbusd.512", V16, [V16, V16, V16])
-        return builder.call(fn, [acc, w, y])
-    v64 = vec(i32_t, 64)
-    p = builder.mul(builder.zext(builder.bitcast(w, vec(i8_t, 64)), v64),
-                    builder.sext(builder.bitcast(y, vec(i8_t, 64)), v64))
-    for _ in range(2):  # neighbouring products summed twice: lane l = products 4l..4l+3
-        n = p.type.count
-        p = builder.add(shuffle(builder, p, p, list(range(0, n, 2))), shuffle(builder, p, p, list(range(1, n, 2))))
-    return builder.add(acc, p)
 
 
 def _make_tile(type_: GGMLType):
