@@ -330,9 +330,8 @@ def bind(src0, x, out, target: Target = AVX2):
     yd = np.empty(n_rows * (k // tt.block_size), np.float32)
     ybs = np.empty(n_rows * (k // GROUP), np.int32)
     return partial(_mul_mat_kquant, int(src0.type), route(src0.type, out.shape[2]), takes_vnni(src0.type, target),
-                   src0.nb[1], src0.nb[2],
-                   src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], k // tt.block_size, src0.mem, src0.offset, x, yq,
-                   yd, ybs, out)
+                   src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], k // tt.block_size, src0.mem,
+                   src0.offset, x, yq, yd, ybs, out)
 
 
 def mul_mat(src0, xs, out, target: Target = AVX2) -> None:

@@ -12,8 +12,8 @@ s1 = sum_g S_g <q, y>_g, s2 = sum_g M_g bsum_g, r = d*s1, r = fma(-dmin, s2, r),
 in 16 float lanes, one per weight row.
 
 On a host without AVX512_VNNI the same IR computes `vpdpbusd` with plain vector integer operations
-(correct, slow): MUL_MAT only routes here when HAS_VNNI (kquant_dot.bind), the other host runs the code
-in tests.
+(kernels.llvm.dpbusd), so the module compiles everywhere; MUL_MAT and MUL_MAT_ID route here only with
+HAS_VNNI and a 16-lane target (kquant_dot.takes_vnni).
 """
 
 from __future__ import annotations
@@ -71,8 +71,10 @@ def _make_tile(type_: GGMLType):
             for buf in (codes, scales, mins, ds):
                 buf.align = 64
             at_i32 = lambda buf, i: builder.gep(buf, [ir.Constant(i32_t, 0), i])  # noqa: E731
-            as_vec = lambda buf, i, t=V16: builder.bitcast(at_i32(buf, ir.Constant(i32_t, i)), t.as_pointer())  # noqa: E731
-            load_v = lambda buf, i, t=V16: builder.load(as_vec(buf, i, t), align=64)  # noqa: E731
+
+            def load_v(buf, i, t=V16):  # the vector at element i of a scratch
+                return builder.load(builder.bitcast(at_i32(buf, ir.Constant(i32_t, i)), t.as_pointer()), align=64)
+
             last = builder.sub(nrows_, i64c(1))
             with cgutils.for_range(builder, nblk_) as blocks:
                 b = blocks.index

@@ -22,8 +22,8 @@ from ..jit import JIT
 from wire.ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, GGMLType
 
 from ..fmath import np_bf16_bits_to_f32, round_f16
-from ..llvm import (FLOAT_ELEM, HAS_VNNI, PREFETCH_AHEAD, byte_ptr, dpbusd, elem_ptr, f32_t, half_t, hsum8, i8_dot_lanes,
-                   i8_t, i32_t, i64_t, llvm_fn, prefetch, shuffle, splat, to_f32, vec)
+from ..llvm import (FLOAT_ELEM, HAS_VNNI, PREFETCH_AHEAD, byte_ptr, dpbusd, elem_ptr, f32_t, half_t, hsum8,
+                   i8_dot_lanes, i8_t, i32_t, i64_t, llvm_fn, prefetch, shuffle, splat, to_f32, vec)
 
 QK = 32  # elements per block of every format here
 

@@ -235,8 +235,8 @@ def prepare(node: Node):
     d = np.empty(n_rows * ne10 // QK, np.float32)
     s = np.empty_like(d) if with_sum else d
     return partial(_mul_mat_quant, int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
-                   src0.ne[1], src0.ne[2], src0.ne[3], ne10 // QK, x, qs, d, s, with_sum, quants.quant_vnni(node.target),
-                   out)
+                   src0.ne[1], src0.ne[2], src0.ne[3], ne10 // QK, x, qs, d, s, with_sum,
+                   quants.quant_vnni(node.target), out)
 
 
 forward = prepared(prepare)
