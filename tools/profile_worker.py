@@ -1,6 +1,7 @@
 """Where a worker's time goes per decode step: graph ops timed one by one, inside one process.
 
     python tools/profile_worker.py [-m MODEL] [-n 32] [--prompt 8] [--fa on|off] [-c 4096] [--seqs 1] [--batch N]
+                                   [--isa auto|avx2|avx512|...]
 
 The orchestrator's pipeline drives a worker Session in this process (requests still go through the
 shared codec, only the socket is left out), so the numbers are the worker's own: no network, no
@@ -12,6 +13,8 @@ which is what distinguishes a step's wall time from its kernels' time.
 With --seqs S the cache holds S sequences, in cells and attention groups as the serving engine has them
 (orchestrator/engine/batching.py), and each step carries the next token of --batch of them (default all): a
 server's decode step (`orchestrator serve -np 4` over two workers steps two sequences at a time).
+`--seqs 128 --batch 128 --prompt 1` makes each step a 128-row batch: where a prompt's time goes.
+`--isa` is the worker's (default auto: as ggml built natively on this host).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.registry import op_label, sub_op  # noqa: E402
+from kernels.target import TARGETS, resolve  # noqa: E402
 import numpy as np  # noqa: E402
 
 from orchestrator.pipeline.client import InProcessClient  # noqa: E402
@@ -45,13 +49,14 @@ def main(argv=None) -> int:
     ap.add_argument("-c", "--ctx", type=int, default=4096, help="KV cache cells")
     ap.add_argument("--seqs", type=int, default=1, help="sequences in the KV cache")
     ap.add_argument("--batch", type=int, default=None, help="sequences each step carries (default: all)")
+    ap.add_argument("--isa", default="auto", help=f"the worker's target (auto, {', '.join(TARGETS)})")
     args = ap.parse_args(argv)
     batch = args.batch or args.seqs
     if not 1 <= batch <= args.seqs:
         ap.error("--batch must be between 1 and --seqs")
 
     model = ModelFile(args.model or reference.model_path())
-    session = Session(WorkerConfig(MemoryBudget()))
+    session = Session(WorkerConfig(MemoryBudget(), target=resolve(args.isa)))
     client = InProcessClient(session)
     pipe = Pipeline(model, n_ctx=args.ctx, n_batch=512, n_ubatch=512, flash_attn=args.fa == "on")
     pipe.connect([client])

@@ -20,8 +20,10 @@ from ..jit import JIT
 from .kquant_lanes import (Args, block_lanes, block_scales, chunk_quants, column_sums, column_vector, f32_t, fma_fn,
                            i64c, iq4_quants, isum, pairs, scaled_lanes, spreader, unsigned_quants, weighted_bsums)
 from . import quants
+from .kquant_vnni import HAS_VNNI, quantize_block_major, vnni_tile
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_q8_k_row, route
 from ..llvm import PREFETCH_AHEAD, byte_ptr, hsum8, i8_dot_lanes, i8_t, i32_t, prefetch, splat, vec
+from ..target import AVX2, Target
 from ..tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
 T = GGMLType
@@ -248,12 +250,15 @@ def vec_dot(kind, w, off, nblk, yq, yd, ybs, col):
 
 
 @numba.njit(inline="always", **JIT)
-def _quantize_row(kind, x, r, yq, yd, ybs):
+def _quantize_row(kind, x, r, yq, yd, ybs, block_major):
     """Flat activation row r of x (ne13, ne12, ne11, K) into its slice of the flat scratch, in the
-    weights' vec_dot format: q8_0 for IQ4_NL, q8_K (with its 16-element sums) for the others."""
+    weights' vec_dot format: q8_0 for IQ4_NL, q8_K (with its 16-element sums) for the others; the
+    VNNI tiles' scratch is block-major."""
     ne11, ne12, k = x.shape[2], x.shape[1], x.shape[3]
     row = x[r // (ne11 * ne12), (r // ne11) % ne12, r % ne11]
-    if kind == TYPE_IQ4_NL:
+    if block_major:
+        quantize_block_major(row, r, x.shape[0] * ne12 * ne11, yq, yd, ybs)
+    elif kind == TYPE_IQ4_NL:
         nblk = k // quants.QK
         quants.quantize_q8_row(row, yq[r * k:(r + 1) * k], yd[r * nblk:(r + 1) * nblk], yd[r * nblk:(r + 1) * nblk],
                                False)
@@ -263,21 +268,29 @@ def _quantize_row(kind, x, r, yq, yd, ybs):
 
 
 @numba.njit(parallel=True, **JIT)
-def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off, x, yq, yd, ybs, out):
+def _mul_mat_kquant(kind, how, vnni, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off, x, yq, yd, ybs, out):
     """Like _mul_mat_quant: the activations x (ne13, ne12, ne11, K) are quantized into the flat scratch
     first (a decode step's single row without waking the other threads), then a task's weight rows meet
     every activation row while they are hot, in tiles of TILE_COLS activation rows on the TILED route;
-    `how` is the route."""
+    `how` is the route, `vnni` says the TILED route takes kernels.formats.kquant_vnni."""
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     n_rows = ne13 * ne12 * ne11
+    vnni = vnni and how == TILED
     if n_rows >= QUANTIZE_PARALLEL_ROWS:
         for r in numba.prange(n_rows):
-            _quantize_row(kind, x, r, yq, yd, ybs)
+            _quantize_row(kind, x, r, yq, yd, ybs, vnni)
     else:
         for r in range(n_rows):
-            _quantize_row(kind, x, r, yq, yd, ybs)
+            _quantize_row(kind, x, r, yq, yd, ybs, vnni)
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
+        if vnni:
+            acc = np.zeros(ne11 * ROWS_PER_TASK, np.float32)
+            vnni_tile(kind, w, base + lo * nb01, nb01, hi - lo, nblk, yq, yd, ybs, col0, ne11, 1, n_rows, acc)
+            for i11 in range(ne11):
+                for r in range(hi - lo):
+                    out[i13, i12, i11, lo + r] = acc[i11 * ROWS_PER_TASK + r]
+            continue
         tiled = ne11 - ne11 % TILE_COLS if how == TILED else 0
         for i11 in range(0, tiled, TILE_COLS):
             for r in range(lo, hi):
@@ -300,20 +313,27 @@ def _mul_mat_kquant(kind, how, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off,
                 out[i13, i12, i11, r] = v1
 
 
-def bind(src0, x, out):
+def takes_vnni(type_: GGMLType, target: Target) -> bool:
+    """Whether the TILED route runs kernels.formats.kquant_vnni: for a target that is an AVX-512 build (whose
+    tiled kernel is the VNNI one) on a host that has AVX512_VNNI. The sums are the same either way."""
+    return HAS_VNNI and target.lanes == 16 and type_ != T.IQ4_NL
+
+
+def bind(src0, x, out, target: Target = AVX2):
     """MUL_MAT of K-quant/IQ4 weights src0 (a Tensor) with the f32 activations x (ne13, ne12, ne11, K,
-    any strides) into out (the dst array, whose shape[2] is src1->ne[1], what picks ggml's route), as a
-    zero-argument call; the quantized activations' scratch is allocated once, here."""
+    any strides) into out (the dst array, whose shape[2] is src1->ne[1], what picks ggml's route) as
+    ggml-cpu built for `target` computes it, as a zero-argument call; the quantized activations'
+    scratch is allocated once, here."""
     tt = TYPE_TRAITS[src0.type]
     k, n_rows = x.shape[3], x.shape[0] * x.shape[1] * x.shape[2]
     yq = np.empty(n_rows * k, np.int8)
     yd = np.empty(n_rows * (k // tt.block_size), np.float32)
     ybs = np.empty(n_rows * (k // GROUP), np.int32)
-    return partial(_mul_mat_kquant, int(src0.type), route(src0.type, out.shape[2]), src0.nb[1], src0.nb[2],
-                   src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], k // tt.block_size, src0.mem, src0.offset, x, yq,
-                   yd, ybs, out)
+    return partial(_mul_mat_kquant, int(src0.type), route(src0.type, out.shape[2]), takes_vnni(src0.type, target),
+                   src0.nb[1], src0.nb[2], src0.nb[3], src0.ne[1], src0.ne[2], src0.ne[3], k // tt.block_size, src0.mem,
+                   src0.offset, x, yq, yd, ybs, out)
 
 
-def mul_mat(src0, xs, out) -> None:
+def mul_mat(src0, xs, out, target: Target = AVX2) -> None:
     """bind() run once, for activation rows xs (rows, K) given flat."""
-    bind(src0, xs.reshape(out.shape[0], out.shape[1], out.shape[2], xs.shape[1]), out)()
+    bind(src0, xs.reshape(out.shape[0], out.shape[1], out.shape[2], xs.shape[1]), out, target)()

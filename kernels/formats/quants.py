@@ -22,8 +22,8 @@ from ..jit import JIT
 from wire.ggml import TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, GGMLType
 
 from ..fmath import np_bf16_bits_to_f32, round_f16
-from ..llvm import (FLOAT_ELEM, PREFETCH_AHEAD, byte_ptr, elem_ptr, f32_t, half_t, hsum8, i8_dot_lanes, i8_t, i32_t,
-                   i64_t, llvm_fn, prefetch, shuffle, splat, to_f32, vec)
+from ..llvm import (FLOAT_ELEM, HAS_VNNI, PREFETCH_AHEAD, byte_ptr, dpbusd, elem_ptr, f32_t, half_t, hsum8,
+                   i8_dot_lanes, i8_t, i32_t, i64_t, llvm_fn, prefetch, shuffle, splat, to_f32, vec)
 
 QK = 32  # elements per block of every format here
 
@@ -120,8 +120,9 @@ def pack_q8(qs: np.ndarray, d: np.ndarray, s: np.ndarray | None = None) -> np.nd
 # LLVM helpers for numba: vector block dot products (scalar fma/fp16/bf16 helpers are in fmath.py)
 
 
-def _decode_block(builder, load, typ, base):
-    """The 32 weights of the block at byte `base` as <32 x i8> (ggml element order)."""
+def _decode_block(builder, load, typ, base, mask_bits=False):
+    """The 32 weights of the block at byte `base` as <32 x i8> (ggml element order). mask_bits: the
+    fifth bits of Q5_0/Q5_1 go through a 32-bit mask register (AVX512BW) instead of vector shifts."""
     size, _, _, qh_at, qs_at, bias = _LAYOUT[typ]
     at = lambda off: builder.add(base, ir.Constant(i64_t, off))  # noqa: E731
     if typ == GGMLType.Q8_0:
@@ -130,7 +131,11 @@ def _decode_block(builder, load, typ, base):
     lo = builder.and_(qs, ir.Constant(vec(i8_t, 16), [15] * 16))
     hi = builder.lshr(qs, ir.Constant(vec(i8_t, 16), [4] * 16))
     w = shuffle(builder, lo, hi, list(range(32)))
-    if qh_at is not None:
+    if qh_at is not None and mask_bits:
+        bits = builder.bitcast(load(at(qh_at), i32_t), vec(ir.IntType(1), 32))
+        w = builder.or_(w, builder.select(bits, ir.Constant(vec(i8_t, 32), [16] * 32),
+                                          ir.Constant(vec(i8_t, 32), [0] * 32)))
+    elif qh_at is not None:
         bits = builder.lshr(splat(builder, load(at(qh_at), i32_t), 32), ir.Constant(vec(i32_t, 32), list(range(32))))
         bits = builder.trunc(builder.and_(bits, ir.Constant(vec(i32_t, 32), [1] * 32)), vec(i8_t, 32))
         w = builder.or_(w, builder.shl(bits, ir.Constant(vec(i8_t, 32), [4] * 32)))
@@ -139,10 +144,21 @@ def _decode_block(builder, load, typ, base):
     return w
 
 
-def _make_row_dot(typ: GGMLType, ncols: int):
+def _vnni_lanes(builder, w, y, unsigned_w):
+    """i8_dot_lanes as one 256-bit vpdpbusd (after the sign trick for signed weights): the same sums."""
+    v32 = vec(i8_t, 32)
+    if not unsigned_w:
+        psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+        w, y = builder.call(psign, [w, w]), builder.call(psign, [y, w])
+    v8 = vec(i32_t, 8)
+    return dpbusd(builder, ir.Constant(v8, [0] * 8), builder.bitcast(w, v8), builder.bitcast(y, v8))
+
+
+def _make_row_dot(typ: GGMLType, ncols: int, vnni: bool = False):
     """Intrinsic dot(w, woff, nb, yq, yd, ys, col) -> ncols floats: the weight row of nb blocks at
     byte woff of w against activation rows col..col+ncols-1 (yq int8 and yd/ys float32, flat,
-    nb blocks per row), exactly as ggml_vec_dot_<typ>_q8_<0|1> on AVX2."""
+    nb blocks per row), exactly as ggml_vec_dot_<typ>_q8_<0|1> on AVX2. vnni: the integer lanes by
+    vpdpbusd and Q5's fifth bits by a mask register (the same values: integer sums)."""
     size, d_at, m_at, _, _, _ = _LAYOUT[typ]
     ret = types.UniTuple(types.float32, ncols)
 
@@ -163,14 +179,15 @@ def _make_row_dot(typ: GGMLType, ncols: int):
                 base = builder.add(woff_, builder.mul(b, ir.Constant(i64_t, size)))
                 prefetch(builder, byte_ptr(context, builder, wt, w_, builder.add(base, ir.Constant(i64_t, PREFETCH_AHEAD)), i8_t))
                 dx = builder.fpext(load(builder.add(base, ir.Constant(i64_t, d_at)), half_t), f32_t)
-                wv = _decode_block(builder, load, typ, base)
+                wv = _decode_block(builder, load, typ, base, mask_bits=vnni)
                 mx = None if m_at is None else builder.fpext(load(builder.add(base, ir.Constant(i64_t, m_at)), half_t), f32_t)
                 for c in range(ncols):
                     blk = builder.add(builder.mul(builder.add(col_, ir.Constant(i64_t, c)), nb_), b)
                     yp = builder.bitcast(elem_ptr(context, builder, yqt, yq_, builder.mul(blk, ir.Constant(i64_t, QK))),
                                          vec(i8_t, 32).as_pointer())
                     dy = builder.load(elem_ptr(context, builder, ydt, yd_, blk))
-                    lanes = builder.sitofp(i8_dot_lanes(builder, wv, builder.load(yp, align=1), unsigned_w=m_at is not None),
+                    dot = _vnni_lanes if vnni else i8_dot_lanes
+                    lanes = builder.sitofp(dot(builder, wv, builder.load(yp, align=1), unsigned_w=m_at is not None),
                                            vec(f32_t, 8))
                     d = splat(builder, builder.fmul(dx, dy))
                     builder.store(builder.call(fma8, [d, lanes, builder.load(accs[c])]), accs[c])
@@ -197,6 +214,33 @@ ROW_DOT = {t: (_make_row_dot(t, 1), _make_row_dot(t, 2), _make_row_dot(t, 4)) fo
 (_q40_1, _q40_2, _q40_4), (_q41_1, _q41_2, _q41_4), (_q50_1, _q50_2, _q50_4), (_q51_1, _q51_2, _q51_4), \
     (_q80_1, _q80_2, _q80_4) = (ROW_DOT[t] for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
                                                      GGMLType.Q8_0))
+
+
+# eight activation rows per weight row read with vpdpbusd, for an AVX-512 target on an AVX512_VNNI host
+# (quant_vnni); elsewhere these are the AVX2 lanes (never called by MUL_MAT, which takes row_dot4 there)
+VNNI_COLS = 8
+(_q40_8, _q41_8, _q50_8, _q51_8, _q80_8) = (_make_row_dot(t, VNNI_COLS, HAS_VNNI) for t in (
+    GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0))
+
+
+def quant_vnni(target) -> bool:
+    """Whether MUL_MAT of the legacy quants reads eight activation rows per weight row with vpdpbusd:
+    for a 16-lane (AVX-512) target on a host with AVX512_VNNI. The results are the same either way."""
+    return HAS_VNNI and target.lanes == 16
+
+
+@numba.njit(inline="always", **JIT)
+def row_dot8(kind, w, off, nb, yq, yd, ys, col):
+    """row_dot1 for activation rows col..col+7 at once: a tuple of eight."""
+    if kind == TYPE_Q4_0:
+        return _q40_8(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q4_1:
+        return _q41_8(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q5_0:
+        return _q50_8(w, off, nb, yq, yd, ys, col)
+    if kind == TYPE_Q5_1:
+        return _q51_8(w, off, nb, yq, yd, ys, col)
+    return _q80_8(w, off, nb, yq, yd, ys, col)
 
 
 @numba.njit(inline="always", **JIT)

@@ -43,6 +43,7 @@ from wire.ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F3
 
 from ..attention_rows import (BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_index_streams_inner,
                              row_one_chunk, visible_cells)
+from ..fa_lanes import kq_tile, v_tile16, v_tile64
 from ..fmath import fma32
 from ..formats.dequantize import dequantize_rows
 from ..formats.kquant_dot import iq4_nl_vec_dot
@@ -225,12 +226,15 @@ def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, s
     M = NEG_INF
     for ic in range(0, n_kv, TILE_KV):
         n = min(TILE_KV, n_kv - ic)
-        kq[:] = 0
-        for d in range(dk):  # simd_gemm: one FMA chain per score, over d in order
-            qd = qrow[d]
-            krow = kt2[d, ic : ic + n]
-            for t in range(n):
-                kq[t] = fma32(krow[t], qd, kq[t])
+        if n == TILE_KV:  # simd_gemm: one FMA chain per score, over d in order
+            kq_tile(kt2, ic, qrow, kq)
+        else:
+            kq[:] = 0
+            for d in range(dk):
+                qd = qrow[d]
+                krow = kt2[d, ic : ic + n]
+                for t in range(n):
+                    kq[t] = fma32(krow[t], qd, kq[t])
         for t in range(n):
             kq[t] = kq[t] * scale
         if softcap != F32(0.0):
@@ -254,11 +258,16 @@ def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, s
             S *= ms
         M = Mnew
         S = F32(np.float64(S) + vec_soft_max(TILE_KV, kq, kq, Mnew, lanes))
-        for t in range(n):  # simd_gemm: one FMA chain per output, over the tile's rows in order
-            pt = kq[t]
-            vrow = v2[ic + t]
-            for d in range(dv):
-                vkq[d] = fma32(vrow[d], pt, vkq[d])
+        if dv % 64 == 0:  # simd_gemm: one FMA chain per output, over the tile's rows in order
+            v_tile64(v2, ic, n, kq, vkq)
+        elif dv % 16 == 0:
+            v_tile16(v2, ic, n, kq, vkq)
+        else:
+            for t in range(n):
+                pt = kq[t]
+                vrow = v2[ic + t]
+                for d in range(dv):
+                    vkq[d] = fma32(vrow[d], pt, vkq[d])
     if has_sinks:
         M, S = apply_sink(sinks[iq2], M, S, vkq, True)
     inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S

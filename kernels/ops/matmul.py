@@ -33,7 +33,7 @@ from ..formats.float_dot512 import SCRATCH, dot16, np_dot16, np_tail_sum
 from ..formats.kquants import KQUANT_TYPES
 from ..node import InvalidNode, Node
 from ..fmath import np_fma
-from ..formats.quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4
+from ..formats.quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4, row_dot8
 from ..registry import OpKernel, nothing, prepared, register
 from ..tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
@@ -156,8 +156,9 @@ def _quantize_activation_row(x, r, yq, yd, ys, with_sum):
 
 
 @numba.njit(parallel=True, **JIT)
-def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq, yd, ys, with_sum, out):
-    """x: the (ne13, ne12, ne11, K) f32 activations, quantized first into the flat scratch yq/yd/ys."""
+def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq, yd, ys, with_sum, vnni, out):
+    """x: the (ne13, ne12, ne11, K) f32 activations, quantized first into the flat scratch yq/yd/ys;
+    `vnni`: eight activation rows per weight row read first (quants.row_dot8, quants.quant_vnni)."""
     ne13, ne12, ne11, _ = x.shape
     n_rows = ne13 * ne12 * ne11
     if n_rows >= QUANTIZE_PARALLEL_ROWS:
@@ -169,6 +170,12 @@ def _mul_mat_quant(kind, w, off, nb01, nb02, nb03, ne01, ne02, ne03, nblk, x, yq
     for task in numba.prange(ne13 * ne12 * ((ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK)):
         i12, i13, base, col0, lo, hi = task_tile(task, ne01, ne02, ne03, ne11, ne12, ne13, off, nb02, nb03)
         i11 = 0
+        while vnni and i11 + 8 <= ne11:
+            for ir in range(lo, hi):
+                v8 = row_dot8(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
+                for c in range(8):
+                    out[i13, i12, i11 + c, ir] = v8[c]
+            i11 += 8
         while i11 + 4 <= ne11:  # four activation rows per weight row read
             for ir in range(lo, hi):
                 v = row_dot4(kind, w, base + ir * nb01, nblk, yq, yd, ys, col0 + i11)
@@ -221,14 +228,15 @@ def prepare(node: Node):
         return run_float
     ne10 = src1.ne[0]
     if src0.type in KQUANT_TYPES:
-        return kquant_dot.bind(src0, x, out)
+        return kquant_dot.bind(src0, x, out, node.target)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     with_sum = VEC_DOT_TYPE[src0.type] == GGMLType.Q8_1
     qs = np.empty(n_rows * ne10, np.int8)  # scratch for the quantized activations, reused every run
     d = np.empty(n_rows * ne10 // QK, np.float32)
     s = np.empty_like(d) if with_sum else d
     return partial(_mul_mat_quant, int(src0.type), src0.mem, src0.offset, src0.nb[1], src0.nb[2], src0.nb[3],
-                   src0.ne[1], src0.ne[2], src0.ne[3], ne10 // QK, x, qs, d, s, with_sum, out)
+                   src0.ne[1], src0.ne[2], src0.ne[3], ne10 // QK, x, qs, d, s, with_sum,
+                   quants.quant_vnni(node.target), out)
 
 
 forward = prepared(prepare)

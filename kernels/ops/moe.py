@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..formats import kquant_dot, kquants, quants
+from ..formats import kquant_dot, kquant_vnni, kquants, quants
 from ..formats.float_dot import dot_float, round_activations
 from ..formats.float_dot512 import SCRATCH, dot16
 from wire.ggml import TYPE_IQ4_NL, TYPE_TRAITS, GGMLOp, GGMLType
@@ -156,9 +156,10 @@ def _quantize_k(kind, row, s, k, yq, yd, ybs):
 
 
 @numba.njit(parallel=True, **JIT)
-def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts, pairs, yq, yd, ybs, out):
+def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts, pairs, yq, yd, ybs, vnni, out):
     """K-quants and IQ4: per expert the tiled kernel's sums from TILED_MIN_ROWS routed rows on (in
-    tiles of TILE_COLS), ggml_vec_dot_<w>_q8_K below that, and always for IQ4_NL."""
+    tiles of TILE_COLS, or all at once in kernels.formats.kquant_vnni if `vnni`), ggml_vec_dot_<w>_q8_K
+    below that, and always for IQ4_NL."""
     if not _group(ids, n_as, starts, pairs):
         return False
     n_ids, ne11, k = ids.shape[1], x.shape[1], x.shape[2]
@@ -176,7 +177,15 @@ def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, start
         base = off + a * nb02
         s, end = starts[a], starts[a + 1]
         tiled = kind != TYPE_IQ4_NL and end - s >= TILED_MIN_ROWS
-        if tiled:
+        if tiled and vnni:
+            acc = np.zeros((end - s) * ROWS_PER_TASK, np.float32)
+            kquant_vnni.vnni_tile(kind, w, base + lo * nb01, nb01, hi - lo, nblk, yq, yd, ybs, s, end - s, nblk, 1,
+                                  acc)
+            for c in range(s, end):
+                for ir in range(lo, hi):
+                    out[pairs[c] // n_ids, pairs[c] % n_ids, ir] = acc[(c - s) * ROWS_PER_TASK + ir - lo]
+            s = end
+        elif tiled:
             while s + cols <= end:
                 for ir in range(lo, hi):
                     v = kquant_dot.tiled_dots(kind, w, base + ir * nb01, nblk, yq, yd, ybs, s)
@@ -255,9 +264,10 @@ def prepare(node: Node):
         nblk = k // block
         yq, yd = np.empty(ids.size * k, np.int8), np.empty(ids.size * nblk, np.float32)
         ybs = np.empty(ids.size * (k // kquants.GROUP), np.int32)
+        vnni = kquant_dot.takes_vnni(src0.type, node.target)
 
         def run():
-            return _mul_mat_id_kquant(*w, nblk, x, ids, starts, pairs, yq, yd, ybs, out)
+            return _mul_mat_id_kquant(*w, nblk, x, ids, starts, pairs, yq, yd, ybs, vnni, out)
 
     def checked():
         if not run():

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels.formats import kquants, quants
+from kernels.formats import kquant_vnni, kquants, quants
 from kernels.formats.dequantize import dequantize_rows
 from kernels.ops import get_rows, matmul
 from kernels.node import InvalidNode, Node, Tensor
+from kernels.target import AVX2, AVX512
 from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 
 pytestmark = pytest.mark.kernels
@@ -172,9 +173,9 @@ def activations(rng, ne, permute=False):
     return Tensor(T.F32, ne, (nb[0], nb[2], nb[1], nb[3]), store.mem, 0)
 
 
-def mul_mat_node(w, x):
+def mul_mat_node(w, x, target=AVX2):
     dst = Tensor.new(T.F32, (w.ne[1], x.ne[1], x.ne[2], x.ne[3]))
-    node = Node(GGMLOp.MUL_MAT, dst, (w, x))
+    node = Node(GGMLOp.MUL_MAT, dst, (w, x), target=target)
     matmul.check(node)
     return node
 
@@ -197,11 +198,14 @@ MUL_MAT_CASES = [  # (ne00, ne01, ne11, ne02, ne12, ne03, ne13, permuted activat
 
 @pytest.mark.parametrize("type_", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", MUL_MAT_CASES, ids=lambda c: "x".join(map(str, c[:7])) + ("p" if c[7] else ""))
-def test_mul_mat_forward_matches_reference(type_, case):
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=lambda t: t.name)
+def test_mul_mat_forward_matches_reference(type_, case, target):
+    """On an AVX512_VNNI host the AVX-512 target's tiled route is kernels.formats.kquant_vnni (ragged
+    weight-row tiles and activation rows past its register tiles included: cases 18x19 and 9x8)."""
     ne00, ne01, ne11, ne02, ne12, ne03, ne13, permute, pad = case
     rng = np.random.default_rng(hash((type_, case)) % 2**32)
     node = mul_mat_node(weight_tensor(rng, type_, (ne00, ne01, ne02, ne03), pad),
-                        activations(rng, (ne00, ne11, ne12, ne13), permute))
+                        activations(rng, (ne00, ne11, ne12, ne13), permute), target)
     ours, ref = run(matmul.forward, node), run(matmul.reference, node)
     np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
 
@@ -274,6 +278,20 @@ def assert_bit_exact(node, theirs):
 @pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("p" if c[4] else ""))
 def test_mul_mat_bit_exact_with_ggml(type_, case):
     node, theirs = ggml_mul_mat(type_, *case, np.random.default_rng(hash((type_, case)) % 2**32))
+    matmul.check(node)
+    assert_bit_exact(node, theirs)
+
+
+@needs_ggml
+@pytest.mark.skipif(not kquant_vnni.HAS_VNNI, reason="the VNNI tiles run only where the CPU has AVX512_VNNI")
+@pytest.mark.parametrize("type_", [t for t in TYPES if t != T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("case", [c for c in ORACLE_CASES if c[2] >= kquants.TILED_MIN_ROWS],
+                         ids=lambda c: "x".join(map(str, c[:4])) + ("p" if c[4] else ""))
+def test_mul_mat_vnni_tiles_bit_exact_with_ggml(type_, case):
+    """An AVX-512 target's tiled route (kernels.formats.kquant_vnni) against this oracle's tiled kernel:
+    ggml's tiled kernels differ between builds only in integer sums, so they agree bit for bit."""
+    node, theirs = ggml_mul_mat(type_, *case, np.random.default_rng(hash((type_, case)) % 2**32))
+    node.target = AVX512
     matmul.check(node)
     assert_bit_exact(node, theirs)
 

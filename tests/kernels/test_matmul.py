@@ -62,12 +62,12 @@ def activations(rng, ne, permute=False, scale=1.0):
     return Tensor(T.F32, ne, (nb[0], nb[2], nb[1], nb[3]), store.mem, 0)
 
 
-def mul_mat(w, x, dst_pad=0):
+def mul_mat(w, x, dst_pad=0, target=AVX2):
     ne = (w.ne[1], x.ne[1], x.ne[2], x.ne[3])
     nb1 = 4 * ne[0] + dst_pad
     mem = np.full(nb1 * ne[1] * ne[2] * ne[3] + 64, 0xFF, np.uint8)
     dst = Tensor(T.F32, ne, (4, nb1, nb1 * ne[1], nb1 * ne[1] * ne[2]), mem, 0)
-    node = Node(GGMLOp.MUL_MAT, dst, (w, x))
+    node = Node(GGMLOp.MUL_MAT, dst, (w, x), target=target)
     matmul.check(node)
     return node
 
@@ -136,12 +136,16 @@ CASES = [  # (ne00, ne01, ne11, ne02, ne12, ne03, ne13, permute, row_pad)
 
 
 @pytest.mark.parametrize("type_", QUANT, ids=lambda t: t.name)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + ("p" if c[7] else ""))
-def test_forward_matches_reference(type_, case):
+@pytest.mark.parametrize("case", CASES + [(64, 5, 19, 1, 1, 1, 1, False, 0)],
+                         ids=lambda c: "x".join(map(str, c[:7])) + ("p" if c[7] else ""))
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=lambda t: t.name)
+def test_forward_matches_reference(type_, case, target):
+    """An AVX-512 target on an AVX512_VNNI host reads eight activation rows per weight row with
+    vpdpbusd (quants.row_dot8), then four, two, one (case 5x19: 8 + 8 + 2 + 1)."""
     ne00, ne01, ne11, ne02, ne12, ne03, ne13, permute, pad = case
     rng = np.random.default_rng(hash((type_, case)) % 2**32)
     node = mul_mat(weights(rng, type_, (ne00, ne01, ne02, ne03), pad),
-                   activations(rng, (ne00, ne11, ne12, ne13), permute), dst_pad=8)
+                   activations(rng, (ne00, ne11, ne12, ne13), permute), dst_pad=8, target=target)
     ours, ref = run(matmul.forward, node), run(matmul.reference, node)
     assert not np.isnan(ref).any()
     np.testing.assert_array_equal(ours, ref)

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import ggml_oracle
+from kernels.formats import kquant_vnni
+from kernels.formats.kquants import KQUANT_TYPES
 from kernels.ops import add_id, moe, reduce, sort
+from kernels.target import AVX512
 from wire.ggml import TYPE_TRAITS, GGMLOp, GGMLType
 from kernels.node import InvalidNode, Node, Tensor
 from kernels.registry import lookup
@@ -105,6 +108,26 @@ def mmid_build(type_, case):
 def test_mul_mat_id_bit_exact_with_ggml(type_):
     for case in MMID_CASES:
         ours, ref, theirs = against_ggml(mmid_build(type_, case))
+        np.testing.assert_array_equal(ours.view(np.float32), theirs.view(np.float32), err_msg=str(case))
+        np.testing.assert_array_equal(ref.view(np.float32), theirs.view(np.float32), err_msg=str(case))
+
+
+@needs_ggml
+@pytest.mark.skipif(not kquant_vnni.HAS_VNNI, reason="the VNNI tiles run only where the CPU has AVX512_VNNI")
+@pytest.mark.parametrize("type_", [t for t in MMID_TYPES if t in KQUANT_TYPES and t != T.IQ4_NL],
+                         ids=lambda t: t.name)
+def test_mul_mat_id_vnni_tiles_bit_exact_with_ggml(type_):
+    """An AVX-512 target's tiled experts (kernels.formats.kquant_vnni, row-major activations) against this
+    oracle: ggml's tiled kernels differ between builds only in integer sums. The second case routes 21
+    rows to two experts of 35 weight rows (two full tiles and a ragged one)."""
+    for case in (MMID_CASES[1], (512, 35, 3, 2, 21, True)):
+        with ggml_oracle.Graph() as g:
+            out = mmid_build(type_, case)(g)
+            node = g.mirror(out)
+            g.compute(out, n_threads=2)
+            theirs = ggml_oracle.result_bytes(out)
+        node.target = AVX512
+        ours, ref = run_both(node)
         np.testing.assert_array_equal(ours.view(np.float32), theirs.view(np.float32), err_msg=str(case))
         np.testing.assert_array_equal(ref.view(np.float32), theirs.view(np.float32), err_msg=str(case))
 
