@@ -203,18 +203,19 @@ def _binary_row(op, a, b, dst, r):
     i1, i2, i3 = st.row_coords(r, n1, n2)
     x, y, z = a[i3, i2, i1], b[i3 % m3, i2 % m2, i1 % m1], dst[i3, i2, i1]
     for base in range(0, n0, m0):  # src1's row repeats along src0's
+        xs, zs = x[base:base + m0], z[base:base + m0]  # slices with the same index as y's: LLVM vectorizes
         if op == 0:
             for k in range(m0):
-                z[base + k] = x[base + k] + y[k]
+                zs[k] = xs[k] + y[k]
         elif op == 1:
             for k in range(m0):
-                z[base + k] = x[base + k] - y[k]
+                zs[k] = xs[k] - y[k]
         elif op == 2:
             for k in range(m0):
-                z[base + k] = x[base + k] * y[k]
+                zs[k] = xs[k] * y[k]
         else:
             for k in range(m0):
-                z[base + k] = x[base + k] / y[k]
+                zs[k] = xs[k] / y[k]
 
 
 @row_loop

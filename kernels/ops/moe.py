@@ -96,14 +96,28 @@ def _group(ids, n_as, starts, pairs):
 
 
 @numba.njit(inline="always", **JIT)
-def _slices(task, nchunk, ne01):
-    a = task // nchunk
+def _routed(starts, n_as, routed):
+    """The experts with routed rows, in id order, into routed[:n]; returns n. The parallel tasks cover only
+    these: a decode step routes a few of many experts, and numba hands each thread one contiguous run of
+    the task range, so tasks of idle experts would leave a thread with nothing while another takes them all."""
+    n = 0
+    for a in range(n_as):
+        if starts[a + 1] > starts[a]:
+            routed[n] = a
+            n += 1
+    return n
+
+
+@numba.njit(inline="always", **JIT)
+def _slices(task, nchunk, ne01, routed):
+    a = routed[task // nchunk]
     lo = (task % nchunk) * ROWS_PER_TASK
     return a, lo, min(ne01, lo + ROWS_PER_TASK)
 
 
 @numba.njit(parallel=True, **JIT)
-def _mul_mat_id_quant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts, pairs, yq, yd, ys, with_sum, out):
+def _mul_mat_id_quant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts, pairs, routed, yq, yd, ys, with_sum,
+                      out):
     """Legacy quants (Q4_0 ... Q8_0): q8_0/q8_1 activations, ggml_vec_dot_<w>_q8_<0|1>."""
     if not _group(ids, n_as, starts, pairs):
         return False
@@ -120,8 +134,9 @@ def _mul_mat_id_quant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts
             quants.quantize_q8_row(x[t, e % ne11], yq[s * k:(s + 1) * k], yd[s * nblk:(s + 1) * nblk],
                                    ys[s * nblk:(s + 1) * nblk], with_sum)
     nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in numba.prange(n_as * nchunk):
-        a, lo, hi = _slices(task, nchunk, ne01)
+    n_tasks = _routed(starts, n_as, routed) * nchunk
+    for task in numba.prange(n_tasks):
+        a, lo, hi = _slices(task, nchunk, ne01, routed)
         base = off + a * nb02
         s, end = starts[a], starts[a + 1]
         while s + 4 <= end:
@@ -156,7 +171,8 @@ def _quantize_k(kind, row, s, k, yq, yd, ybs):
 
 
 @numba.njit(parallel=True, **JIT)
-def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts, pairs, yq, yd, ybs, vnni, out):
+def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts, pairs, routed, yq, yd, ybs, vnni,
+                       out):
     """K-quants and IQ4: per expert the tiled kernel's sums from TILED_MIN_ROWS routed rows on (in
     tiles of TILE_COLS, or all at once in kernels.formats.kquant_vnni if `vnni`), ggml_vec_dot_<w>_q8_K
     below that, and always for IQ4_NL."""
@@ -172,8 +188,9 @@ def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, start
             _quantize_k(kind, x[pairs[s] // n_ids, (pairs[s] % n_ids) % ne11], s, k, yq, yd, ybs)
     nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cols = kquant_dot.TILE_COLS
-    for task in numba.prange(n_as * nchunk):
-        a, lo, hi = _slices(task, nchunk, ne01)
+    n_tasks = _routed(starts, n_as, routed) * nchunk
+    for task in numba.prange(n_tasks):
+        a, lo, hi = _slices(task, nchunk, ne01, routed)
         base = off + a * nb02
         s, end = starts[a], starts[a + 1]
         tiled = kind != TYPE_IQ4_NL and end - s >= TILED_MIN_ROWS
@@ -207,14 +224,15 @@ def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, start
 
 @numba.njit(parallel=True, **JIT)
 def _mul_mat_id_float(kind, lanes, pairs16, w, off, nb01, nb02, ne01, n_as, esize, k, y, ne11, ids, starts, pairs,
-                      out):
+                      routed, out):
     """F32/F16/BF16: y holds all of src1 (n_tok, ne11, k) flat, already rounded to the vec_dot type."""
     if not _group(ids, n_as, starts, pairs):
         return False
     n_ids = ids.shape[1]
     nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in numba.prange(n_as * nchunk):
-        a, lo, hi = _slices(task, nchunk, ne01)
+    n_tasks = _routed(starts, n_as, routed) * nchunk
+    for task in numba.prange(n_tasks):
+        a, lo, hi = _slices(task, nchunk, ne01, routed)
         base = off + a * nb02
         acc = np.empty(SCRATCH, np.float32)
         for c in range(starts[a], starts[a + 1]):
@@ -242,6 +260,7 @@ def prepare(node: Node):
     n_as, ne01, k = src0.ne[2], src0.ne[1], src0.ne[0]
     starts = np.zeros(n_as + 1, np.int64)
     pairs = np.empty(ids.size, np.int64)
+    routed = np.empty(n_as, np.int64)
     kind = int(src0.type)
     w = (kind, src0.mem, src0.offset, src0.nb[1], src0.nb[2], ne01, n_as)
     if src0.type in FLOAT_TYPES:
@@ -250,7 +269,7 @@ def prepare(node: Node):
         def run():  # the activations are rounded to the weights' float type on every run
             y = round_activations(src0.type, x).reshape(-1)
             return _mul_mat_id_float(kind, target.lanes, target.bf16_pairs, *w[1:], src0.nb[0], k, y, x.shape[1], ids,
-                                     starts, pairs, out)
+                                     starts, pairs, routed, out)
     elif src0.type in QUANT_TYPES:
         nblk = k // QK
         with_sum = quants.HAS_MIN[src0.type]  # Q4_1/Q5_1 take q8_1 activations, with block sums
@@ -258,7 +277,7 @@ def prepare(node: Node):
         ys = np.empty_like(yd) if with_sum else yd
 
         def run():
-            return _mul_mat_id_quant(*w, nblk, x, ids, starts, pairs, yq, yd, ys, with_sum, out)
+            return _mul_mat_id_quant(*w, nblk, x, ids, starts, pairs, routed, yq, yd, ys, with_sum, out)
     else:
         block = TYPE_TRAITS[src0.type].block_size
         nblk = k // block
@@ -267,7 +286,7 @@ def prepare(node: Node):
         vnni = kquant_dot.takes_vnni(src0.type, node.target)
 
         def run():
-            return _mul_mat_id_kquant(*w, nblk, x, ids, starts, pairs, yq, yd, ybs, vnni, out)
+            return _mul_mat_id_kquant(*w, nblk, x, ids, starts, pairs, routed, yq, yd, ybs, vnni, out)
 
     def checked():
         if not run():
