@@ -161,10 +161,15 @@ class ModelFile:
         a = self.arch_name
         n_embd = self.get(f"{a}.embedding_length", int)
         n_head = self.get(f"{a}.attention.head_count", int)
-        if n_head <= 0 or n_embd % n_head:
+        if n_head <= 0:
+            raise ModelError(f"{self.path.name}: attention.head_count is {n_head}")
+        # as llama.cpp: a head is n_embd / n_head wide unless the file says (GLM-4.7-Flash: 20 heads of
+        # 192/256 over 2048, which 20 does not divide)
+        head_dim_k = self.get(f"{a}.attention.key_length", int, 0)
+        head_dim_v = self.get(f"{a}.attention.value_length", int, 0)
+        if (not head_dim_k or not head_dim_v) and n_embd % n_head:
             raise ModelError(f"{self.path.name}: {n_head} heads do not divide embedding length {n_embd}")
-        head_dim_k = self.get(f"{a}.attention.key_length", int, n_embd // n_head)
-        head_dim_v = self.get(f"{a}.attention.value_length", int, n_embd // n_head)
+        head_dim_k, head_dim_v = head_dim_k or n_embd // n_head, head_dim_v or n_embd // n_head
         n_ctx_train = self.get(f"{a}.context_length", int)
         rope = self._rope_scaling()
         tok_embd = self.weights.get("token_embd.weight")

@@ -19,7 +19,7 @@ MLA = make_model.MlaShape(q_lora=32, kv_lora=32, qk_nope=32, qk_rope=32, v_head=
 T = gguf.GGUFValueType
 
 
-def _deepseek2(tmp_path, monkeypatch, **keys) -> ModelFile:
+def _deepseek2(tmp_path, monkeypatch, shape=SHAPE, **keys) -> ModelFile:
     """A tiny deepseek2 file with `keys` (name after "deepseek2." -> (value, type)) written over its own."""
     vocab = write_vocab_gguf(tmp_path / "vocab.gguf", model="gpt2", pre="glm4",
                              tokens=[chr(c) for c in range(0x21, 0x61)], types=[1] * 64, merges=[])
@@ -28,11 +28,12 @@ def _deepseek2(tmp_path, monkeypatch, **keys) -> ModelFile:
     def add_keys(writer, *args):
         add_mla_keys(writer, *args)
         for name, (value, type_) in keys.items():
-            writer.kv_data[0].pop(f"deepseek2.{name}", None)  # replace a key add_mla_keys wrote
-            writer.add_key_value(f"deepseek2.{name}", value, type_)
+            writer.kv_data[0].pop(f"deepseek2.{name}", None)  # replace (value None: drop) a key add_mla_keys wrote
+            if value is not None:
+                writer.add_key_value(f"deepseek2.{name}", value, type_)
 
     monkeypatch.setattr(make_model, "add_mla_keys", add_keys)
-    path = make_model.write_model(tmp_path / "deepseek2.gguf", "deepseek2", vocab_from=vocab, mla=MLA, **SHAPE)
+    path = make_model.write_model(tmp_path / "deepseek2.gguf", "deepseek2", vocab_from=vocab, mla=MLA, **shape)
     return ModelFile(path)
 
 
@@ -56,3 +57,14 @@ def test_attention_temperature_scaling_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match=r"attention temperature scaling \(deepseek2.attention.temperature_scale\)"):
         _deepseek2(tmp_path, monkeypatch, **{"attention.temperature_scale": (0.1, T.FLOAT32),
                                              "attention.temperature_length": (8192, T.UINT32)})
+
+
+def test_heads_that_do_not_divide_the_width_load_when_the_file_gives_their_size(tmp_path, monkeypatch):
+    """GLM-4.7-Flash has 20 heads over 2048 (key 192 = 128 + 64 roped, value 256): llama.cpp takes a head's
+    size from attention.key_length / value_length and divides n_embd by n_head only without them."""
+    hp = _deepseek2(tmp_path, monkeypatch, shape={**SHAPE, "n_head": 6}).hparams
+    assert (hp.n_embd, hp.n_head) == (64, 6)
+    assert (hp.head_dim_k, hp.head_dim_v) == (MLA.kv_lora + MLA.qk_rope, MLA.kv_lora)  # the cached latent row
+    with pytest.raises(ModelError, match="6 heads do not divide embedding length 64"):
+        _deepseek2(tmp_path, monkeypatch, shape={**SHAPE, "n_head": 6},
+                   **{"attention.key_length": (None, None), "attention.value_length": (None, None)})
