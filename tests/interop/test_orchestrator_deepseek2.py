@@ -2,7 +2,8 @@
 the same greedy text as llama-completion on its CPU backend.
 
 A random-weight deepseek2 from tools/make_model.py in GLM-4.7-Flash's shape at small width (MlaShape:
-q_lora 96, kv_lora 64, key heads 64 + 32 roped, value heads 64; a leading dense block, then 8 routed
+q_lora 96, kv_lora 64, six key heads of 64 + 32 roped over a width of 256, which six does not divide, as
+GLM-4.7-Flash's 20 do not divide 2048; value heads 64; a leading dense block, then 8 routed
 experts of which 2 per token plus a shared one, sigmoid gating with exp_probs_b, norm and scale 1.8; YaRN
 with the log multiplier; one MTP block after the three trunk blocks, which decoding skips), over one and two of our workers (and llama.cpp's ggml-rpc-server beside one) with flash attention on
 and off, an F16 and a Q8_0 KV cache.
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.interop
 
 N_PREDICT = 32
 N_SERVE = 16
-SHAPE = dict(n_layer=3, n_embd=256, n_head=4, n_ff=128, n_expert=8, n_expert_used=2, rope_scaling="yarn",
+SHAPE = dict(n_layer=3, n_embd=256, n_head=6, head_dim=64, n_ff=128, n_expert=8, n_expert_used=2, rope_scaling="yarn",
              rope_scale=4.0, rope_orig_ctx=1024, rope_yarn_log_mul=0.1)
 CASES = {  # (workers, flash attention, KV cache type)
     "ours-fa-on": (("ours",), "on", "f16"),
