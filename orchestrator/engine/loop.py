@@ -417,7 +417,8 @@ class Engine:
         self.runner.start(batch, (outs, len(batch.tokens), n_gen))
 
     def _ring_ready(self) -> bool:
-        """The ring has the next tokens: it is on and the one slot has a sampled token to feed."""
+        """The ring has the next tokens: it is on, the one slot has a sampled token to feed and, with a
+        draft model, the speculator's Pace gives this stretch to the ring."""
         slot = self.slots[0]
         return self.ring is not None and slot.job is not None and slot.generating and \
             slot.n_cached == len(slot.tokens) - 1 and (self.speculator is None or self.speculator.wants_ring())

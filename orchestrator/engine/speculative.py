@@ -289,6 +289,7 @@ class Speculator:
             self.pace.record("draft", made, time.perf_counter() - pending.began)
 
     def wants_ring(self) -> bool:
+        """The target's ring, not drafting, is to make the next tokens (Pace; never without one)."""
         return self.pace is not None and self.pace.mode == "ring"
 
     def _verify(self, engine, slot, rows: np.ndarray, pending: Pending) -> int:
