@@ -8,7 +8,9 @@ kernel on the mirror and compares bits. Tests skip when the libraries are not in
 PYRPC_ORACLE=avx512 swaps the oracle for the pinned ggml built for an AVX-512 CPU (the SIMDe-emulated
 build of tools/build_avx512_emulated.sh) and mirrors every node with our AVX-512 target, so the same
 tests check the 16-lane orders (tests/interop/test_avx512.py runs them that way in a subprocess: one
-process must never load both builds).
+process must never load both builds). PYRPC_ORACLE=native (benchmarks only) loads tools/build_native.sh's
+build for this CPU and mirrors with the target our worker picks here: tools/bench_kernels.py against the
+build users have.
 """
 
 from __future__ import annotations
