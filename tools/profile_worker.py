@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("-c", "--ctx", type=int, default=4096, help="KV cache cells")
     ap.add_argument("--seqs", type=int, default=1, help="sequences in the KV cache")
     ap.add_argument("--batch", type=int, default=None, help="sequences each step carries (default: all)")
+    ap.add_argument("--nodes", type=int, default=0, help="also list this many slowest nodes, with their shapes")
     ap.add_argument("--isa", default="auto", help=f"the worker's target (auto, {', '.join(TARGETS)})")
     args = ap.parse_args(argv)
     batch = args.batch or args.seqs
@@ -78,11 +79,13 @@ def main(argv=None) -> int:
 
     plan = session.plan
     per_op: dict[str, list[float]] = collections.defaultdict(list)
+    per_node: list[list[float]] = [[] for _ in plan.steps]
     for _ in range(args.n_gen):
-        for run, node in plan.steps:
+        for i, (run, node) in enumerate(plan.steps):
             start = time.perf_counter()
             run()
-            per_op[op_label(node.op, sub_op(node))].append(time.perf_counter() - start)
+            per_node[i].append(time.perf_counter() - start)
+            per_op[op_label(node.op, sub_op(node))].append(per_node[i][-1])
     n_nodes = len(plan.steps)
     print(f"model {model.path.name}: {n_nodes} computed nodes of {plan.n_nodes} per decode step "
           f"of {batch} token(s), {args.seqs} sequence(s) in the cache")
@@ -94,6 +97,14 @@ def main(argv=None) -> int:
         count = len(times) // args.n_gen
         ms = sum(times) / args.n_gen * 1e3
         print(f"{label:24} {count:5d} {ms:8.3f} {ms * 1e3 / count:8.1f}")
+    if args.nodes:
+        print(f"\n{'us (median)':>11}  node")
+        slowest = sorted(range(n_nodes), key=lambda i: -statistics.median(per_node[i]))[:args.nodes]
+        for i in slowest:
+            node = plan.steps[i][1]
+            srcs = ", ".join(f"{t.type.name}{list(t.ne)}" for t in node.src if t is not None)
+            print(f"{statistics.median(per_node[i]) * 1e6:11.1f}  {op_label(node.op, sub_op(node))} {node.name} "
+                  f"-> {node.dst.type.name}{list(node.dst.ne)} from {srcs}")
     return 0
 
 

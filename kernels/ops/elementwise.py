@@ -202,6 +202,21 @@ def _binary_row(op, a, b, dst, r):
     m3, m2, m1, m0 = b.shape
     i1, i2, i3 = st.row_coords(r, n1, n2)
     x, y, z = a[i3, i2, i1], b[i3 % m3, i2 % m2, i1 % m1], dst[i3, i2, i1]
+    if m0 == 1:  # one src1 value for the whole row (e.g. an expert's weight): no slice per element
+        v = y[0]
+        if op == 0:
+            for k in range(n0):
+                z[k] = x[k] + v
+        elif op == 1:
+            for k in range(n0):
+                z[k] = x[k] - v
+        elif op == 2:
+            for k in range(n0):
+                z[k] = x[k] * v
+        else:
+            for k in range(n0):
+                z[k] = x[k] / v
+        return
     for base in range(0, n0, m0):  # src1's row repeats along src0's
         xs, zs = x[base:base + m0], z[base:base + m0]  # slices with the same index as y's: LLVM vectorizes
         if op == 0:

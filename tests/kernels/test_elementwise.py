@@ -86,6 +86,7 @@ BROADCASTS = {
     "dim0-repeat": ((36, 5, 3, 2), (12, 5, 1, 1)),
     "dims2-3": ((11, 4, 6, 4), (11, 4, 3, 2)),
     "scalar": ((9, 2, 2, 3), (1, 1, 1, 1)),
+    "scalar-per-row": ((64, 4, 3, 1), (1, 4, 3, 1)),  # a MoE step's expert outputs times their weights
     "decode": ((576, 1, 1, 1), (576, 1, 1, 1)),
 }
 
@@ -500,6 +501,7 @@ def test_binary_bit_exact_with_ggml(name):
     ggml_oracle.assert_matches_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a), g.new(T.F32, (4, 1, 3, 1), b)))
     ggml_oracle.assert_matches_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a),
                                  g.op("ggml_transpose", g.new(T.F32, (5, 12, 6, 2), a))))
+    ggml_oracle.assert_matches_ggml(lambda g: g.op(name, g.new(T.F32, (12, 5, 6, 2), a), g.new(T.F32, (1, 5, 6, 1), _probe(30, 7))))
 
 
 @needs_ggml
