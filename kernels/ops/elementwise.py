@@ -127,6 +127,15 @@ def _unary_scalar(op, x, gelu_tab, quick_tab, s, bias):
 def _unary_row(op, src, dst, gelu_tab, quick_tab, s, bias, lanes, r):
     n3, n2, n1, n0 = src.shape
     i1, i2, i3 = st.row_coords(r, n1, n2)
+    if op == _SCALE:  # whole rows in one loop each, which LLVM vectorizes (the per-element chain does not)
+        x, y = src[i3, i2, i1], dst[i3, i2, i1]
+        if bias == F32(0.0):
+            for i0 in range(n0):
+                y[i0] = x[i0] * s
+        else:
+            for i0 in range(n0):
+                y[i0] = fma32(x[i0], s, bias)
+        return
     vec_end = (n0 // lanes) * lanes if op == U.SILU else 0  # SILU: SIMD body of `lanes`-wide groups, scalar tail
     for i0 in range(vec_end):
         dst[i3, i2, i1, i0] = silu_vec(src[i3, i2, i1, i0], lanes)
