@@ -102,6 +102,26 @@ def _rope_row(r, src, dst, cache, n_dims, n_offs, neox, kind):
     i1 = r % ne1
     sp = src[i3, i2, i1]
     dp = dst[i3, i2, i1]
+    if kind != TYPE_F16:  # float32 rows: one loop per mode and fusing, with no per-element dispatch
+        cs = cache[i2]
+        if neox:
+            for p in range(n_pairs):
+                a, b = n_offs + p, n_offs + n_pairs + p
+                x0, x1 = sp[a], sp[b]
+                dp[a], dp[b] = fma32(x0, cs[p, 0], -(x1 * cs[p, 1])), fma32(x0, cs[p, 1], x1 * cs[p, 0])
+        else:
+            for p in range(n_fused):
+                a = n_offs + 2 * p
+                x0, x1 = sp[a], sp[a + 1]
+                dp[a], dp[a + 1] = fma32(x0, cs[p, 0], -(x1 * cs[p, 1])), fma32(x0, cs[p, 1], x1 * cs[p, 0])
+            for p in range(n_fused, n_pairs):
+                a = n_offs + 2 * p
+                dp[a], dp[a + 1] = _rotate(sp[a], sp[a + 1], cs[p, 0], cs[p, 1], False)
+        for i in range(n_offs):
+            dp[i] = sp[i]
+        for i in range(n_offs + n_dims, ne0):
+            dp[i] = sp[i]
+        return
     for p in range(n_pairs):
         a = n_offs + p if neox else n_offs + 2 * p
         b = a + n_pairs if neox else a + 1
