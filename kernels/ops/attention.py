@@ -43,7 +43,7 @@ from wire.ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F3
 
 from ..attention_rows import (BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_index_streams_inner,
                              row_one_chunk, visible_cells)
-from ..fa_lanes import kq_tile, v_tile16, v_tile64
+from .attention_tiled import fa_tiled
 from ..fmath import fma32
 from ..formats.dequantize import dequantize_rows
 from ..formats.kquant_dot import iq4_nl_vec_dot
@@ -52,7 +52,7 @@ from ..node import InvalidNode, Node, Tensor
 from ..formats.quants import QK, quantize_q8_ref, quantize_q8_rows, row_dot1, unpack_blocks
 from ..registry import OpKernel, prepared, register
 from ..storage import parallel_worthwhile, storage, widen_f16
-from ..vec import NEG_INF, alibi_slope, vec_soft_max
+from ..vec import NEG_INF, alibi_slope
 
 F32 = np.float32
 
@@ -209,80 +209,6 @@ def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale,
         _split_merge(np.int64(h), part, out)
 
 
-@numba.njit(**JIT)
-def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
-    n_seq, n_head, n_q, dk = q.shape
-    n_kv = kt.shape[3]
-    dv = v.shape[3]
-    iq3, iq2, iq1 = row_index(r, n_q, n_head)
-    slope = alibi_slope(max_bias, n_head, iq2)
-    kt2 = kt[iq3 // (n_seq // kt.shape[0]), iq2 // (n_head // kt.shape[1])]
-    v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
-    mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
-    qrow = q[iq3, iq2, iq1]
-    kq = np.empty(TILE_KV, F32)
-    vkq = np.zeros(dv, F32)
-    S = F32(0.0)
-    M = NEG_INF
-    for ic in range(0, n_kv, TILE_KV):
-        n = min(TILE_KV, n_kv - ic)
-        if n == TILE_KV:  # simd_gemm: one FMA chain per score, over d in order
-            kq_tile(kt2, ic, qrow, kq)
-        else:
-            kq[:] = 0
-            for d in range(dk):
-                qd = qrow[d]
-                krow = kt2[d, ic : ic + n]
-                for t in range(n):
-                    kq[t] = fma32(krow[t], qd, kq[t])
-        for t in range(n):
-            kq[t] = kq[t] * scale
-        if softcap != F32(0.0):
-            for t in range(n):
-                kq[t] = math.tanh(kq[t]) * softcap
-        if has_mask:
-            mseg = mrow[ic : ic + n]
-            for t in range(n):
-                kq[t] += slope * mseg[t]
-        kq[n:] = NEG_INF
-        tile_max = NEG_INF
-        for t in range(TILE_KV):
-            tile_max = tile_max if tile_max > kq[t] else kq[t]
-        if tile_max == NEG_INF:
-            continue
-        Mnew = max(M, tile_max)
-        if Mnew > M:
-            ms = math.exp(M - Mnew)
-            for d in range(dv):
-                vkq[d] *= ms
-            S *= ms
-        M = Mnew
-        S = F32(np.float64(S) + vec_soft_max(TILE_KV, kq, kq, Mnew, lanes))
-        if dv % 64 == 0:  # simd_gemm: one FMA chain per output, over the tile's rows in order
-            v_tile64(v2, ic, n, kq, vkq)
-        elif dv % 16 == 0:
-            v_tile16(v2, ic, n, kq, vkq)
-        else:
-            for t in range(n):
-                pt = kq[t]
-                vrow = v2[ic + t]
-                for d in range(dv):
-                    vkq[d] = fma32(vrow[d], pt, vkq[d])
-    if has_sinks:
-        M, S = apply_sink(sinks[iq2], M, S, vkq, True)
-    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
-    for d in range(dv):
-        out[iq3, iq1, iq2, d] = vkq[d] * inv
-
-
-@row_loop
-def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
-    """kt is K transposed per head, (n_seq, n_head_kv, DK, n_kv), so a tile's scores vectorize."""
-    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    for r in prange(n_rows):
-        _tiled_row(np.int64(r), q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
-
-
 class _Parts:
     """A FLASH_ATTN_EXT node's operands, as the kernels take them."""
 
@@ -375,7 +301,7 @@ def prepare_flash_attn_ext(node: Node):
 
         def run_tiled():
             mask = _f32(p.mask) if has_mask else np.zeros((1, 1, 1, 1), F32)
-            _fa_tiled(q, _f32(p.k, transpose=True), _f32(p.v), mask, has_mask, sinks, has_sinks, p.scale,
+            fa_tiled(q, _f32(p.k, transpose=True), _f32(p.v), mask, has_mask, sinks, has_sinks, p.scale,
                       p.max_bias, p.softcap, out, lanes, parallel)
 
         return run_tiled
