@@ -106,8 +106,19 @@ def _check_dup(node: Node) -> None:
         raise InvalidNode(f"{node.op.name}: result type must equal source type")
 
 
-def _forward_dup(node: Node) -> None:
-    copy_tensor(node.src[0], node.dst)
+def _prepare_dup(node: Node):
+    """copy_tensor with its views made once, except for a quantizing copy (which widens on every run)."""
+    src, dst = node.src[0], node.dst
+    if _quantizing(src, dst):
+        return partial(copy_tensor, src, dst)
+    if src.type != dst.type:
+        return partial(copy_arrays, storage(src), storage(dst), int(src.type), int(dst.type))
+    if not TYPE_TRAITS[src.type].is_quantized:
+        return partial(copy_arrays, raw_storage(src), raw_storage(dst), RAW_BITS, RAW_BITS)
+    return partial(copy_arrays, src.rows(), dst.rows(), RAW_BITS, RAW_BITS)
+
+
+_forward_dup = prepared(_prepare_dup)
 
 
 def reference_copy_array(src: Tensor, dst: Tensor) -> None:
@@ -130,7 +141,7 @@ def _reference_dup(node: Node) -> None:
 
 
 for _op in (GGMLOp.DUP, GGMLOp.CPY, GGMLOp.CONT):
-    register(_op)(OpKernel(_check_dup, _forward_dup, _reference_dup))
+    register(_op)(OpKernel(_check_dup, _forward_dup, _reference_dup, _prepare_dup))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from wire.ggml import MAX_DIMS, TYPE_TRAITS, GGMLOp, GGMLType
 
 from ..jit import JIT
 from ..node import InvalidNode, Node, Tensor
-from ..registry import OpKernel, register
+from ..registry import OpKernel, prepared, register
 from ..storage import raw_storage
 
 T = GGMLType
@@ -59,7 +59,9 @@ def _check_concat(node: Node) -> None:
         raise InvalidNode(f"CONCAT: {a.type.name} rows must be contiguous")
 
 
-def _forward_concat(node: Node) -> None:
+def _prepare_concat(node: Node):
+    """The two copies into dst's halves, on views made once (a decode step's MLA concatenates its
+    queries in every layer: the views cost more than the copies)."""
     a, b = node.src[:2]
     axis = 3 - node.param("dim")  # numpy views are (ne3, ne2, ne1, ne0)
     out = raw_storage(node.dst)
@@ -67,8 +69,16 @@ def _forward_concat(node: Node) -> None:
     head = [slice(None)] * 4
     tail = [slice(None)] * 4
     head[axis], tail[axis] = slice(0, split), slice(split, None)
-    out[tuple(head)] = raw_storage(a)
-    out[tuple(tail)] = raw_storage(b)
+    copies = ((out[tuple(head)], raw_storage(a)), (out[tuple(tail)], raw_storage(b)))
+
+    def run():
+        for dst, src in copies:
+            np.copyto(dst, src)
+
+    return run
+
+
+_forward_concat = prepared(_prepare_concat)
 
 
 def _reference_concat(node: Node) -> None:
@@ -76,7 +86,7 @@ def _reference_concat(node: Node) -> None:
     raw_storage(node.dst)[...] = np.concatenate((raw_storage(a), raw_storage(b)), axis=3 - node.param("dim"))
 
 
-register(GGMLOp.CONCAT)(OpKernel(_check_concat, _forward_concat, _reference_concat))
+register(GGMLOp.CONCAT)(OpKernel(_check_concat, _forward_concat, _reference_concat, _prepare_concat))
 
 
 # ---------------------------------------------------------------------------------------------
