@@ -25,6 +25,7 @@ log = logging.getLogger("rpcserver")
 
 MAX_QUEUED_FRAMES = 16  # stop reading from a client that is this far ahead of us
 INLINE_PEER_WRITE = 1 << 20  # a pushed decode step's activation is kilobytes; a prompt's goes to the thread
+INLINE_GET_TENSOR = 4 << 20  # a decode step's logits (a vocabulary of floats: 0.2-1 MB) are copied here
 SHUTDOWN_GRACE = 60.0  # seconds SIGTERM waits for running commands before it drops their connections
 
 
@@ -258,6 +259,10 @@ class WorkerProtocol(asyncio.BufferedProtocol):
                 # a pushed activation into a worker waiting for it: written here, no thread hop on the
                 # pipeline's critical path (with nothing on the compute thread, nothing else can be
                 # reading or freeing the target's memory)
+                return self.session.handle(command, request)
+            if command == Command.GET_TENSOR and not self.compute.in_flight and request.size <= INLINE_GET_TENSOR:
+                # a client reading its logits after each step: a copy of at most a few MB, cheaper here than
+                # the two thread hops (with the compute thread idle, nothing is writing that memory)
                 return self.session.handle(command, request)
             return await self.compute.run(self.session.handle, command, request)
         return self.session.handle(command, request)

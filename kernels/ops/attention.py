@@ -43,7 +43,7 @@ from wire.ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F3
 
 from ..attention_rows import (BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_index_streams_inner,
                              row_one_chunk, visible_cells)
-from .attention_tiled import fa_tiled
+from ..attention_tiled import fa_tiled
 from ..fmath import fma32
 from ..formats.dequantize import dequantize_rows
 from ..formats.kquant_dot import iq4_nl_vec_dot

@@ -1,4 +1,4 @@
-"""FLASH_ATTN_EXT's tiled path (kernels/ops/attention.py): prompt batches, n_q >= FA_TILE_Q with K and V of
+"""FLASH_ATTN_EXT's tiled path (for kernels/ops/attention.py): prompt batches, n_q >= FA_TILE_Q with K and V of
 one type. F32 Q; K widened and transposed per head so a 64-wide KV tile's scores vectorize; per tile each
 score is one FMA chain over d in order from 0 and each output element one FMA chain over the tile's rows
 in order (ggml's simd_gemm), the tile's softmax uses the build's vector exp and lane sums
@@ -19,11 +19,11 @@ import numpy as np
 from numba import prange
 
 from wire.ggml import FA_TILE_KV as TILE_KV
-from ..attention_rows import apply_sink
-from ..fa_lanes import ROWS, kq_tile, kq_tile_rows, v_tile16, v_tile64, v_tile_rows16, v_tile_rows64
-from ..fmath import fma32
-from ..jit import JIT, row_loop
-from ..vec import NEG_INF, alibi_slope, vec_soft_max
+from .attention_rows import apply_sink
+from .fa_lanes import ROWS, kq_tile, kq_tile_rows, v_tile16, v_tile64, v_tile_rows16, v_tile_rows64
+from .fmath import fma32
+from .jit import JIT, row_loop
+from .vec import NEG_INF, alibi_slope, vec_soft_max
 
 F32 = np.float32
 
