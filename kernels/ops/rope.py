@@ -26,6 +26,7 @@ from wire.ggml import ROPE_MODE_NEOX, ROPE_MODE_NORMAL, TYPE_F16, GGMLOp, GGMLTy
 from ..node import InvalidNode, Node, Tensor
 from ..registry import OpKernel, prepared, register
 from ..fmath import fma32, np_fma
+from ..rope_lanes import PAIRS, rotate_pairs
 from ..storage import load_f32, parallel_worthwhile, store_f32, u16_view
 
 F32 = np.float32
@@ -110,7 +111,9 @@ def _rope_row(r, src, dst, cache, n_dims, n_offs, neox, kind):
                 x0, x1 = sp[a], sp[b]
                 dp[a], dp[b] = fma32(x0, cs[p, 0], -(x1 * cs[p, 1])), fma32(x0, cs[p, 1], x1 * cs[p, 0])
         else:
-            for p in range(n_fused):
+            steps = n_fused // PAIRS
+            rotate_pairs(sp, dp, cs, n_offs, steps)  # 8 pairs per vector step, then the rest one by one
+            for p in range(steps * PAIRS, n_fused):
                 a = n_offs + 2 * p
                 x0, x1 = sp[a], sp[a + 1]
                 dp[a], dp[a + 1] = fma32(x0, cs[p, 0], -(x1 * cs[p, 1])), fma32(x0, cs[p, 1], x1 * cs[p, 0])
