@@ -239,6 +239,7 @@ def test_sigterm_lets_the_running_command_finish_and_reply_then_starts_no_other(
     import asyncio
     import threading
 
+    from rpcserver import server as server_module
     from rpcserver import session as session_module
     from rpcserver.memory import MemoryBudget
     from rpcserver.server import serve
@@ -253,6 +254,8 @@ def test_sigterm_lets_the_running_command_finish_and_reply_then_starts_no_other(
         return real_get_tensor(self, req)
 
     monkeypatch.setitem(session_module.HANDLERS, Command.GET_TENSOR, held_get_tensor)
+    # every GET_TENSOR to the compute thread (small ones are otherwise answered on the event loop)
+    monkeypatch.setattr(server_module, "INLINE_GET_TENSOR", -1)
     outcome = {}
 
     def client(port):
