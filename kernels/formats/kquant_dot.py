@@ -18,7 +18,8 @@ from numba.extending import intrinsic
 from wire.ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 from ..jit import JIT
 from .kquant_lanes import (Args, block_lanes, block_scales, chunk_quants, column_sums, column_vector, f32_t, fma_fn,
-                           i64c, iq4_quants, isum, pairs, scaled_lanes, spreader, unsigned_quants, weighted_bsums)
+                           i64c, iq4_quants, isum, pairs, product_pairs, scaled_lanes, spreader, unsigned_quants,
+                           weighted_bsums)
 from . import quants
 from .kquant_vnni import HAS_VNNI, quantize_block_major, vnni_tile
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_q8_k_row, route
@@ -114,7 +115,7 @@ def _vec_dots(context, builder, a, type_, row, nblk, cols, yi=(3, 4, 5)):
             dy = a.elem(idy, yb)
             bsums = a.ivec(ibs, builder.mul(yb, i64c(16)), 16)
             if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
-                excess = pairs(builder, builder.mul(scales, bsums))
+                excess = product_pairs(builder, scales, bsums)
                 lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(vec(i32_t, 8), [5] * 8)))
             if HAS_MIN[type_]:
                 d_min = builder.fmul(builder.fsub(ir.Constant(f32_t, -0.0), dy), dmin)

@@ -204,12 +204,21 @@ def per_32(type_):
     return type_ in (T.Q4_K, T.Q5_K, T.IQ4_XS)
 
 
+def product_pairs(builder, a, b):
+    """<16 x i32> a, b whose values fit in 16 bits -> <8 x i32> lanes a[2l]*b[2l] + a[2l+1]*b[2l+1]:
+    on AVX2 one vpmaddwd of the narrowed vectors (as ggml pairs scales with bsums), else in 32 bits."""
+    if not HAS_AVX2:
+        return pairs(builder, builder.mul(a, b))
+    v16 = vec(i16_t, 16)
+    madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(i32_t, 8), [v16, v16])
+    return builder.call(madd, [builder.trunc(a, v16), builder.trunc(b, v16)])
+
+
 def weighted_bsums(builder, type_, mins, bsums):
-    """M_g * bsum_g as <8 x i32>, lane l holding groups 2l and 2l+1 (an exact integer regrouping: a
-    format with one minimum per 32 multiplies it once by the pair's summed bsums)."""
-    if per_32(type_):
-        return builder.mul(shuffle(builder, mins, mins, list(range(0, 16, 2))), pairs(builder, bsums))
-    return pairs(builder, builder.mul(mins, bsums))
+    """M_g * bsum_g as <8 x i32>, lane l holding groups 2l and 2l+1 (M from block_scales: a format with
+    one minimum per 32 has it in both of the pair's lanes). Minimums and bsums (16 activations) fit
+    in 16 bits."""
+    return product_pairs(builder, mins, bsums)
 
 
 def isum(builder, v):
