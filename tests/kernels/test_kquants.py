@@ -244,6 +244,7 @@ def test_mul_mat_check_rejects_partial_super_blocks():
 ORACLE_CASES = [  # (ne00, ne01, ne11, ne12, permuted activations): ggml-cpu's route is chosen by ne11
     (1536, 40, 1, 1, False),  # vec_dot (IQ4_NL too)
     (512, 36, 7, 1, False),  # vec_dot: the largest src1 the tiled kernel leaves to it; IQ4_NL: tinyBLAS
+    (256, 17, 6, 1, False),  # vec_dot in runs of 4 and 2 activation rows; a last task of one weight row
     (512, 36, 8, 1, False),  # tiled kernel, narrow path (<= 16 activation rows)
     (768, 33, 40, 1, False),  # tiled kernel, standard path
     (256, 13, 3, 4, True),  # vec_dot over several broadcast slices, strided activations
