@@ -371,8 +371,9 @@ def _quantize_row(kind, x, r, yq, yd, ybs, block_major):
 def _mul_mat_kquant(kind, how, vnni, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off, x, yq, yd, ybs, out):
     """Like _mul_mat_quant: the activations x (ne13, ne12, ne11, K) are quantized into the flat scratch
     first (a decode step's single row without waking the other threads), then a task's weight rows meet
-    every activation row while they are hot, in tiles of TILE_COLS activation rows on the TILED route;
-    `how` is the route, `vnni` says the TILED route takes kernels.formats.kquant_vnni."""
+    every activation row while they are hot, in tiles of TILE_COLS activation rows on the TILED route
+    and in one vec_rows call per run of VEC_COLS on the VEC one; `how` is the route, `vnni` says the
+    TILED route takes kernels.formats.kquant_vnni."""
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     n_rows = ne13 * ne12 * ne11
     vnni = vnni and how == TILED
