@@ -18,7 +18,8 @@ from numba.extending import intrinsic
 from wire.ggml import TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 from ..jit import JIT
 from .kquant_lanes import (Args, block_lanes, block_scales, chunk_quants, column_sums, column_vector, f32_t, fma_fn,
-                           i64c, iq4_quants, isum, pairs, scaled_lanes, spreader, unsigned_quants, weighted_bsums)
+                           i64c, iq4_quants, isum, pairs, product_pairs, scaled_lanes, spreader, unsigned_quants,
+                           weighted_bsums)
 from . import quants
 from .kquant_vnni import HAS_VNNI, quantize_block_major, vnni_tile
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, TILED, TINYBLAS, VEC, quantize_q8_k_row, route
@@ -84,12 +85,68 @@ def _make_tiled_dot(type_: GGMLType, ncol: int):
     return tiled
 
 
+def _vec_dots(context, builder, a, type_, row, nblk, cols, yi=(3, 4, 5)):
+    """The weight row at byte `row` . each activation row in cols (i64 values) as
+    ggml_vec_dot_<type>_q8_K computes it: per block the scales decoded in registers, 8 float lanes
+    acc = fma(d_y*d, lanes, acc) and the minimum term each format folds in its own way. The weight
+    blocks are decoded once for all cols; yi: the argument numbers of yq (int8), yd (float32 per
+    block) and ybs (int32 per 16), all flat. Returns one float32 per col."""
+    size = TYPE_TRAITS[type_].type_size
+    iq, idy, ibs = yi
+    fma8, fma4, fma1 = fma_fn(builder, 8), fma_fn(builder, 4), fma_fn(builder, 1)
+    zero = lambda n: ir.Constant(vec(f32_t, n), [0.0] * n) if n > 1 else ir.Constant(f32_t, 0.0)  # noqa: E731
+    accs = []  # per col: 8 lanes, Q4_K's minimum terms in 4 lanes, Q5_K's in one scalar
+    for _ in cols:
+        slots = [cgutils.alloca_once(builder, zero(n).type) for n in (8, 4, 1)]
+        for slot, n in zip(slots, (8, 4, 1)):
+            builder.store(zero(n), slot)  # here, not in the entry block: callers may loop over rows
+        accs.append(slots)
+    with cgutils.for_range(builder, nblk) as loop:
+        b = loop.index
+        p = builder.add(row, builder.mul(b, i64c(size)))
+        prefetch(builder, byte_ptr(context, builder, a.types[0], a.values[0], builder.add(p, i64c(PREFETCH_AHEAD)),
+                                   i8_t))
+        at = lambda o, ty: a.bytes_at(0, builder.add(p, i64c(o)), ty)  # noqa: E731
+        scales, mins, d, dmin = block_scales(builder, type_, at)
+        ybs = [builder.add(builder.mul(col, nblk), b) for col in cols]
+        loaders = [lambda e, y0=builder.mul(yb, i64c(QK_K)): a.y32(iq, builder.add(y0, i64c(e))) for yb in ybs]
+        all_lanes = block_lanes(builder, type_, at, loaders, scales, signed=type_ != T.Q6_K)
+        for yb, lanes, (acc, acc_m, summs) in zip(ybs, all_lanes, accs):
+            dy = a.elem(idy, yb)
+            bsums = a.ivec(ibs, builder.mul(yb, i64c(16)), 16)
+            if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
+                excess = product_pairs(builder, scales, bsums)
+                lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(vec(i32_t, 8), [5] * 8)))
+            if HAS_MIN[type_]:
+                d_min = builder.fmul(builder.fsub(ir.Constant(f32_t, -0.0), dy), dmin)
+                m = weighted_bsums(builder, type_, mins, bsums)
+                if type_ == T.Q2_K:
+                    builder.store(builder.call(fma8, [splat(builder, d_min), builder.sitofp(m, vec(f32_t, 8)),
+                                                      builder.load(acc)]), acc)
+                elif type_ == T.Q4_K:
+                    builder.store(builder.call(fma4, [splat(builder, d_min, 4), builder.sitofp(
+                        pairs(builder, m), vec(f32_t, 4)), builder.load(acc_m)]), acc_m)
+                else:  # Q5_K
+                    builder.store(builder.call(fma1, [d_min, builder.sitofp(isum(builder, m), f32_t),
+                                                      builder.load(summs)]), summs)
+            d_xy = splat(builder, builder.fmul(dy, d))
+            builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, vec(f32_t, 8)), builder.load(acc)]), acc)
+    totals = []
+    for acc, acc_m, summs in accs:
+        total = hsum8(builder, builder.load(acc))
+        if type_ == T.Q4_K:
+            v = builder.load(acc_m)
+            e = [builder.extract_element(v, ir.Constant(i32_t, i)) for i in range(4)]
+            total = builder.fadd(total, builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3])))
+        elif type_ == T.Q5_K:
+            total = builder.fadd(total, builder.load(summs))
+        totals.append(total)
+    return totals
+
+
 def _make_vec_dot(type_: GGMLType):
     """Intrinsic dot(w, off, nblk, yq, yd, ybs, col) -> float32: the weight row at byte off . activation
-    row col (yq int8, yd float32 per block, ybs int32 per 16, all flat), as ggml_vec_dot_<type>_q8_K:
-    per block the scales decoded in registers, 8 float lanes acc = fma(d_y*d, lanes, acc) and the
-    minimum term each format folds in its own way."""
-    size = TYPE_TRAITS[type_].type_size
+    row col (yq int8, yd float32 per block, ybs int32 per 16, all flat), as ggml_vec_dot_<type>_q8_K."""
 
     @intrinsic
     def vec_dot(typingctx, w, off, nblk, yq, yd, ybs, col):
@@ -97,54 +154,47 @@ def _make_vec_dot(type_: GGMLType):
 
         def codegen(context, builder, signature, args):
             a = Args(context, builder, signature, args)
-            off_, nb_, col_ = args[1], args[2], args[6]
-            fma8, fma4, fma1 = fma_fn(builder, 8), fma_fn(builder, 4), fma_fn(builder, 1)
-            zero = lambda n: ir.Constant(vec(f32_t, n), [0.0] * n)  # noqa: E731
-            acc = cgutils.alloca_once_value(builder, zero(8))
-            acc_m = cgutils.alloca_once_value(builder, zero(4))  # Q4_K: minimum terms in 4 lanes
-            summs = cgutils.alloca_once_value(builder, ir.Constant(f32_t, 0.0))  # Q5_K: one scalar
-            with cgutils.for_range(builder, nb_) as loop:
-                b = loop.index
-                p = builder.add(off_, builder.mul(b, i64c(size)))
-                ahead = builder.add(p, i64c(PREFETCH_AHEAD))
-                prefetch(builder, byte_ptr(context, builder, a.types[0], a.values[0], ahead, i8_t))
-                at = lambda o, ty: a.bytes_at(0, builder.add(p, i64c(o)), ty)  # noqa: E731
-                scales, mins, d, dmin = block_scales(builder, type_, at)
-                yb = builder.add(builder.mul(col_, nb_), b)
-                yg0, y0 = builder.mul(yb, i64c(16)), builder.mul(yb, i64c(QK_K))
-                lanes = block_lanes(builder, type_, at, lambda e: a.y32(3, builder.add(y0, i64c(e))), scales,
-                                     signed=type_ != T.Q6_K)
-                dy = a.elem(4, yb)
-                bsums = a.ivec(5, yg0, 16)
-                if type_ == T.Q6_K:  # the unsigned codes' excess: 32 * S * bsum, paired per lane
-                    excess = pairs(builder, builder.mul(scales, bsums))
-                    lanes = builder.sub(lanes, builder.shl(excess, ir.Constant(vec(i32_t, 8), [5] * 8)))
-                if HAS_MIN[type_]:
-                    d_min = builder.fmul(builder.fsub(ir.Constant(f32_t, -0.0), dy), dmin)
-                    mins = weighted_bsums(builder, type_, mins, bsums)
-                    if type_ == T.Q2_K:
-                        builder.store(builder.call(fma8, [splat(builder, d_min), builder.sitofp(
-                            mins, vec(f32_t, 8)), builder.load(acc)]), acc)
-                    elif type_ == T.Q4_K:
-                        builder.store(builder.call(fma4, [splat(builder, d_min, 4), builder.sitofp(
-                            pairs(builder, mins), vec(f32_t, 4)), builder.load(acc_m)]), acc_m)
-                    else:  # Q5_K
-                        builder.store(builder.call(fma1, [d_min, builder.sitofp(isum(builder, mins), f32_t),
-                                                          builder.load(summs)]), summs)
-                d_xy = splat(builder, builder.fmul(dy, d))
-                builder.store(builder.call(fma8, [d_xy, builder.sitofp(lanes, vec(f32_t, 8)), builder.load(acc)]), acc)
-            total = hsum8(builder, builder.load(acc))
-            if type_ == T.Q4_K:
-                v = builder.load(acc_m)
-                e = [builder.extract_element(v, ir.Constant(i32_t, i)) for i in range(4)]
-                total = builder.fadd(total, builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3])))
-            elif type_ == T.Q5_K:
-                total = builder.fadd(total, builder.load(summs))
-            return total
+            return _vec_dots(context, builder, a, type_, args[1], args[2], [args[6]])[0]
 
         return sig, codegen
 
     return vec_dot
+
+
+def _make_vec_rows(type_: GGMLType, ncol: int):
+    """Intrinsic rows(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01) -> 0: weight
+    rows off, off + nb01, ... (nrows of them) each dotted with activation rows col..col+ncol-1 as
+    ggml_vec_dot_<type>_q8_K, the row's blocks decoded once for the ncol dots; the dot of weight row r
+    and activation row col + j goes to out[i13, i12, i11 + j, i01 + r] (out float32, any strides).
+    A decode step's whole task runs in one call: no per-row dispatch in the driver."""
+
+    @intrinsic
+    def rows(typingctx, w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01):
+        sig = types.int64(w, types.int64, types.int64, types.int64, types.int64, yq, yd, ybs, types.int64, out,
+                          types.int64, types.int64, types.int64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            a = Args(context, builder, signature, args)
+            off_, nb01_, nrows_, nblk_, col_ = args[1], args[2], args[3], args[4], args[8]
+            ary = context.make_array(signature.args[9])(context, builder, args[9])
+            strides = cgutils.unpack_tuple(builder, ary.strides, 4)
+            base = builder.bitcast(ary.data, i8_t.as_pointer())
+            first = builder.add(builder.add(builder.mul(args[10], strides[0]), builder.mul(args[11], strides[1])),
+                                builder.mul(args[12], strides[2]))
+            cols = [builder.add(col_, i64c(j)) for j in range(ncol)]
+            with cgutils.for_range(builder, nrows_) as loop:
+                r = loop.index
+                totals = _vec_dots(context, builder, a, type_, builder.add(off_, builder.mul(r, nb01_)), nblk_, cols,
+                                   yi=(5, 6, 7))
+                at_row = builder.add(first, builder.mul(builder.add(args[13], r), strides[3]))
+                for j, total in enumerate(totals):
+                    o = builder.add(at_row, builder.mul(i64c(j), strides[2]))
+                    builder.store(total, builder.bitcast(builder.gep(base, [o]), f32_t.as_pointer()))
+            return i64c(0)
+
+        return sig, codegen
+
+    return rows
 
 
 def _make_iq4_nl_dot(tinyblas: bool):
@@ -200,6 +250,15 @@ _q2k_tiled, _q3k_tiled, _q4k_tiled, _q5k_tiled, _q6k_tiled, _iq4xs_tiled = (
 _q2k_tiles, _q3k_tiles, _q4k_tiles, _q5k_tiles, _q6k_tiles, _iq4xs_tiles = (
     _make_tiled_dot(t, TILE_COLS) for t in BIT_TYPES + (T.IQ4_XS,))
 _q2k_vec, _q3k_vec, _q4k_vec, _q5k_vec, _q6k_vec, _iq4xs_vec = (_make_vec_dot(t) for t in BIT_TYPES + (T.IQ4_XS,))
+# a decode step's few activation rows, in runs of VEC_COLS[0], then VEC_COLS[1], ... (fewer than 8: the
+# VEC route's), each weight row's blocks decoded once per run
+VEC_COLS = (4, 2, 1)
+_q2k_rows4, _q3k_rows4, _q4k_rows4, _q5k_rows4, _q6k_rows4, _iq4xs_rows4 = (
+    _make_vec_rows(t, 4) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_rows2, _q3k_rows2, _q4k_rows2, _q5k_rows2, _q6k_rows2, _iq4xs_rows2 = (
+    _make_vec_rows(t, 2) for t in BIT_TYPES + (T.IQ4_XS,))
+_q2k_rows1, _q3k_rows1, _q4k_rows1, _q5k_rows1, _q6k_rows1, _iq4xs_rows1 = (
+    _make_vec_rows(t, 1) for t in BIT_TYPES + (T.IQ4_XS,))
 _iq4nl_vec, _iq4nl_tiny = _make_iq4_nl_dot(False), _make_iq4_nl_dot(True)
 iq4_nl_vec_dot = _iq4nl_vec  # ggml_vec_dot_iq4_nl_q8_0: also FLASH_ATTN_EXT's K.Q for an IQ4_NL K cache
 
@@ -249,6 +308,47 @@ def vec_dot(kind, w, off, nblk, yq, yd, ybs, col):
     return _iq4xs_vec(w, off, nblk, yq, yd, ybs, col)
 
 
+@numba.njit(**JIT)
+def vec_rows(kind, ncol, w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01):
+    """The intrinsic rows() of _make_vec_rows for weights `kind` and ncol (one of VEC_COLS) activation
+    rows; a function of its own (not inlined) so that the driver's loop is no bigger for it."""
+    if ncol == 4:
+        if kind == TYPE_Q2_K:
+            return _q2k_rows4(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q3_K:
+            return _q3k_rows4(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q4_K:
+            return _q4k_rows4(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q5_K:
+            return _q5k_rows4(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q6_K:
+            return _q6k_rows4(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        return _iq4xs_rows4(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+    if ncol == 2:
+        if kind == TYPE_Q2_K:
+            return _q2k_rows2(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q3_K:
+            return _q3k_rows2(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q4_K:
+            return _q4k_rows2(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q5_K:
+            return _q5k_rows2(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        if kind == TYPE_Q6_K:
+            return _q6k_rows2(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+        return _iq4xs_rows2(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+    if kind == TYPE_Q2_K:
+        return _q2k_rows1(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+    if kind == TYPE_Q3_K:
+        return _q3k_rows1(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+    if kind == TYPE_Q4_K:
+        return _q4k_rows1(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+    if kind == TYPE_Q5_K:
+        return _q5k_rows1(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+    if kind == TYPE_Q6_K:
+        return _q6k_rows1(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+    return _iq4xs_rows1(w, off, nb01, nrows, nblk, yq, yd, ybs, col, out, i13, i12, i11, i01)
+
+
 @numba.njit(inline="always", **JIT)
 def _quantize_row(kind, x, r, yq, yd, ybs, block_major):
     """Flat activation row r of x (ne13, ne12, ne11, K) into its slice of the flat scratch, in the
@@ -271,8 +371,9 @@ def _quantize_row(kind, x, r, yq, yd, ybs, block_major):
 def _mul_mat_kquant(kind, how, vnni, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w, off, x, yq, yd, ybs, out):
     """Like _mul_mat_quant: the activations x (ne13, ne12, ne11, K) are quantized into the flat scratch
     first (a decode step's single row without waking the other threads), then a task's weight rows meet
-    every activation row while they are hot, in tiles of TILE_COLS activation rows on the TILED route;
-    `how` is the route, `vnni` says the TILED route takes kernels.formats.kquant_vnni."""
+    every activation row while they are hot, in tiles of TILE_COLS activation rows on the TILED route
+    and in one vec_rows call per run of VEC_COLS on the VEC one; `how` is the route, `vnni` says the
+    TILED route takes kernels.formats.kquant_vnni."""
     ne13, ne12, ne11 = out.shape[0], out.shape[1], out.shape[2]
     n_rows = ne13 * ne12 * ne11
     vnni = vnni and how == TILED
@@ -291,6 +392,14 @@ def _mul_mat_kquant(kind, how, vnni, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w
                 for r in range(hi - lo):
                     out[i13, i12, i11, lo + r] = acc[i11 * ROWS_PER_TASK + r]
             continue
+        if how == VEC and kind != TYPE_IQ4_NL:
+            i11 = 0
+            while i11 < ne11:
+                n = VEC_COLS[0] if ne11 - i11 >= VEC_COLS[0] else (VEC_COLS[1] if ne11 - i11 >= VEC_COLS[1] else 1)
+                vec_rows(kind, n, w, base + lo * nb01, nb01, hi - lo, nblk, yq, yd, ybs, col0 + i11, out, i13, i12, i11,
+                         lo)
+                i11 += n
+            continue
         tiled = ne11 - ne11 % TILE_COLS if how == TILED else 0
         for i11 in range(0, tiled, TILE_COLS):
             for r in range(lo, hi):
@@ -306,8 +415,6 @@ def _mul_mat_kquant(kind, how, vnni, nb01, nb02, nb03, ne01, ne02, ne03, nblk, w
                         v1 = _iq4nl_tiny(w, row, nblk, yq, yd, col)
                     else:
                         v1 = _iq4nl_vec(w, row, nblk, yq, yd, col)
-                elif how == VEC:
-                    v1 = vec_dot(kind, w, row, nblk, yq, yd, ybs, col)
                 else:
                     v1 = tiled_dot(kind, w, row, nblk, yq, yd, ybs, col)[0]
                 out[i13, i12, i11, r] = v1

@@ -10,8 +10,8 @@ from llvmlite import ir
 
 from wire.ggml import GGMLType
 from .kquants import KVALUES_IQ4NL, QK_K, _chunk_layout
-from ..llvm import (HAS_AVX2, byte_ptr, elem_ptr, half_t, i8_dot_lanes, i8_t, i16_t, i32_t, llvm_fn, shuffle, splat,
-                   vec)
+from ..llvm import (HAS_AVX2, HAS_VNNI, byte_ptr, elem_ptr, half_t, i8_dot_lanes, i8_t, i16_t, i32_t, llvm_fn, shuffle,
+                   splat, vec)
 
 T = GGMLType
 V32 = vec(i8_t, 32)
@@ -52,35 +52,63 @@ def iq4_quants(builder, raw):
     return q
 
 
+SPREAD_CONTROLS = "pyrpc_kquant_spread_controls"  # the byte shuffles of spreader, as a module global
+
+
+def spread_controls(builder):
+    """spreader's 8 vpshufb controls (chunk c: bytes 2c, 2c+1 of each 128-bit half, 16 times), loaded
+    from a writable global. Given constant controls LLVM rewrites the shuffles into per-chunk byte
+    broadcasts from general registers (two instructions a chunk and the scalar work to feed them,
+    13% of a Q4_K block's time); loaded ones it cannot see through, so the 8 shuffles stay single
+    instructions whose controls, loop-invariant, sit in registers. linkonce_odr: every module that
+    holds a kernel defines the same bytes, and the linker keeps one."""
+    controls = ir.ArrayType(V32, QK_K // 32)
+    table = builder.module.globals.get(SPREAD_CONTROLS)
+    if table is None:
+        table = ir.GlobalVariable(builder.module, controls, SPREAD_CONTROLS)
+        table.linkage, table.global_constant, table.align = "linkonce_odr", False, 32
+        table.initializer = ir.Constant(controls, [ir.Constant(V32, [2 * c, 2 * c + 1] * 16)
+                                                   for c in range(QK_K // 32)])
+    zero = ir.Constant(i32_t, 0)
+    return [builder.load(builder.gep(table, [zero, ir.Constant(i32_t, c)]), align=32) for c in range(QK_K // 32)]
+
+
 def spreader(builder, scales):
     """The block's <16 x i32> group scales -> spread(c): the <16 x i16> whose lanes 0-7 hold the scale
     of group 2c and 8-15 that of group 2c+1 (all scales fit in 16 bits). The scales are laid out once
     per block, even groups in the low half and odd in the high, so each chunk's spread is one in-lane
-    byte shuffle, like ggml's get_scale_shuffle."""
+    byte shuffle, like ggml's get_scale_shuffle (vpshufb on AVX2: see spread_controls)."""
     narrow = builder.trunc(scales, vec(i16_t, 16))
     halves = shuffle(builder, narrow, narrow, list(range(0, 16, 2)) + list(range(1, 16, 2)))
-    return lambda c: shuffle(builder, halves, halves, [c] * 8 + [8 + c] * 8)
+    if not HAS_AVX2:
+        return lambda c: shuffle(builder, halves, halves, [c] * 8 + [8 + c] * 8)
+    pshufb = llvm_fn(builder, "llvm.x86.avx2.pshuf.b", V32, [V32, V32])
+    controls, halves = spread_controls(builder), builder.bitcast(halves, V32)
+    return lambda c: builder.bitcast(builder.call(pshufb, [halves, controls[c]]), vec(i16_t, 16))
 
 
-def scaled_lanes(builder, q, y, spread, unsigned=False):
+def scaled_lanes(builder, q, y, spread, unsigned=False, acc=None):
     """<32 x i8> q . y -> <8 x i32> whose lanes 0-3 carry spread[0] * (the first 16 products) and
-    4-7 spread[8] * (the last 16). On AVX2 the scales ride in the 16-bit multiply-add that ggml uses
-    to widen pairs, saving a 32-bit vector multiply; quants known to be non-negative go into the
-    unsigned side of the byte multiply-add as they are, without the sign trick."""
+    4-7 spread[8] * (the last 16), added to acc if given. On AVX2 the scales ride in the 16-bit
+    multiply-add that ggml uses to widen pairs, saving a 32-bit vector multiply (with AVX512_VNNI
+    that multiply-add and the sum into acc are one vpdpwssd); quants known to be non-negative go into
+    the unsigned side of the byte multiply-add as they are, without the sign trick."""
+    add = (lambda v: v) if acc is None else (lambda v: builder.add(acc, v))  # noqa: E731
     if not HAS_AVX2:
         wide = builder.sext(shuffle(builder, spread, spread, [0] * 4 + [8] * 4), vec(i32_t, 8))
-        return builder.mul(i8_dot_lanes(builder, q, y), wide)
-    v16 = vec(i16_t, 16)
+        return add(builder.mul(i8_dot_lanes(builder, q, y), wide))
+    v16, v8 = vec(i16_t, 16), vec(i32_t, 8)
     psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", V32, [V32, V32])
     maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [V32, V32])
-    madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(i32_t, 8), [v16, v16])
     if unsigned:
         pairs = builder.call(maddubs, [q, y])
     else:
         pairs = builder.call(maddubs, [builder.call(psign, [q, q]), builder.call(psign, [y, q])])
-    return builder.call(madd, [pairs, spread])
-
-
+    if acc is not None and HAS_VNNI:
+        dpwssd = llvm_fn(builder, "llvm.x86.avx512.vpdpwssd.256", v8, [v8] * 3)
+        return builder.call(dpwssd, [acc, builder.bitcast(pairs, v8), builder.bitcast(spread, v8)])
+    madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [v16, v16])
+    return add(builder.call(madd, [pairs, spread]))
 
 
 def unsigned_quants(type_, signed=True):
@@ -154,16 +182,21 @@ def block_scales(builder, type_, at):
     return shuffle(builder, ls, ls, [g // 2 for g in range(16)]), None, half(0), no_min
 
 
-def block_lanes(builder, type_, at, load_y, scales, signed=True):
-    """The 8 int32 lanes of ggml's AVX2 block dot: lane l = sum over the 8 chunks c of
-    S[2c + l//4] * (products 4l..4l+3 of chunk c). load_y(e) loads activations e..e+31 of the block,
-    scales are its <16 x i32> group scales S."""
-    acc = ir.Constant(vec(i32_t, 8), [0] * 8)
+def block_lanes(builder, type_, at, load_ys, scales, signed=True):
+    """For each activation row, the 8 int32 lanes of ggml's AVX2 block dot: lane l = sum over the 8
+    chunks c of S[2c + l//4] * (products 4l..4l+3 of chunk c). load_ys: per activation row a
+    load_y(e) loading its activations e..e+31 of the block; scales are the block's <16 x i32> group
+    scales S. The weight quants and their scales are decoded once for all the rows. Each sum runs
+    in two chains (even and odd chunks) added at the end, half as long a chain of dependent
+    multiply-adds as one accumulator (integer sums, exact in any order)."""
+    zero = ir.Constant(vec(i32_t, 8), [0] * 8)
+    chains = [[zero, zero] for _ in load_ys]
     spread = spreader(builder, scales)
     for c in range(QK_K // 32):
-        q = chunk_quants(builder, at, type_, c, signed)
-        acc = builder.add(acc, scaled_lanes(builder, q, load_y(32 * c), spread(c), unsigned_quants(type_, signed)))
-    return acc
+        q, sc = chunk_quants(builder, at, type_, c, signed), spread(c)
+        for chain, load_y in zip(chains, load_ys):
+            chain[c % 2] = scaled_lanes(builder, q, load_y(32 * c), sc, unsigned_quants(type_, signed), chain[c % 2])
+    return [builder.add(even, odd) for even, odd in chains]
 
 
 def per_32(type_):
@@ -171,12 +204,21 @@ def per_32(type_):
     return type_ in (T.Q4_K, T.Q5_K, T.IQ4_XS)
 
 
+def product_pairs(builder, a, b):
+    """<16 x i32> a, b whose values fit in 16 bits -> <8 x i32> lanes a[2l]*b[2l] + a[2l+1]*b[2l+1]:
+    on AVX2 one vpmaddwd of the narrowed vectors (as ggml pairs scales with bsums), else in 32 bits."""
+    if not HAS_AVX2:
+        return pairs(builder, builder.mul(a, b))
+    v16 = vec(i16_t, 16)
+    madd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", vec(i32_t, 8), [v16, v16])
+    return builder.call(madd, [builder.trunc(a, v16), builder.trunc(b, v16)])
+
+
 def weighted_bsums(builder, type_, mins, bsums):
-    """M_g * bsum_g as <8 x i32>, lane l holding groups 2l and 2l+1 (an exact integer regrouping: a
-    format with one minimum per 32 multiplies it once by the pair's summed bsums)."""
-    if per_32(type_):
-        return builder.mul(shuffle(builder, mins, mins, list(range(0, 16, 2))), pairs(builder, bsums))
-    return pairs(builder, builder.mul(mins, bsums))
+    """M_g * bsum_g as <8 x i32>, lane l holding groups 2l and 2l+1 (M from block_scales: a format with
+    one minimum per 32 has it in both of the pair's lanes). Minimums and bsums (16 activations) fit
+    in 16 bits."""
+    return product_pairs(builder, mins, bsums)
 
 
 def isum(builder, v):

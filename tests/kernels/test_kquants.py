@@ -8,11 +8,13 @@ from __future__ import annotations
 import ctypes as C
 
 import gguf
+import numba
 import numpy as np
 import pytest
 
 import ggml_oracle
-from kernels.formats import kquant_vnni, kquants, quants
+from kernels import llvm
+from kernels.formats import kquant_dot, kquant_lanes, kquant_vnni, kquants, quants
 from kernels.formats.dequantize import dequantize_rows
 from kernels.ops import get_rows, matmul
 from kernels.node import InvalidNode, Node, Tensor
@@ -244,6 +246,7 @@ def test_mul_mat_check_rejects_partial_super_blocks():
 ORACLE_CASES = [  # (ne00, ne01, ne11, ne12, permuted activations): ggml-cpu's route is chosen by ne11
     (1536, 40, 1, 1, False),  # vec_dot (IQ4_NL too)
     (512, 36, 7, 1, False),  # vec_dot: the largest src1 the tiled kernel leaves to it; IQ4_NL: tinyBLAS
+    (256, 17, 6, 1, False),  # vec_dot in runs of 4 and 2 activation rows; a last task of one weight row
     (512, 36, 8, 1, False),  # tiled kernel, narrow path (<= 16 activation rows)
     (768, 33, 40, 1, False),  # tiled kernel, standard path
     (256, 13, 3, 4, True),  # vec_dot over several broadcast slices, strided activations
@@ -306,6 +309,32 @@ def test_mul_mat_iq4_nl_odd_block_count_bit_exact_with_ggml(ne11):
     node, theirs = ggml_mul_mat(T.IQ4_NL, 9 * 32, 11, ne11, 1, False, np.random.default_rng(ne11))
     matmul.check(node)
     assert_bit_exact(node, theirs)
+
+
+@pytest.mark.parametrize("type_", [T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_vec_rows_without_avx2_or_vnni_match_the_numpy_twin(type_, monkeypatch):
+    """The VEC route's multi-row kernel as a host without AVX2, or with AVX2 but no AVX512_VNNI, compiles
+    it (plain LLVM vector code, or madd + add for vpdpwssd): the same integers, so bit for bit dot_ref."""
+    rng = np.random.default_rng(int(type_) + 70)
+    k, n_rows, ncol = 512, 3, 2
+    rows = random_blocks(rng, type_, n_rows * k // 256).reshape(n_rows, -1)
+    x = rng.standard_normal((ncol, k)).astype(np.float32)
+    qs, d, bsums = kquants.quantize_q8_k_ref(x)
+    want = kquants.dot_ref(type_, rows, x, ne11=1)
+    for avx2 in (False, True):
+        rows_fn = kquant_dot._make_vec_rows(type_, ncol)
+
+        @numba.njit
+        def call(w, nb01, nrows, nblk, yq, yd, ybs, out):
+            return rows_fn(w, 0, nb01, nrows, nblk, yq, yd, ybs, 0, out, 0, 0, 0, 0)
+
+        out = np.zeros((1, 1, ncol, n_rows), np.float32)
+        for module in (llvm, kquant_lanes):
+            monkeypatch.setattr(module, "HAS_AVX2", avx2)
+        monkeypatch.setattr(kquant_lanes, "HAS_VNNI", False)
+        call(rows.reshape(-1), rows.shape[1], n_rows, k // 256, qs.ravel(), d.ravel(), bsums.ravel(), out)  # compiles
+        monkeypatch.undo()
+        np.testing.assert_array_equal(out[0, 0].T.view(np.uint32), want.view(np.uint32), err_msg=f"avx2={avx2}")
 
 
 def test_routes_round_differently():
