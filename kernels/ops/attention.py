@@ -43,7 +43,7 @@ from wire.ggml import (FA_SPLIT_KV_MIN, FA_TILE_KV, FA_TILE_Q, TYPE_F16, TYPE_F3
 
 from ..attention_rows import (BLOCK_KV, accumulate, apply_sink, finish_row, row_index, row_index_streams_inner,
                              row_one_chunk, visible_cells)
-from ..fa_lanes import kq_tile, v_tile16, v_tile64
+from ..fa_lanes import ROWS as QROWS, kq_tile, kq_tile_rows, v_tile16, v_tile64, v_tile_rows
 from ..fmath import fma32
 from ..formats.dequantize import dequantize_rows
 from ..formats.kquant_dot import iq4_nl_vec_dot
@@ -210,77 +210,99 @@ def _fa_split_kv(q, k, kkind, v, vkind, mask, has_mask, sinks, has_sinks, scale,
 
 
 @numba.njit(**JIT)
-def _tiled_row(r, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
+def _tiled_rows(g, q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
+    """Group g of up to QROWS query rows of one head (the groups numbered head by head). Each row's
+    softmax is its own, and its scores and outputs the one-row loops' FMA chains; a full group's full
+    tiles load each K and V segment once for all its rows (kernels.fa_lanes kq_tile_rows, v_tile_rows)."""
     n_seq, n_head, n_q, dk = q.shape
     n_kv = kt.shape[3]
     dv = v.shape[3]
-    iq3, iq2, iq1 = row_index(r, n_q, n_head)
+    per_head = (n_q + QROWS - 1) // QROWS
+    head, i0 = g // per_head, (g % per_head) * QROWS
+    iq3, iq2 = head // n_head, head % n_head
+    nr = min(QROWS, n_q - i0)
     slope = alibi_slope(max_bias, n_head, iq2)
     kt2 = kt[iq3 // (n_seq // kt.shape[0]), iq2 // (n_head // kt.shape[1])]
     v2 = v[iq3 // (n_seq // v.shape[0]), iq2 // (n_head // v.shape[1])]
-    mrow = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], iq1]
-    qrow = q[iq3, iq2, iq1]
-    kq = np.empty(TILE_KV, F32)
-    vkq = np.zeros(dv, F32)
-    S = F32(0.0)
-    M = NEG_INF
+    qb = np.zeros((QROWS, dk), F32)
+    for j in range(nr):
+        qb[j] = q[iq3, iq2, i0 + j]
+    kq = np.empty((QROWS, TILE_KV), F32)
+    vkq = np.zeros((QROWS, dv), F32)
+    S = np.zeros(QROWS, F32)
+    M = np.full(QROWS, NEG_INF, F32)
+    live = np.zeros(QROWS, np.bool_)
     for ic in range(0, n_kv, TILE_KV):
         n = min(TILE_KV, n_kv - ic)
-        if n == TILE_KV:  # simd_gemm: one FMA chain per score, over d in order
-            kq_tile(kt2, ic, qrow, kq)
-        else:
-            kq[:] = 0
-            for d in range(dk):
-                qd = qrow[d]
-                krow = kt2[d, ic : ic + n]
+        if n == TILE_KV and nr == QROWS:
+            kq_tile_rows(kt2, ic, qb, kq)
+        for j in range(nr):
+            kqj = kq[j]
+            if n == TILE_KV and nr < QROWS:  # simd_gemm: one FMA chain per score, over d in order
+                kq_tile(kt2, ic, qb[j], kqj)
+            elif n < TILE_KV:
+                kqj[:] = 0
+                for d in range(dk):
+                    qd = qb[j, d]
+                    krow = kt2[d, ic : ic + n]
+                    for t in range(n):
+                        kqj[t] = fma32(krow[t], qd, kqj[t])
+            for t in range(n):
+                kqj[t] = kqj[t] * scale
+            if softcap != F32(0.0):
                 for t in range(n):
-                    kq[t] = fma32(krow[t], qd, kq[t])
-        for t in range(n):
-            kq[t] = kq[t] * scale
-        if softcap != F32(0.0):
-            for t in range(n):
-                kq[t] = math.tanh(kq[t]) * softcap
-        if has_mask:
-            mseg = mrow[ic : ic + n]
-            for t in range(n):
-                kq[t] += slope * mseg[t]
-        kq[n:] = NEG_INF
-        tile_max = NEG_INF
-        for t in range(TILE_KV):
-            tile_max = tile_max if tile_max > kq[t] else kq[t]
-        if tile_max == NEG_INF:
-            continue
-        Mnew = max(M, tile_max)
-        if Mnew > M:
-            ms = math.exp(M - Mnew)
-            for d in range(dv):
-                vkq[d] *= ms
-            S *= ms
-        M = Mnew
-        S = F32(np.float64(S) + vec_soft_max(TILE_KV, kq, kq, Mnew, lanes))
-        if dv % 64 == 0:  # simd_gemm: one FMA chain per output, over the tile's rows in order
-            v_tile64(v2, ic, n, kq, vkq)
-        elif dv % 16 == 0:
-            v_tile16(v2, ic, n, kq, vkq)
-        else:
-            for t in range(n):
-                pt = kq[t]
-                vrow = v2[ic + t]
+                    kqj[t] = math.tanh(kqj[t]) * softcap
+            if has_mask:
+                mseg = mask[iq3 % mask.shape[0], iq2 % mask.shape[1], i0 + j, ic : ic + n]
+                for t in range(n):
+                    kqj[t] += slope * mseg[t]
+            kqj[n:] = NEG_INF
+            tile_max = NEG_INF
+            for t in range(TILE_KV):
+                tile_max = tile_max if tile_max > kqj[t] else kqj[t]
+            live[j] = tile_max != NEG_INF
+            if not live[j]:
+                continue
+            Mj = M[j]
+            Mnew = max(Mj, tile_max)
+            if Mnew > Mj:
+                ms = math.exp(Mj - Mnew)
                 for d in range(dv):
-                    vkq[d] = fma32(vrow[d], pt, vkq[d])
-    if has_sinks:
-        M, S = apply_sink(sinks[iq2], M, S, vkq, True)
-    inv = F32(0.0) if S == F32(0.0) else F32(1.0) / S
-    for d in range(dv):
-        out[iq3, iq1, iq2, d] = vkq[d] * inv
+                    vkq[j, d] *= ms
+                S[j] *= ms
+            M[j] = Mnew
+            S[j] = F32(np.float64(S[j]) + vec_soft_max(TILE_KV, kqj, kqj, Mnew, lanes))
+        if nr == QROWS and dv % 64 == 0 and live.all():
+            v_tile_rows(v2, ic, n, kq, vkq)
+            continue
+        for j in range(nr):  # simd_gemm: one FMA chain per output, over the tile's rows in order
+            if not live[j]:
+                continue
+            if dv % 64 == 0:
+                v_tile64(v2, ic, n, kq[j], vkq[j])
+            elif dv % 16 == 0:
+                v_tile16(v2, ic, n, kq[j], vkq[j])
+            else:
+                for t in range(n):
+                    pt = kq[j, t]
+                    vrow = v2[ic + t]
+                    for d in range(dv):
+                        vkq[j, d] = fma32(vrow[d], pt, vkq[j, d])
+    for j in range(nr):
+        Mj, Sj = M[j], S[j]
+        if has_sinks:
+            Mj, Sj = apply_sink(sinks[iq2], Mj, Sj, vkq[j], True)
+        inv = F32(0.0) if Sj == F32(0.0) else F32(1.0) / Sj
+        for d in range(dv):
+            out[iq3, i0 + j, iq2, d] = vkq[j, d] * inv
 
 
 @row_loop
 def _fa_tiled(q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes):
     """kt is K transposed per head, (n_seq, n_head_kv, DK, n_kv), so a tile's scores vectorize."""
-    n_rows = q.shape[0] * q.shape[1] * q.shape[2]
-    for r in prange(n_rows):
-        _tiled_row(np.int64(r), q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
+    n_groups = q.shape[0] * q.shape[1] * ((q.shape[2] + QROWS - 1) // QROWS)
+    for g in prange(n_groups):
+        _tiled_rows(np.int64(g), q, kt, v, mask, has_mask, sinks, has_sinks, scale, max_bias, softcap, out, lanes)
 
 
 class _Parts:
