@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from wire.ggml import TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 from ..jit import JIT
-from ..llvm import HAS_VNNI, dpbusd, elem_ptr, i8_t, i32_t, splat, vec
+from ..llvm import HAS_VNNI, byte_ptr, dpbusd, elem_ptr, i8_t, i32_t, llvm_fn, splat, vec
 from ..tasks import ROWS_PER_TASK
 from .kquant_lanes import Args, block_scales, chunk_quants, f32_t, fma_fn, i64c, per_32
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, quantize_q8_k_row
@@ -77,6 +77,7 @@ def _make_tile(type_: GGMLType):
                 return builder.load(builder.bitcast(at_i32(buf, ir.Constant(i32_t, i)), t.as_pointer()), align=64)
 
             last = builder.sub(nrows_, i64c(1))
+            prefetch = llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [i8_t.as_pointer()] + [i32_t] * 3)
             with cgutils.for_range(builder, nblk_) as blocks:
                 b = blocks.index
                 with cgutils.for_range(builder, i64c(ROWS)) as rows:  # decode: rows past nrows repeat the last
@@ -84,6 +85,11 @@ def _make_tile(type_: GGMLType):
                     rr = builder.select(builder.icmp_signed("<", r, nrows_), r, last)
                     p = builder.add(builder.add(base_, builder.mul(rr, nb01_)), builder.mul(b, i64c(size)))
                     at = lambda o, ty: a.bytes_at(0, builder.add(p, i64c(o)), ty)  # noqa: E731
+                    for line in range(0, size, 64):  # the row's next block, while this one is multiplied
+                        ahead = byte_ptr(context, builder, a.types[0], a.values[0],
+                                         builder.add(p, i64c(size + line)), i8_t)
+                        builder.call(prefetch, [ahead, ir.Constant(i32_t, 0), ir.Constant(i32_t, 3),
+                                                ir.Constant(i32_t, 1)])
                     sc, mn, d, dmin = block_scales(builder, type_, at)
                     r32 = builder.trunc(r, i32_t)
                     for s in range(nsub):
@@ -148,17 +154,8 @@ def _make_tile(type_: GGMLType):
                 full = builder.sdiv(ncols_, i64c(COLS))
                 with cgutils.for_range(builder, full) as tiles:
                     run(builder.add(col0_, builder.mul(tiles.index, i64c(COLS))), COLS)
-                # the rest in runs of 4, 2, 1 (COLS = 8): one decoded weight vector still feeds
-                # several activation rows, where rows one at a time would be bound by its loads
-                col = builder.add(col0_, builder.mul(full, i64c(COLS)))
-                rest = builder.sub(ncols_, builder.mul(full, i64c(COLS)))
-                n = COLS // 2
-                while n >= 1:
-                    bit = builder.icmp_signed("!=", builder.and_(rest, i64c(n)), i64c(0))
-                    with builder.if_then(bit):
-                        run(col, n)
-                    col = builder.add(col, builder.and_(rest, i64c(n)))
-                    n //= 2
+                with cgutils.for_range(builder, builder.sub(ncols_, builder.mul(full, i64c(COLS)))) as rest:
+                    run(builder.add(builder.add(col0_, builder.mul(full, i64c(COLS))), rest.index), 1)
             return i64c(0)
 
         return sig, codegen
