@@ -16,7 +16,7 @@ server's decode step (`orchestrator serve -np 4` over two workers steps two sequ
 `--seqs 128 --batch 128 --prompt 1` makes each step a 128-row batch: where a prompt's time goes.
 `--isa` is the worker's (default auto: as ggml built natively on this host).
 
-`--time-prompt` times the prompt itself instead: each step is the --prompt tokens of one sequence at
+`--time-prompt` times the prompt itself instead: each step is --prompt random tokens of one sequence at
 position 0 again (llama-completion's warm-up, which forgets its cells), the prompt's own graph with one
 output row, as llama-bench's pp test runs it (`--prompt 128 --time-prompt`). `--clock cpu` times process
 CPU time instead of wall time: with NUMBA_NUM_THREADS=1, the kernels' cost, robust to a shared machine.
@@ -76,7 +76,10 @@ def main(argv=None) -> int:
     if args.time_prompt:
         if args.seqs != 1:
             ap.error("--time-prompt times one sequence's prompt")
-        step = lambda: pipe.warmup([token] * args.prompt)  # noqa: E731
+        # random tokens, as llama-bench's pp: one token repeated would route every row of an MoE's
+        # experts alike (4 experts with 128 rows each instead of a prompt's spread)
+        tokens = np.random.default_rng(0).integers(1, model.hparams.n_vocab, args.prompt).tolist()
+        step = lambda: pipe.warmup(tokens)  # noqa: E731
     elif args.seqs == 1:
         pipe.evaluate_prompt([token] * args.prompt)
         step = lambda: pipe.evaluate_token(token)  # noqa: E731
