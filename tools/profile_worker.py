@@ -15,6 +15,11 @@ With --seqs S the cache holds S sequences, in cells and attention groups as the 
 server's decode step (`orchestrator serve -np 4` over two workers steps two sequences at a time).
 `--seqs 128 --batch 128 --prompt 1` makes each step a 128-row batch: where a prompt's time goes.
 `--isa` is the worker's (default auto: as ggml built natively on this host).
+
+`--time-prompt` times the prompt itself instead: each step is --prompt random tokens of one sequence at
+position 0 again (llama-completion's warm-up, which forgets its cells), the prompt's own graph with one
+output row, as llama-bench's pp test runs it (`--prompt 128 --time-prompt`). `--clock cpu` times process
+CPU time instead of wall time: with NUMBA_NUM_THREADS=1, the kernels' cost, robust to a shared machine.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="sequences each step carries (default: all)")
     ap.add_argument("--nodes", type=int, default=0, help="also list this many slowest nodes, with their shapes")
     ap.add_argument("--isa", default="auto", help=f"the worker's target (auto, {', '.join(TARGETS)})")
+    ap.add_argument("--time-prompt", action="store_true", help="each step is the --prompt tokens again")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--by-shape", action="store_true", help="one line per op, first source's type and shape")
     args = ap.parse_args(argv)
     batch = args.batch or args.seqs
     if not 1 <= batch <= args.seqs:
@@ -65,7 +73,15 @@ def main(argv=None) -> int:
     pipe.allocate()
     pipe.upload()
     token = 1
-    if args.seqs == 1:
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.time_prompt:
+        if args.seqs != 1:
+            ap.error("--time-prompt times one sequence's prompt")
+        # random tokens, as llama-bench's pp: one token repeated would route every row of an MoE's
+        # experts alike (4 experts with 128 rows each instead of a prompt's spread)
+        tokens = np.random.default_rng(0).integers(1, model.hparams.n_vocab, args.prompt).tolist()
+        step = lambda: pipe.warmup(tokens)  # noqa: E731
+    elif args.seqs == 1:
         pipe.evaluate_prompt([token] * args.prompt)
         step = lambda: pipe.evaluate_token(token)  # noqa: E731
     else:
@@ -73,30 +89,32 @@ def main(argv=None) -> int:
     step()  # the first decode step compiles its graph; later ones recompute
     steps = []
     for _ in range(args.n_gen):
-        start = time.perf_counter()
+        start = clock()
         step()
-        steps.append(time.perf_counter() - start)
+        steps.append(clock() - start)
 
     plan = session.plan
     per_op: dict[str, list[float]] = collections.defaultdict(list)
     per_node: list[list[float]] = [[] for _ in plan.steps]
     for _ in range(args.n_gen):
         for i, (run, node) in enumerate(plan.steps):
-            start = time.perf_counter()
+            start = clock()
             run()
-            per_node[i].append(time.perf_counter() - start)
-            per_op[op_label(node.op, sub_op(node))].append(per_node[i][-1])
+            per_node[i].append(clock() - start)
+            per_op[label(node, args.by_shape)].append(per_node[i][-1])
     n_nodes = len(plan.steps)
-    print(f"model {model.path.name}: {n_nodes} computed nodes of {plan.n_nodes} per decode step "
-          f"of {batch} token(s), {args.seqs} sequence(s) in the cache")
+    what = f"the prompt of {args.prompt} token(s)" if args.time_prompt else \
+        f"decode step of {batch} token(s), {args.seqs} sequence(s) in the cache"
+    print(f"model {model.path.name}: {n_nodes} computed nodes of {plan.n_nodes} per {what}; {args.clock} time")
     print(f"decode step (incl. orchestrator inputs/outputs): median {statistics.median(steps) * 1e3:.2f} ms")
     total = sum(sum(v) for v in per_op.values()) / args.n_gen
     print(f"sum of node times: {total * 1e3:.2f} ms per step\n")
-    print(f"{'op':24} {'nodes':>5} {'ms/step':>8} {'us/node':>8}")
-    for label, times in sorted(per_op.items(), key=lambda kv: -sum(kv[1])):
+    width = 56 if args.by_shape else 24
+    print(f"{'op':{width}} {'nodes':>5} {'ms/step':>8} {'us/node':>8}")
+    for name, times in sorted(per_op.items(), key=lambda kv: -sum(kv[1])):
         count = len(times) // args.n_gen
         ms = sum(times) / args.n_gen * 1e3
-        print(f"{label:24} {count:5d} {ms:8.3f} {ms * 1e3 / count:8.1f}")
+        print(f"{name:{width}} {count:5d} {ms:8.3f} {ms * 1e3 / count:8.1f}")
     if args.nodes:
         print(f"\n{'us (median)':>11}  node")
         slowest = sorted(range(n_nodes), key=lambda i: -statistics.median(per_node[i]))[:args.nodes]
@@ -106,6 +124,16 @@ def main(argv=None) -> int:
             print(f"{statistics.median(per_node[i]) * 1e6:11.1f}  {op_label(node.op, sub_op(node))} {node.name} "
                   f"-> {node.dst.type.name}{list(node.dst.ne)} from {srcs}")
     return 0
+
+
+def label(node, by_shape: bool) -> str:
+    name = op_label(node.op, sub_op(node))
+    if not by_shape or not node.src or node.src[0] is None:
+        return name
+    src0 = node.src[0]
+    shape = "x".join(str(n) for n in src0.ne if n != 1) or "1"
+    rows = "x".join(str(n) for n in node.src[1].ne[1:] if n != 1) if len(node.src) > 1 and node.src[1] else ""
+    return f"{name} {src0.type.name} {shape}" + (f" . {rows}" if rows else "")
 
 
 class Sequences:

@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from wire.ggml import TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K, TYPE_TRAITS, GGMLType
 from ..jit import JIT
-from ..llvm import HAS_VNNI, dpbusd, elem_ptr, i8_t, i32_t, splat, vec
+from ..llvm import HAS_VNNI, byte_ptr, dpbusd, elem_ptr, i8_t, i32_t, llvm_fn, splat, vec
 from ..tasks import ROWS_PER_TASK
 from .kquant_lanes import Args, block_scales, chunk_quants, f32_t, fma_fn, i64c, per_32
 from .kquants import BIT_TYPES, GROUP, HAS_MIN, QK_K, quantize_q8_k_row
@@ -65,10 +65,11 @@ def _make_tile(type_: GGMLType):
             base_, nb01_, nrows_, nblk_, _, _, _, col0_, ncols_, cstride_, bstride_ = (args[i] for i in range(1, 12))
             # the decoded block: codes [group][row] as i32, scales and minimums [sub-block][row], d, dmin
             codes = cgutils.alloca_once(builder, ir.ArrayType(i32_t, GROUPS * ROWS))
+            staged = cgutils.alloca_once(builder, ir.ArrayType(i32_t, ROWS * GROUPS))  # [row][group], decoded
             scales = cgutils.alloca_once(builder, ir.ArrayType(i32_t, nsub * ROWS))
             mins = cgutils.alloca_once(builder, ir.ArrayType(i32_t, nsub * ROWS))
             ds = cgutils.alloca_once(builder, ir.ArrayType(f32_t, 2 * ROWS))
-            for buf in (codes, scales, mins, ds):
+            for buf in (codes, staged, scales, mins, ds):
                 buf.align = 64
             at_i32 = lambda buf, i: builder.gep(buf, [ir.Constant(i32_t, 0), i])  # noqa: E731
 
@@ -76,6 +77,7 @@ def _make_tile(type_: GGMLType):
                 return builder.load(builder.bitcast(at_i32(buf, ir.Constant(i32_t, i)), t.as_pointer()), align=64)
 
             last = builder.sub(nrows_, i64c(1))
+            prefetch = llvm_fn(builder, "llvm.prefetch.p0", ir.VoidType(), [i8_t.as_pointer()] + [i32_t] * 3)
             with cgutils.for_range(builder, nblk_) as blocks:
                 b = blocks.index
                 with cgutils.for_range(builder, i64c(ROWS)) as rows:  # decode: rows past nrows repeat the last
@@ -83,6 +85,11 @@ def _make_tile(type_: GGMLType):
                     rr = builder.select(builder.icmp_signed("<", r, nrows_), r, last)
                     p = builder.add(builder.add(base_, builder.mul(rr, nb01_)), builder.mul(b, i64c(size)))
                     at = lambda o, ty: a.bytes_at(0, builder.add(p, i64c(o)), ty)  # noqa: E731
+                    for line in range(0, size, 64):  # the row's next block, while this one is multiplied
+                        ahead = byte_ptr(context, builder, a.types[0], a.values[0],
+                                         builder.add(p, i64c(size + line)), i8_t)
+                        builder.call(prefetch, [ahead, ir.Constant(i32_t, 0), ir.Constant(i32_t, 3),
+                                                ir.Constant(i32_t, 1)])
                     sc, mn, d, dmin = block_scales(builder, type_, at)
                     r32 = builder.trunc(r, i32_t)
                     for s in range(nsub):
@@ -100,10 +107,9 @@ def _make_tile(type_: GGMLType):
                             q = builder.add(q, ir.Constant(vec(i8_t, 32), [4] * 32))
                         elif type_ == T.IQ4_XS:  # table values -127..113 + 128
                             q = builder.xor(q, ir.Constant(vec(i8_t, 32), [0x80] * 32))
-                        q = builder.bitcast(q, vec(i32_t, 8))
-                        for j in range(8):
-                            idx = builder.add(ir.Constant(i32_t, (8 * c + j) * ROWS), r32)
-                            builder.store(builder.extract_element(q, ir.Constant(i32_t, j)), at_i32(codes, idx))
+                        idx = builder.add(builder.mul(r32, ir.Constant(i32_t, GROUPS)), ir.Constant(i32_t, 8 * c))
+                        builder.store(q, builder.bitcast(at_i32(staged, idx), q.type.as_pointer()), align=32)
+                _transpose_groups(builder, staged, codes, load_v, at_i32)
                 d_v, dmin_v = load_v(ds, 0, F16), load_v(ds, ROWS, F16)
                 neg_dmin = builder.fsub(ir.Constant(F16, [-0.0] * 16), dmin_v)
                 fma = fma_fn(builder, 16)
@@ -155,6 +161,25 @@ def _make_tile(type_: GGMLType):
         return sig, codegen
 
     return tile
+
+
+def _transpose_groups(builder, staged, codes, load_v, at_i32):
+    """codes[g][r] = staged[r][g]: each 16 x 16 square of 4-byte groups transposed in registers, by
+    swapping the off-diagonal d x d blocks of every 2d x 2d block for d = 1, 2, 4, 8 (two-source
+    shuffles), instead of one scalar store per group and row."""
+    for g0 in range(0, GROUPS, ROWS):
+        v = [load_v(staged, r * GROUPS + g0) for r in range(ROWS)]
+        for d in (1, 2, 4, 8):
+            for i in range(ROWS):
+                if i & d:
+                    continue
+                j = i + d
+                lo = [lane if not lane & d else ROWS + lane - d for lane in range(ROWS)]
+                hi = [lane + d if not lane & d else ROWS + lane for lane in range(ROWS)]
+                v[i], v[j] = (builder.shuffle_vector(v[i], v[j], ir.Constant(vec(i32_t, ROWS), m)) for m in (lo, hi))
+        for g in range(ROWS):
+            ptr = builder.bitcast(at_i32(codes, ir.Constant(i32_t, (g0 + g) * ROWS)), V16.as_pointer())
+            builder.store(v[g], ptr, align=64)
 
 
 _q2k, _q3k, _q4k, _q5k, _q6k, _iq4xs = (_make_tile(t) for t in BIT_TYPES + (T.IQ4_XS,))

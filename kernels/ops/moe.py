@@ -170,22 +170,37 @@ def _quantize_k(kind, row, s, k, yq, yd, ybs):
                                   ybs[s * ngroups:(s + 1) * ngroups])
 
 
+@numba.njit(inline="always", **JIT)
+def _quantize_pair(kind, x, ids, starts, pairs, s, yq, yd, ybs, vnni, tq, td, tbs):
+    """Routed row s into the block-major scratch if its expert takes the VNNI tiles, else row-major."""
+    n_ids = ids.shape[1]
+    t, e = pairs[s] // n_ids, pairs[s] % n_ids
+    row = x[t, e % x.shape[1]]
+    a = ids[t, e]
+    if vnni and starts[a + 1] - starts[a] >= TILED_MIN_ROWS:
+        kquant_vnni.quantize_block_major(row, s, pairs.size, tq, td, tbs)
+    else:
+        _quantize_k(kind, row, s, x.shape[2], yq, yd, ybs)
+
+
 @numba.njit(parallel=True, **JIT)
 def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, starts, pairs, routed, yq, yd, ybs, vnni,
-                       out):
+                       tq, td, tbs, out):
     """K-quants and IQ4: per expert the tiled kernel's sums from TILED_MIN_ROWS routed rows on (in
     tiles of TILE_COLS, or all at once in kernels.formats.kquant_vnni if `vnni`), ggml_vec_dot_<w>_q8_K
-    below that, and always for IQ4_NL."""
+    below that, and always for IQ4_NL. The VNNI tiles' rows are quantized block-major into tq/td/tbs
+    (block b of every routed row, then block b + 1: a tile reads one block's rows one after another),
+    the vec_dot rows row-major into yq/yd/ybs."""
     if not _group(ids, n_as, starts, pairs):
         return False
     n_ids, ne11, k = ids.shape[1], x.shape[1], x.shape[2]
     n_pairs = pairs.size
     if n_pairs >= QUANTIZE_PARALLEL_ROWS:
         for s in numba.prange(n_pairs):
-            _quantize_k(kind, x[pairs[s] // n_ids, (pairs[s] % n_ids) % ne11], s, k, yq, yd, ybs)
+            _quantize_pair(kind, x, ids, starts, pairs, s, yq, yd, ybs, vnni, tq, td, tbs)
     else:
         for s in range(n_pairs):
-            _quantize_k(kind, x[pairs[s] // n_ids, (pairs[s] % n_ids) % ne11], s, k, yq, yd, ybs)
+            _quantize_pair(kind, x, ids, starts, pairs, s, yq, yd, ybs, vnni, tq, td, tbs)
     nchunk = (ne01 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cols = kquant_dot.TILE_COLS
     n_tasks = _routed(starts, n_as, routed) * nchunk
@@ -196,7 +211,7 @@ def _mul_mat_id_kquant(kind, w, off, nb01, nb02, ne01, n_as, nblk, x, ids, start
         tiled = kind != TYPE_IQ4_NL and end - s >= TILED_MIN_ROWS
         if tiled and vnni:
             acc = np.zeros((end - s) * ROWS_PER_TASK, np.float32)
-            kquant_vnni.vnni_tile(kind, w, base + lo * nb01, nb01, hi - lo, nblk, yq, yd, ybs, s, end - s, nblk, 1,
+            kquant_vnni.vnni_tile(kind, w, base + lo * nb01, nb01, hi - lo, nblk, tq, td, tbs, s, end - s, 1, n_pairs,
                                   acc)
             for c in range(s, end):
                 for ir in range(lo, hi):
@@ -284,9 +299,11 @@ def prepare(node: Node):
         yq, yd = np.empty(ids.size * k, np.int8), np.empty(ids.size * nblk, np.float32)
         ybs = np.empty(ids.size * (k // kquants.GROUP), np.int32)
         vnni = kquant_dot.takes_vnni(src0.type, node.target)
+        # the VNNI tiles' block-major scratch (unused, and not allocated, otherwise)
+        tq, td, tbs = (np.empty_like(yq), np.empty_like(yd), np.empty_like(ybs)) if vnni else (yq, yd, ybs)
 
         def run():
-            return _mul_mat_id_kquant(*w, nblk, x, ids, starts, pairs, routed, yq, yd, ybs, vnni, out)
+            return _mul_mat_id_kquant(*w, nblk, x, ids, starts, pairs, routed, yq, yd, ybs, vnni, tq, td, tbs, out)
 
     def checked():
         if not run():

@@ -117,7 +117,7 @@ def test_mul_mat_id_bit_exact_with_ggml(type_):
 @pytest.mark.parametrize("type_", [t for t in MMID_TYPES if t in KQUANT_TYPES and t != T.IQ4_NL],
                          ids=lambda t: t.name)
 def test_mul_mat_id_vnni_tiles_bit_exact_with_ggml(type_):
-    """An AVX-512 target's tiled experts (kernels.formats.kquant_vnni, row-major activations) against this
+    """An AVX-512 target's tiled experts (kernels.formats.kquant_vnni, block-major activations) against this
     oracle: ggml's tiled kernels differ between builds only in integer sums. The second case routes 21
     rows to two experts of 35 weight rows (two full tiles and a ragged one)."""
     for case in (MMID_CASES[1], (512, 35, 3, 2, 21, True)):
