@@ -3,15 +3,15 @@
     python tools/bench_kernels.py [--types Q4_K,Q6_K,...] [--shapes 16384x2048,1536x576] [--n-kv 256,1024,4096]
                                   [--cols 1,8,64] [--prompt-ops]
 
-For each weight type and shape (rows x row length), MUL_MAT of that matrix (ggml's own quantizer) with
-1, 8 and 64 activation rows (decode, ggml's smallest tiled batch, a prompt chunk): a large matrix that
-outgrows the caches, and a small model's (SmolLM2's FFN), where the per-row work around the dot products
-counts; then FLASH_ATTN_EXT of one decoded token (32 heads over 8 KV heads of 64, F16 cache) at several
-cache lengths; with --prompt-ops, the other nodes of a 128-token prompt (norms, ROPE, SCALE, GLU, prompt
-attention). PYRPC_ORACLE=native compares with tools/build_native.sh's build instead of the pinned one
-(our nodes then compute as this host's target). Both run in this process on the same bytes (tests/kernels/ggml_oracle.py builds ggml's
-node and mirrors it into ours), timed as process CPU time with one thread each, so a busy machine disturbs
-the ratio little; every result is also compared bit for bit. Medians of several runs.
+For each weight type and shape (rows x row length), MUL_MAT of that matrix (ggml's own quantizer) with 1, 8
+and 64 activation rows (decode, ggml's smallest tiled batch, a prompt chunk): a large matrix that outgrows the
+caches, and a small model's (SmolLM2's FFN), where the per-row work around the dot products counts; then
+FLASH_ATTN_EXT of one decoded token (32 heads over 8 KV heads of 64, F16 cache) at several cache lengths; with
+--prompt-ops, the other nodes of a 128-token prompt (norms, ROPE, SCALE, GLU, prompt attention).
+PYRPC_ORACLE=native compares with tools/build_native.sh's build instead of the pinned one (our nodes then
+compute as this host's target). Both run in this process on the same bytes (tests/kernels/ggml_oracle.py
+builds ggml's node and mirrors it into ours), timed as process CPU time with one thread each, so a busy
+machine disturbs the ratio little; every result is also compared bit for bit. Medians of several runs.
 """
 
 from __future__ import annotations
@@ -101,13 +101,14 @@ def bench_prompt_ops(rng) -> None:
     def pos(g):
         return g.new(GGMLType.I32, (128,), np.arange(128, dtype=np.int32))
 
-    rope = (1e6, 1.0, 0.0, 1.0, 32.0, 1.0)  # freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
+    # n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
+    rope = (32768, 1e6, 1.0, 0.0, 1.0, 32.0, 1.0)
     nodes = {
         "RMS_NORM 256x4x128": lambda g, x: g.op("ggml_rms_norm", x((256, 4, 128)), 1e-6),
         "RMS_NORM 128x32x128": lambda g, x: g.op("ggml_rms_norm", x((128, 32, 128)), 1e-6),
-        "ROPE NEOX 256x4x128": lambda g, x: g.op("ggml_rope_ext", x((256, 4, 128)), pos(g), None, 256, 2, 32768, *rope),
-        "ROPE NEOX 128x32x128": lambda g, x: g.op("ggml_rope_ext", x((128, 32, 128)), pos(g), None, 128, 2, 32768, *rope),
-        "ROPE NORMAL 128x32x128": lambda g, x: g.op("ggml_rope_ext", x((128, 32, 128)), pos(g), None, 128, 0, 32768, *rope),
+        "ROPE NEOX 256x4x128": lambda g, x: g.op("ggml_rope_ext", x((256, 4, 128)), pos(g), None, 256, 2, *rope),
+        "ROPE NEOX 128x32x128": lambda g, x: g.op("ggml_rope_ext", x((128, 32, 128)), pos(g), None, 128, 2, *rope),
+        "ROPE NORMAL 128x32x128": lambda g, x: g.op("ggml_rope_ext", x((128, 32, 128)), pos(g), None, 128, 0, *rope),
         "SCALE 256x4x128": lambda g, x: g.op("ggml_scale", x((256, 4, 128)), 0.0625),
         "GLU GEGLU 2048x128": lambda g, x: g.op("ggml_glu_split", x((2048, 128)), x((2048, 128)), 1),
         "GLU SWIGLU 768x512": lambda g, x: g.op("ggml_glu_split", x((768, 512)), x((768, 512)), 2),

@@ -11,8 +11,9 @@ AVX-512; see kernels/target.py):
 - one query row at a time ("one_chunk"): Q rounded to F16 for an F16 K, dot products in the SIMD
   lane order of ggml_vec_dot_f16/_f32 (4 accumulators of 8 or 16 lanes), online softmax with glibc
   expf, and for an F16 V an accumulator kept in F16 (rounded after every update);
-- tiled (kernels/attention_tiled.py), when n_q >= 64 and K, V share a type: F32 Q, KQ by sequential FMA, 64-wide KV tiles whose
-  softmax uses the build's vector exp and lane sums (softmax.vec_soft_max), F32 accumulator;
+- tiled (kernels/attention_tiled.py), when n_q >= 64 and K, V share a type: F32 Q, KQ by sequential
+  FMA, 64-wide KV tiles whose softmax uses the build's vector exp and lane sums (softmax.vec_soft_max),
+  F32 accumulator;
 - split KV, for one decoded token over n_kv >= 512: each of ggml's threads takes a slice of the cache
   and the partial results are merged, so the result depends on ggml's thread count (the node's target.threads).
 A quantized K or V always takes the per-row path: Q is quantized to K's vec_dot_type (q8_0/q8_1) and
