@@ -66,17 +66,22 @@ def bench_mul_mat(type_: GGMLType, k: int, n: int, rng, col_counts=(1, 8, 64)) -
         row(f"MUL_MAT {type_.name} {n}x{k} x{cols}", theirs, ours, exact)
 
 
-def bench_decode_attention(n_kv: int) -> None:
-    case = Case(seed=1, n_q=1, dk=64, n_head=32, n_head_kv=8, n_kv=n_kv)
+def bench_attention(label: str, case: Case, reps: int) -> None:
+    """FLASH_ATTN_EXT of one test_attention Case, as ggml builds it, our node split as one thread's."""
     with ggml_oracle.Graph(256 << 20) as g:
         out = ggml_node(g, case)
         node = emulate_threads(g.mirror(out), 1)
         kernel = lookup(node)
         kernel.check(node)
         run = kernel.bind(node)
-        theirs, ours = cpu_ms(lambda: g.compute(out, n_threads=1), 20), cpu_ms(run, 20)
+        theirs, ours = cpu_ms(lambda: g.compute(out, n_threads=1), reps), cpu_ms(run, reps)
         exact = np.array_equal(ggml_oracle.result_bytes(out), ggml_oracle.our_bytes(node.dst))
-    row(f"FLASH_ATTN_EXT decode, n_kv {n_kv}", theirs, ours, exact)
+    row(label, theirs, ours, exact)
+
+
+def bench_decode_attention(n_kv: int) -> None:
+    bench_attention(f"FLASH_ATTN_EXT decode, n_kv {n_kv}", Case(seed=1, n_q=1, dk=64, n_head=32, n_head_kv=8,
+                                                              n_kv=n_kv), 20)
 
 
 def bench_node(label: str, build, rng) -> None:
@@ -119,16 +124,8 @@ def bench_prompt_ops(rng) -> None:
         bench_node(label, build, rng)
     for case in (Case(seed=1, n_q=128, dk=256, n_head=4, n_head_kv=1, n_kv=256),
                  Case(seed=1, n_q=128, dk=128, n_head=32, n_head_kv=4, n_kv=256)):
-        with ggml_oracle.Graph(256 << 20) as g:
-            out = ggml_node(g, case)
-            node = emulate_threads(g.mirror(out), 1)
-            kernel = lookup(node)
-            kernel.check(node)
-            run = kernel.bind(node)
-            theirs, ours = cpu_ms(lambda: g.compute(out, n_threads=1), 10), cpu_ms(run, 10)
-            exact = np.array_equal(ggml_oracle.result_bytes(out), ggml_oracle.our_bytes(node.dst))
-        row(f"FLASH_ATTN_EXT prompt, 128 queries d{case.dk}, {case.n_head}/{case.n_head_kv} heads, n_kv 256",
-            theirs, ours, exact)
+        bench_attention(f"FLASH_ATTN_EXT prompt, 128 queries d{case.dk}, {case.n_head}/{case.n_head_kv} heads, "
+                        "n_kv 256", case, 10)
 
 
 def main(argv=None) -> int:
