@@ -209,6 +209,9 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
 @click.option("--no-ring", is_flag=True,
               help="greedy generation too goes through the orchestrator token by token (by default the last "
                    "worker picks the greedy token and passes it to the first one itself)")
+@click.option("--draft-always", is_flag=True,
+              help="with -md and greedy sampling: drafting makes every token (by the speculative ring where it "
+                   "runs), not measured against the model's own ring as it goes")
 @click.option("--no-push", is_flag=True,
               help="relay every activation through the orchestrator, even between workers that can push it to "
                    "each other (--rpc host:port@peerhost:port: how the other workers reach that one); no ring")
@@ -271,7 +274,7 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
 def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size,
                   ubatch_size, gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn, cache_type_k,
                   cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
-                  no_ring, verbose, model_draft, draft_max, draft_min, draft_p_min, rpc_draft, rpc_spare,
+                  no_ring, draft_always, verbose, model_draft, draft_max, draft_min, draft_p_min, rpc_draft, rpc_spare,
                   **sampling) -> int:
     """The command's run: the prompt through the engine's one slot, its text on stdout."""
     from orchestrator.engine import context_shift as shifting  # noqa: PLC0415
@@ -364,9 +367,12 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
         if not (no_ring or no_push or context_shift) and params.greedy:
             why = engine.start_ring(ignore_eos)
             if why is None and speculator is not None:  # both can make the tokens: the faster does
-                speculator.pace = Pace()
+                spec_why = speculator.start_spec_ring(engine.pipe, engine.eog if ignore_eos else [])
+                speculator.pace = Pace(always_draft=draft_always)
             log(f"  ring: {'on' if why is None else f'off ({why})'}"
                 f"{' (and drafting: the faster of the two as it runs)' if why is None and speculator else ''}")
+            if why is None and speculator is not None:
+                log(f"  speculative ring: {'on' if spec_why is None else f'off ({spec_why})'}")
         engine.on_ring_off = lambda why: log(f"\n  ring: off ({why}); going on stepwise")
         finish = engine.generate(Job(tokens, params, n_predict, on_event, ignore_eos=ignore_eos,
                                      n_keep=n_keep if context_shift else None))

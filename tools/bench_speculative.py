@@ -18,10 +18,13 @@ Designs (columns):
                 --spec-type; its draft sampling: greedy), one /completion request per run;
                 its draft is split over the same RPC workers as the target
   push, ring    our orchestrator without a draft (stepwise push; the ring)
-  ours -md      our orchestrator with -md DRAFT as users run it: drafting and the target's ring both run,
-                the faster one making most tokens (speculative.Pace); the draft on the target's worker with
-                the most free memory
-  drafting      the same with --no-ring: every token from drafting and a verification (stepwise push)
+  ours -md      our orchestrator with -md DRAFT as users run it: drafting (the speculative ring) and the
+                target's ring both run, the faster one making most tokens (speculative.Pace); the draft on
+                the target's worker with the most free memory
+  drafting      the same with --draft-always: every token from the speculative ring (the draft's ring
+                feeding the target's pipeline, orchestrator/pipeline/spec_ring.py)
+  blocks        the same with --no-ring: every token from drafting blocks of --draft-max tokens, each
+                verified in one pass through the orchestrator (stepwise push), as llama.cpp drafts
 
 tok/s = (tokens - 1) / the client's eval time (after the first token, prompt excluded), so that a run
 that verifies several tokens per decode counts every token. acc = drafts accepted / drafted. Every run's
@@ -52,7 +55,7 @@ from tools.bench_worker import load_average  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
 DRAFT_RE = re.compile(r"draft: (\d+) tokens drafted, (\d+) accepted")
-SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only")
+SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-blocks")
 
 
 def quantized(source: Path, wtype: str) -> Path:
@@ -119,7 +122,8 @@ def register(draft: Path, draft_max: int, p_min: float) -> None:
                                    llama_server_command(draft, draft_max, p_min))
     flags = ("-md", str(draft), "--draft-max", str(draft_max), "--draft-p-min", str(p_min))
     d["spec"] = bp.Design("ours -md", "ours", "ring", bp.ring_hops, bp.ours_command(*flags))
-    d["spec-only"] = bp.Design("drafting", "ours", "push", bp.push_hops, bp.ours_command(*flags, "--no-ring"))
+    d["spec-only"] = bp.Design("drafting", "ours", "ring", bp.ring_hops, bp.ours_command(*flags, "--draft-always"))
+    d["spec-blocks"] = bp.Design("blocks", "ours", "push", bp.push_hops, bp.ours_command(*flags, "--no-ring"))
 
 
 def tok_s(cell: bp.Cell, name: str, tokens: int) -> float | None:

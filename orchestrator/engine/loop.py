@@ -424,16 +424,24 @@ class Engine:
             slot.n_cached == len(slot.tokens) - 1 and (self.speculator is None or self.speculator.wants_ring())
 
     def _run_ring(self, slot: Slot) -> None:
-        """The slot's greedy tokens from the ring, each taken as a sampled one is, until the job ends or
-        the ring breaks (then the engine goes on stepwise from the last token the ring gave)."""
+        """The slot's greedy tokens from the ring (or, for a drafting stretch of Pace's, the speculative
+        ring), each taken as a sampled one is, until the job ends or the ring breaks (then the engine goes
+        on stepwise, or drafting in blocks, from the last token the ring gave)."""
         job, start = slot.job, slot.n_cached
         room = self.n_ctx_slot - start  # tokens it can feed before the slot is full
         limit = room if job.n_predict < 0 else min(job.n_predict - slot.n_generated, room)
-        pace = self.speculator.pace if self.speculator is not None else None
+        speculator = self.speculator
+        pace = speculator.pace if speculator is not None else None
         if pace is not None:  # the ring's stretch, then drafting's (speculative.Pace)
             limit = min(limit, pace.left)
+        spec = pace is not None and pace.mode == "draft" and speculator.spec_ring is not None  # drafting's stretch
+        if spec:
+            counted = speculator.spec_ring.n_drafted, speculator.spec_ring.n_accepted
         began, n, mark = time.perf_counter(), 0, Mark(clients(self.pipe))
-        tokens = self.ring.run(slot.tokens[-1], start, limit)
+        if spec:
+            tokens = speculator.spec_run(slot.tokens, start, limit)
+        else:
+            tokens = self.ring.run(slot.tokens[-1], start, limit)
         try:
             for token in tokens:
                 n += 1
@@ -449,8 +457,16 @@ class Engine:
             self.metrics.tokens_predicted_seconds += time.perf_counter() - began
             self.telemetry.whole("ring", mark, n)  # the orchestrator sees the run's tokens, not its steps
             if pace is not None:
-                pace.record("ring", n, time.perf_counter() - began)
-        if self.ring.broken is not None:
+                catch_up = speculator.drafter.catch_up_s if spec else 0.0
+                pace.record("draft" if spec else "ring", n, time.perf_counter() - began - catch_up)
+            if spec:
+                self.metrics.n_drafted += speculator.spec_ring.n_drafted - counted[0]
+                self.metrics.n_drafted_accepted += speculator.spec_ring.n_accepted - counted[1]
+        if spec and speculator.spec_ring.broken is not None:  # drafting goes on through the orchestrator
+            why, speculator.spec_ring = speculator.spec_ring.broken, None
+            if self.on_ring_off is not None:
+                self.on_ring_off(why)
+        elif not spec and self.ring.broken is not None:
             why, self.ring = self.ring.broken, None
             if self.on_ring_off is not None:
                 self.on_ring_off(why)

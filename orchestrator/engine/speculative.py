@@ -15,6 +15,10 @@ Rejected tokens need no clean-up on either side: the target's slot cuts `n_cache
 prefix and the draft remembers which tokens its cells hold; cells past those are written again before a
 mask ever shows them (position masks, cell i at position i of the slot).
 
+The CLI's one greedy sequence drafts by the speculative ring instead where it runs (pipeline/spec_ring.py:
+the draft's ring feeds the target's stages, the orchestrator only compares), measured against the
+target's own ring as it goes (Pace); the server's slots draft in blocks as above.
+
 llama.cpp's checks and flags: the vocabularies must match as common_speculative_are_compatible says;
 --draft-max / --draft-min / --draft-p-min are common_params_speculative's n_max / n_min / p_min, with the
 pinned build's defaults (its names --spec-draft-n-max etc. are accepted too).
@@ -26,12 +30,14 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from orchestrator.engine.batching import Piece, Planner
 from orchestrator.engine.slots import common_prefix
 from orchestrator.pipeline.ring import Ring
+from orchestrator.pipeline.spec_ring import SpecRing
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 VOCAB_CHECK_START_TOKEN_ID = 5  # SPEC_VOCAB_CHECK_START_TOKEN_ID
@@ -190,17 +196,20 @@ class Pending:
 
 
 # Tokens each way makes when the two are measured against each other: drafting's probe is short (two
-# blocks of llama.cpp's 3 drafts at its usual acceptance) because a ring wrongly kept costs little, while
-# drafting where it does not pay costs a good deal (0.4x the ring's rate with workers together).
+# blocks of llama.cpp's 3 drafts at its usual acceptance, or the speculative ring's first steps) because a
+# ring wrongly kept costs little, while drafting where it does not pay costs a good deal (0.4x-0.5x the
+# ring's rate with workers together).
 PROBE_TOKENS = {"ring": 8, "draft": 4}
 LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the ring's probes, in ring probes: x8 a win
 
 
 class Pace:
     """Drafting or the target's ring, for the CLI's greedy sequence when both can run: which makes tokens
-    faster here. Where the workers sit decides it: drafting pays where every link is slow (one pass
-    through the pipeline verifies several tokens), the ring where only the orchestrator is far (a token
-    costs the workers' compute and their links, no round trip).
+    faster here. Drafting is the speculative ring where it runs (pipeline/spec_ring.py), else blocks
+    verified through the orchestrator. Where the workers sit decides it: drafting pays where every link
+    is slow (while the draft is right, a token costs a draft step, not a pass round the pipeline's links),
+    the ring where only the orchestrator is far or the links are fast (a token costs the workers' compute
+    and their links, the draft's compute on top buys nothing).
 
     The ring makes its PROBE_TOKENS, then drafting its own. If the ring was faster it keeps the sequence:
     while it runs the draft's cells fall behind, and catching them up costs the draft a prompt's worth of
@@ -211,9 +220,10 @@ class Pace:
     cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the draft's
     catch-up is not counted in it (it is the price of switching)."""
 
-    def __init__(self):
+    def __init__(self, always_draft: bool = False):
         self.rates: dict[str, float] = {}
-        self.plan = [("ring", PROBE_TOKENS["ring"]), ("draft", PROBE_TOKENS["draft"])]
+        self.plan = [("draft", math.inf)] if always_draft else \
+            [("ring", PROBE_TOKENS["ring"]), ("draft", PROBE_TOKENS["draft"])]
         self.lead = 1
         self.made = {"draft": 0, "ring": 0}  # tokens made each way (the CLI's summary)
         self._next()
@@ -249,6 +259,7 @@ class Speculator:
         self.drafter, self.options = drafter, options
         self.pending: dict[int, Pending] = {}
         self.pace: Pace | None = None  # set when the target's ring can run too (the CLI's greedy sequence)
+        self.spec_ring: SpecRing | None = None  # drafting's way for that sequence, when it runs
         self.rngs: dict[int, tuple[object, np.random.Generator]] = {}  # per slot: its job and its RNG
 
     def close(self) -> None:
@@ -289,8 +300,34 @@ class Speculator:
             self.pace.record("draft", made, time.perf_counter() - pending.began)
 
     def wants_ring(self) -> bool:
-        """The target's ring, not drafting, is to make the next tokens (Pace; never without one)."""
-        return self.pace is not None and self.pace.mode == "ring"
+        """A ring is to make the next tokens (Pace; never without one): the target's, or for drafting's
+        stretches the speculative ring when it runs."""
+        return self.pace is not None and (self.pace.mode == "ring" or self.spec_ring is not None)
+
+    def start_spec_ring(self, target, banned: list[int]) -> str | None:
+        """Sets up the speculative ring (pipeline/spec_ring.py) for the CLI's greedy sequence: None if it
+        runs, else why not (drafting then verifies blocks through the orchestrator)."""
+        ring = SpecRing(target, self.drafter.pipe, banned)
+        why = ring.why_not() or (None if ring.setup() else "a worker refuses peer links")
+        self.spec_ring = ring if why is None else None
+        return why
+
+    def spec_run(self, sequence: list[int], start: int, limit: int) -> Iterator[int]:
+        """The greedy tokens after `sequence` from the speculative ring, sequence[-1] going in at `start`:
+        the draft's cells are caught up to `start` first, and afterwards hold what the ring fed."""
+        drafter, ring = self.drafter, self.spec_ring
+        keep = min(common_prefix(drafter.cached[0], sequence), start)
+        began = time.perf_counter()
+        if keep < start:
+            drafter._feed(0, sequence[keep:start], keep)
+        drafter.catch_up_s = time.perf_counter() - began  # the price of switching: not in Pace's rate
+        made = []
+        try:
+            for token in ring.run(sequence[-1], start, limit):
+                made.append(token)
+                yield token
+        finally:
+            drafter.cached[0] = list(sequence[:start + 1]) + made[:-1] if made else list(sequence[:start])
 
     def _verify(self, engine, slot, rows: np.ndarray, pending: Pending) -> int:
         """verify()'s work; the number of tokens the slot took."""

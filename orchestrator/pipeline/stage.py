@@ -132,11 +132,13 @@ class Stage:
         self.graph, self.key, self.fresh = entry[0], key, True
 
     def launch(self, feed: dict[str, np.ndarray], sticky: dict[str, np.ndarray] | None = None,
-               wait_step: int | None = None) -> None:
+               wait_step: int | None = None, staged: Tensor | None = None) -> None:
         """Sets the inputs `feed` names (a pushed input is absent) and, for a new graph, those in `sticky`
         (they keep their value from step to step); computes without waiting. With `wait_step`, the
         computation waits on the worker for the push of that step (WAIT_PUSH, whose reply the caller
-        reads); the inputs go before it, so they land while the previous stage still computes."""
+        reads); the inputs go before it, so they land while the previous stage still computes. With
+        `staged`, the push landed there, not in the graph: after the wait it is copied into the graph's
+        pushed input (COPY_TENSOR, whose reply the caller reads too)."""
         values = {**feed, **(sticky or {}), **self.graph.constants} if self.fresh else feed
         for name, tensor in self.graph.inputs.items():
             if name in values:
@@ -145,6 +147,9 @@ class Stage:
                 self.client.set_tensor(wire_tensor(tensor), data)
         if wait_step is not None:
             self.client.send(Command.WAIT_PUSH, p.WaitPushRequest(wait_step, WAIT_TIMEOUT_MS))
+        if staged is not None:
+            pushed = self.graph.inputs["tokens" if "tokens" in self.graph.inputs else "embd"]
+            self.client.send(Command.COPY_TENSOR, p.CopyTensorRequest(wire_tensor(staged), wire_tensor(pushed)))
         if self.fresh:
             entry = self.graphs[self.key]
             if entry[1] is None:
@@ -165,6 +170,16 @@ class Stage:
         tensor.place(self._allocate(tensor.nbytes, "token embeddings"), 0)
         self.client.set_tensor(wire_tensor(tensor), info.data)
         self.weights[name] = tensor
+
+    def staging_slots(self, type_: GGMLType, ne, n: int) -> list[Tensor]:
+        """n tensors of one shape in a buffer of their own: where pushes land that may come before the
+        graph that reads them has run (the speculative ring's, pipeline/spec_ring.py)."""
+        slots = [new_tensor(type_, ne, f"staged_{i}") for i in range(n)]
+        size = round_up(slots[0].nbytes, self.alignment)
+        buffer = self._allocate(size * n, "staged inputs")
+        for i, tensor in enumerate(slots):
+            tensor.place(buffer, i * size)
+        return slots
 
     def request_output(self) -> None:
         """Asks for the output after the commands sent so far, without waiting: receive_output() reads it."""

@@ -86,8 +86,10 @@ def test_a_draft_that_agrees_gives_the_same_text(model, workers, n_workers):
     spec = generate(model, rpc, "-md", model, "--draft-max", 6)
     assert spec.stdout == plain.stdout
     assert "draft: greedy drafts from the draft's ring" in spec.stderr  # our workers: no round trip per token
+    assert "speculative ring: on" in spec.stderr, spec.stderr[-2000:]  # drafting: the draft's ring feeding the target
     n_drafted, n_accepted = drafted(spec.stderr)
-    assert n_drafted >= 6 and n_accepted >= n_drafted // 2, spec.stderr[-1000:]
+    # each token the speculative ring makes but its last checks a draft
+    assert n_drafted >= PROBE_TOKENS["draft"] - 1 and n_accepted >= n_drafted // 2, spec.stderr[-1000:]
     # the target's ring could run too: it makes the first PROBE_TOKENS tokens, drafting the next ones at
     # least, then whichever was faster (Pace); which one that is depends on timing, the text does not
     by_draft, by_ring = made(spec.stderr)
@@ -104,6 +106,20 @@ def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pairs, workers, 
     assert spec.stdout == plain.stdout
     n_drafted, n_accepted = drafted(spec.stderr)
     assert 0 < n_accepted < n_drafted, spec.stderr[-1000:]  # both paths taken: kept guesses and dropped ones
+
+
+@pytest.mark.parametrize(("arch", "n_workers"), [("llama", 1), ("llama", 3), ("qwen2", 2), ("qwen3", 4)])
+def test_the_speculative_ring_gives_the_same_text(random_pairs, workers, arch, n_workers):
+    """--draft-always: every token from the speculative ring (the draft's ring feeding the target's
+    stages, the orchestrator comparing): an often-wrong draft makes runs go stale and start again."""
+    pair, rpc = random_pairs(arch), workers[:n_workers]
+    plain = generate(pair["Q8_0"], rpc)
+    spec = generate(pair["Q8_0"], rpc, "-md", pair["Q4_0"], "--draft-always")
+    assert "speculative ring: on" in spec.stderr, spec.stderr[-2000:]
+    assert spec.stdout == plain.stdout
+    n_drafted, n_accepted = drafted(spec.stderr)
+    assert 0 < n_accepted < n_drafted, spec.stderr[-1000:]  # both: runs that went on and runs started again
+    assert made(spec.stderr) == (39, 0), spec.stderr[-1000:]  # the first token: the prompt's
 
 
 def test_a_draft_of_another_vocabulary_is_refused(model, workers):

@@ -1,0 +1,222 @@
+"""Greedy speculation with the orchestrator out of the per-token loop: the draft's ring feeds the target.
+
+The draft model runs as a one-stage ring on its worker (each step's ARGMAX pushed back into its own next
+step, pipeline/ring.py) and pushes every token it picks to the target's first stage too, as that stage's
+input of the next step. The target's stages run as in the ring, except that the last one's token goes
+only to the orchestrator. Draft and target read the same tokens, step by step: the draft runs ahead as
+fast as it computes, and the target checks one position per step, its stages working on successive
+steps at once. While the draft is right a token costs about one draft step, not a pass through the
+pipeline and its links; that is the pipeline's idle time put to use (PipeInfer's continuous speculation,
+over the push links of protocol_spec.md §8.1).
+
+The orchestrator sends each step's commands a few steps ahead (positions and masks do not depend on the
+tokens) and compares each step's two tokens as their replies come back: the target's is the greedy token
+and is always kept; where the draft's differs, the steps sent after it read a wrong token, so they are
+stale: their results are dropped (their KV cells are written again) and a new run starts at the next
+position from the target's token, sent by the orchestrator to both models.
+
+The draft runs ahead of the target, so a stage may receive step s + 1's input while it has not yet run
+step s. Each push of the target's side therefore lands in slot s mod SLOTS of a small staging buffer of
+the receiver's, and the receiver copies it into its graph's input (COPY_TENSOR) after its WAIT_PUSH, in
+its connection's order. At most WINDOW steps are in flight and SLOTS > WINDOW + 1 (the draft pushes a
+step ahead): a slot is written again only after the step that read it has left the last stage.
+
+A push that fails ends the run (every wait of the steps in flight is released, as the ring does); the
+caller goes on another way from the last token it received.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+import numpy as np
+
+from orchestrator.graph.ggml import wire_tensor
+from orchestrator.pipeline.client import WorkerError, await_reply, name_the_dead
+from orchestrator.pipeline.push import open_link, peer_write
+from orchestrator.pipeline.ring import Ring
+from wire import protocol as p
+from wire.ggml import GGMLType
+from wire.protocol import Command
+
+# Steps in flight. Enough to keep the draft busy while a step crosses the target's stages and comes back,
+# and no more: the draft is the slowest part, so steps sent beyond that only queue at its worker, and
+# after a wrong draft the queued (stale) steps run before the new run can start. Measured at 3 stages
+# 10 ms apart (docs/speculative.md): 2, 3 and 4 gave the same speed, 6 a quarter less.
+WINDOW = 4
+SLOTS = WINDOW + 2
+SELF_LINK, FEED_LINK = 1, 2  # the draft's links: back to itself, and to the target's first stage
+
+
+class SpecRing:
+    """The draft's one-stage ring feeding the target's pipeline (both Pipelines set up and loaded)."""
+
+    def __init__(self, target, draft, banned: list[int], window: int = WINDOW):
+        self.target, self.draft, self.window = target, draft, min(window, SLOTS - 2)
+        self.bias = None
+        if banned:
+            self.bias = np.zeros(target.model.hparams.n_vocab, np.float32)
+            self.bias[banned] = -np.inf
+        self.self_token: bytes | None = None  # the draft's session, for its own pushes
+        self.feed_token: bytes | None = None  # the target's first stage's session, for the draft's pushes
+        self.staging: list[list] = []  # per target stage, SLOTS tensors shaped as its pushed input
+        self.broken: str | None = None
+        self.n_drafted = self.n_accepted = 0
+        self.last_sent = (0, 0)  # the target's and the draft's highest step sent
+
+    def why_not(self) -> str | None:
+        """None if the speculative ring can run over these pipelines, else why not."""
+        why = Ring(self.target, []).why_not()
+        if why is not None:
+            return f"the target's ring cannot run: {why}"
+        if len(self.draft.stages) != 1:
+            return f"the draft runs on {len(self.draft.stages)} workers (one only)"
+        if not self.draft.features.get(self.draft.stages[0].endpoint, 0) & p.FEATURE_PEER_PUSH:
+            return "the draft's worker is not one of ours"
+        return Ring(self.draft, []).why_not()
+
+    def setup(self) -> bool:
+        """Links the draft to itself and to the target's first stage, gives both first stages the token
+        embeddings and every target stage its staging slots; False if a worker refuses peer links."""
+        d, t0 = self.draft.stages[0], self.target.stages[0]
+        self.self_token = open_link(d, d, SELF_LINK, self.draft.peer_addresses)
+        self.feed_token = open_link(d, t0, FEED_LINK, self.target.peer_addresses)
+        if self.self_token is None or self.feed_token is None:
+            return False
+        d.add_token_embd()
+        t0.add_token_embd()
+        n_embd = self.target.model.hparams.n_embd
+        self.staging = [stage.staging_slots(GGMLType.I32, (1,), SLOTS) if i == 0 else
+                        stage.staging_slots(GGMLType.F32, (n_embd, 1), SLOTS)
+                        for i, stage in enumerate(self.target.stages)]
+        return True
+
+    def _options(self, i: int, last: int) -> dict:
+        return {"token_ids": i == 0, "greedy": i == last, "logit_bias": i == last and self.bias is not None}
+
+    def _send_draft(self, step: int, t_step: int, pos: int, first: int | None) -> list[Command]:
+        """The draft's step at `pos`: its token goes to its own next step and to the target's (t_step + 1)."""
+        pipe, stage = self.draft, self.draft.stages[0]
+        batch = pipe.sequence_batch([0], pos)
+        feed = pipe.inputs(batch)
+        stage.prepare(pipe.shape(batch), **self._options(0, 0))
+        sticky = {"logit_bias": self.bias} if self.bias is not None else None
+        owed = []
+        with stage.client.corked():
+            if first is not None:
+                stage.launch({**feed, "tokens": np.array([first], np.int32)}, sticky)
+            else:
+                stage.launch(feed, sticky, wait_step=step)
+                owed.append(Command.WAIT_PUSH)
+            out = stage.graph.output
+            stage.prepare(pipe.next_shape(pos + 1), **self._options(0, 0))  # the next step's graph and input
+            pushes = ((SELF_LINK, step + 1, stage.graph.inputs["tokens"]),
+                      (FEED_LINK, t_step + 1, self.staging[0][(t_step + 1) % SLOTS]))
+            for link, to_step, dst in pushes:
+                request = p.PushTensorRequest(link, to_step, wire_tensor(out), wire_tensor(dst))
+                stage.client.send(Command.PUSH_TENSOR, request)
+                owed.append(Command.PUSH_TENSOR)
+            stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
+            owed.append(Command.GET_TENSOR)
+        return owed
+
+    def _send_target(self, step: int, pos: int, first: int | None) -> list[list[Command]]:
+        pipe, stages = self.target, self.target.stages
+        last = len(stages) - 1
+        batch = pipe.sequence_batch([0], pos)
+        shape, feed = pipe.shape(batch), pipe.inputs(batch)
+        for i, stage in enumerate(stages):
+            stage.prepare(shape, **self._options(i, last))
+        owed = []
+        for i, stage in enumerate(stages):
+            replies = []
+            sticky = {"logit_bias": self.bias} if i == last and self.bias is not None else None
+            with stage.client.corked():
+                if i == 0 and first is not None:
+                    stage.launch({**feed, "tokens": np.array([first], np.int32)}, sticky)
+                else:
+                    stage.launch(feed, sticky, wait_step=step, staged=self.staging[i][step % SLOTS])
+                    replies += [Command.WAIT_PUSH, Command.COPY_TENSOR]
+                out = stage.graph.output
+                if i < last:
+                    dst = self.staging[i + 1][step % SLOTS]
+                    request = p.PushTensorRequest(i, step, wire_tensor(out), wire_tensor(dst))
+                    stage.client.send(Command.PUSH_TENSOR, request)
+                    replies.append(Command.PUSH_TENSOR)
+                else:
+                    stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
+                    replies.append(Command.GET_TENSOR)
+            owed.append(replies)
+        return owed
+
+    def _receive(self, owed: list[list[Command]]) -> tuple[int, int] | None:
+        """Reads one step's replies (the draft's first); its (draft token, target token), or None once a
+        push failed."""
+        stages = [self.draft.stages[0], *self.target.stages]
+        clients = [s.client for s in stages]
+        tokens = []
+        for i, (stage, replies) in enumerate(zip(stages, owed)):
+            for command in replies:
+                await_reply(stage.client, clients)
+                payload = stage.client.receive(command)
+                if command == Command.GET_TENSOR:
+                    tokens.append(int(np.frombuffer(payload, np.int32)[0]))
+                elif p.U8Response.decode(payload).result == 1:
+                    continue
+                elif command == Command.PUSH_TENSOR:
+                    if self.broken is None:
+                        self._break(stage.endpoint)
+                else:
+                    name_the_dead(clients)
+                    raise WorkerError(f"worker {stage.endpoint}: a step of the speculative ring failed "
+                                      f"({command.name})", stage.endpoint)
+        return None if self.broken else (tokens[0], tokens[1])
+
+    def _break(self, endpoint: str) -> None:
+        """A push from `endpoint` did not land: releases every wait up to the last step sent, so that the
+        steps in flight run out (on stale inputs; their results are dropped)."""
+        self.broken = f"a push from {endpoint} in the speculative ring failed"
+        t_step, d_step = self.last_sent
+        d, stages = self.draft.stages[0], self.target.stages
+        peer_write(d.endpoint, self.self_token, d_step + 1, wire_tensor(d.graph.inputs["tokens"]), b"")
+        peer_write(stages[0].endpoint, self.feed_token, t_step + 1, wire_tensor(self.staging[0][0]), b"")
+        for link, stage, slots in zip(self.target.links, stages[1:], self.staging[1:]):
+            peer_write(stage.endpoint, link.token, t_step, wire_tensor(slots[0]), b"")
+
+    def run(self, first_token: int, start: int, limit: int) -> Iterator[int]:
+        """Yields up to `limit` greedy tokens of the target after `first_token` (sampled, not yet fed),
+        which goes in at position `start`; the draft's cells must hold the positions before `start`.
+        Close the generator to stop early. If a push fails the generator ends early with `broken` set
+        (the tokens yielded were fed, as with the ring)."""
+        target, draft = self.target, self.draft
+        t0, d0 = target.step + 1, draft.step + 1
+        end = start + min(limit, target.n_ctx - start, draft.n_ctx - start)
+        in_flight: deque = deque()  # (replies owed, run, position)
+        sent, run, pos, first = 0, 0, start, first_token
+        try:
+            while pos < end or in_flight:
+                while pos < end and len(in_flight) < self.window:
+                    owed = [self._send_draft(d0 + sent, t0 + sent, pos, first),
+                            *self._send_target(t0 + sent, pos, first)]
+                    self.last_sent = (t0 + sent, d0 + sent)
+                    in_flight.append((owed, run, pos))
+                    sent, pos, first = sent + 1, pos + 1, None
+                owed, its_run, at = in_flight.popleft()
+                tokens = self._receive(owed)
+                if tokens is None:
+                    return
+                if its_run != run:  # read a wrong draft: stale
+                    continue
+                drafted, token = tokens
+                yield token
+                if at + 1 < end:
+                    self.n_drafted += 1
+                    if drafted == token:
+                        self.n_accepted += 1
+                    else:  # the steps after this one read `drafted`: start again from `token`
+                        run, pos, first = run + 1, at + 1, token
+        finally:
+            while in_flight:  # the replies of the steps sent but not wanted
+                self._receive(in_flight.popleft()[0])
+            target.step, draft.step = t0 + sent, d0 + sent
