@@ -36,6 +36,7 @@ import numpy as np
 
 from orchestrator.engine.batching import Piece, Planner
 from orchestrator.engine.slots import common_prefix
+from orchestrator.pipeline.placement import PlacementError
 from orchestrator.pipeline.ring import Ring
 from orchestrator.pipeline.spec_ring import SpecRing
 
@@ -308,7 +309,10 @@ class Speculator:
         """Sets up the speculative ring (pipeline/spec_ring.py) for the CLI's greedy sequence: None if it
         runs, else why not (drafting then verifies blocks through the orchestrator)."""
         ring = SpecRing(target, self.drafter.pipe, banned)
-        why = ring.why_not() or (None if ring.setup() else "a worker refuses peer links")
+        try:
+            why = ring.why_not() or (None if ring.setup() else "a worker refuses peer links")
+        except PlacementError as exc:  # no room for its staging slots
+            why = str(exc)
         self.spec_ring = ring if why is None else None
         return why
 
