@@ -170,14 +170,20 @@ class Drafter:
         self.cached[slot] = fed
         return tokens, dists
 
+    def catch_up(self, sequence: list[int], keep: int, start: int) -> None:
+        """Feeds slot 0 the tokens sequence[keep:start] its cells lack (the prompt, what the target's ring
+        made, or what a ring that broke left unfed); catch_up_s: the seconds it took (the price of
+        switching to drafting, not counted in drafting's rate)."""
+        began = time.perf_counter()
+        if keep < start:
+            self._feed(0, sequence[keep:start], keep)
+        self.catch_up_s = time.perf_counter() - began
+
     def _draft_ring(self, sequence: list[int], keep: int, n_max: int) -> list[int]:
         """Slot 0's greedy drafts from the ring: one token more than wanted, so that the cells hold every
         token drafted (the next call then starts at the last token, after a rejection or none)."""
         start = len(sequence) - 1
-        if keep < start:  # the prompt, what the target's ring made, or what a ring that broke left unfed
-            began = time.perf_counter()
-            self._feed(0, sequence[keep:start], keep)
-            self.catch_up_s = time.perf_counter() - began
+        self.catch_up(sequence, keep, start)
         tokens = list(self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)))
         # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
         self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
@@ -320,11 +326,7 @@ class Speculator:
         """The greedy tokens after `sequence` from the speculative ring, sequence[-1] going in at `start`:
         the draft's cells are caught up to `start` first, and afterwards hold what the ring fed."""
         drafter, ring = self.drafter, self.spec_ring
-        keep = min(common_prefix(drafter.cached[0], sequence), start)
-        began = time.perf_counter()
-        if keep < start:
-            drafter._feed(0, sequence[keep:start], keep)
-        drafter.catch_up_s = time.perf_counter() - began  # the price of switching: not in Pace's rate
+        drafter.catch_up(sequence, min(common_prefix(drafter.cached[0], sequence), start), start)
         made = []
         try:
             for token in ring.run(sequence[-1], start, limit):
