@@ -19,7 +19,7 @@ sampler the first in its sorted candidates (float logits of a real model practic
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -32,14 +32,48 @@ from wire.protocol import Command
 WINDOW = 6  # steps whose commands are in flight at once: enough to hide one orchestrator round trip
 
 
+def banned_bias(n_vocab: int, banned: list[int]) -> np.ndarray | None:
+    """The last stage's logit bias: -inf on the banned tokens (None if there are none)."""
+    if not banned:
+        return None
+    bias = np.zeros(n_vocab, np.float32)
+    bias[banned] = -np.inf
+    return bias
+
+
+def ring_options(i: int, last: int, bias: np.ndarray | None) -> dict:
+    """Stage i's graph options in a ring: the first looks tokens up, the last (stage `last`) ends in the
+    greedy token, with the bias if there is one."""
+    return {"token_ids": i == 0, "greedy": i == last, "logit_bias": i == last and bias is not None}
+
+
+def read_step(stages: list, owed: list[list[Command]], failed_push: Callable[[int], None]) -> list[int]:
+    """Reads one step's replies, owed[i] from stages[i]: the tokens its GET_TENSORs bring, in order. A push
+    that did not land calls failed_push(i) (the caller ends its ring); any other failure raises
+    WorkerError, naming a worker that died."""
+    tokens = []
+    clients = [s.client for s in stages]
+    for i, (stage, replies) in enumerate(zip(stages, owed)):
+        for command in replies:
+            await_reply(stage.client, clients)
+            payload = stage.client.receive(command)
+            if command == Command.GET_TENSOR:
+                tokens.append(int(np.frombuffer(payload, np.int32)[0]))
+            elif p.U8Response.decode(payload).result == 1:
+                continue
+            elif command == Command.PUSH_TENSOR:
+                failed_push(i)
+            else:
+                name_the_dead(clients)
+                what = "the ring's input never came" if command == Command.WAIT_PUSH else "a ring's step failed"
+                raise WorkerError(f"worker {stage.endpoint}: {what} ({command.name} failed)", stage.endpoint)
+    return tokens
+
+
 class Ring:
     def __init__(self, pipe, banned: list[int], window: int = WINDOW):
         self.pipe, self.window = pipe, window
-        hp = pipe.model.hparams
-        self.bias = None
-        if banned:
-            self.bias = np.zeros(hp.n_vocab, np.float32)
-            self.bias[banned] = -np.inf
+        self.bias = banned_bias(pipe.model.hparams.n_vocab, banned)
         self.link = len(pipe.stages) - 1  # the ring's link number on the last stage: after the boundaries
         self.token: bytes | None = None  # the first stage's token for that link
         self.broken: str | None = None  # why the ring ended before its tokens ran out
@@ -69,8 +103,7 @@ class Ring:
         return True
 
     def _ring_options(self, i: int) -> dict:
-        last = len(self.pipe.stages) - 1
-        return {"token_ids": i == 0, "greedy": i == last, "logit_bias": i == last and self.bias is not None}
+        return ring_options(i, len(self.pipe.stages) - 1, self.bias)
 
     def _send(self, step: int, pos: int, first_token: int | None) -> list[list[Command]]:
         """Sends every stage its commands of one step at position `pos`; returns the replies owed."""
@@ -110,29 +143,15 @@ class Ring:
 
     def _receive(self, owed: list[list[Command]]) -> int | None:
         """Reads one step's replies; its token, or None once the ring is broken (a push failed)."""
-        token = None
-        clients = [s.client for s in self.pipe.stages]
-        for i, (stage, replies) in enumerate(zip(self.pipe.stages, owed)):
-            for command in replies:
-                await_reply(stage.client, clients)
-                payload = stage.client.receive(command)
-                if command == Command.GET_TENSOR:
-                    token = int(np.frombuffer(payload, np.int32)[0])
-                elif p.U8Response.decode(payload).result == 1:
-                    continue
-                elif command == Command.PUSH_TENSOR:
-                    if self.broken is None:
-                        self._break(i)
-                else:
-                    name_the_dead(clients)
-                    raise WorkerError(f"worker {stage.endpoint}: the ring's input never came (WAIT_PUSH failed)",
-                                      stage.endpoint)
-        return None if self.broken else token
+        tokens = read_step(self.pipe.stages, owed, self._break)
+        return None if self.broken else tokens[0]
 
     def _break(self, failed: int) -> None:
         """A push from stage `failed` did not land: says why, turns that boundary to relay, and releases
         every stage's waits up to the last step sent, so that the steps in flight run out (on stale
-        inputs; their results are dropped)."""
+        inputs; their results are dropped). Once: a later failed push of those steps changes nothing."""
+        if self.broken is not None:
+            return
         pipe, stages = self.pipe, self.pipe.stages
         if failed < len(pipe.links):
             self.broken = f"the push over link {failed + 1} failed"

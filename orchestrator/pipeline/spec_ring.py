@@ -33,9 +33,8 @@ from typing import Iterator
 import numpy as np
 
 from orchestrator.graph.ggml import wire_tensor
-from orchestrator.pipeline.client import WorkerError, await_reply, name_the_dead
 from orchestrator.pipeline.push import open_link, peer_write
-from orchestrator.pipeline.ring import Ring
+from orchestrator.pipeline.ring import Ring, banned_bias, read_step, ring_options
 from wire import protocol as p
 from wire.ggml import GGMLType
 from wire.protocol import Command
@@ -54,10 +53,7 @@ class SpecRing:
 
     def __init__(self, target, draft, banned: list[int], window: int = WINDOW):
         self.target, self.draft, self.window = target, draft, min(window, SLOTS - 2)
-        self.bias = None
-        if banned:
-            self.bias = np.zeros(target.model.hparams.n_vocab, np.float32)
-            self.bias[banned] = -np.inf
+        self.bias = banned_bias(target.model.hparams.n_vocab, banned)
         self.self_token: bytes | None = None  # the draft's session, for its own pushes
         self.feed_token: bytes | None = None  # the target's first stage's session, for the draft's pushes
         self.staging: list[list] = []  # per target stage, SLOTS tensors shaped as its pushed input
@@ -92,15 +88,12 @@ class SpecRing:
                         for i, stage in enumerate(self.target.stages)]
         return True
 
-    def _options(self, i: int, last: int) -> dict:
-        return {"token_ids": i == 0, "greedy": i == last, "logit_bias": i == last and self.bias is not None}
-
     def _send_draft(self, step: int, t_step: int, pos: int, first: int | None) -> list[Command]:
         """The draft's step at `pos`: its token goes to its own next step and to the target's (t_step + 1)."""
         pipe, stage = self.draft, self.draft.stages[0]
         batch = pipe.sequence_batch([0], pos)
         feed = pipe.inputs(batch)
-        stage.prepare(pipe.shape(batch), **self._options(0, 0))
+        stage.prepare(pipe.shape(batch), **ring_options(0, 0, self.bias))
         sticky = {"logit_bias": self.bias} if self.bias is not None else None
         owed = []
         with stage.client.corked():
@@ -110,7 +103,7 @@ class SpecRing:
                 stage.launch(feed, sticky, wait_step=step)
                 owed.append(Command.WAIT_PUSH)
             out = stage.graph.output
-            stage.prepare(pipe.next_shape(pos + 1), **self._options(0, 0))  # the next step's graph and input
+            stage.prepare(pipe.next_shape(pos + 1), **ring_options(0, 0, self.bias))  # the next step's graph and input
             pushes = ((SELF_LINK, step + 1, stage.graph.inputs["tokens"]),
                       (FEED_LINK, t_step + 1, self.staging[0][(t_step + 1) % SLOTS]))
             for link, to_step, dst in pushes:
@@ -127,7 +120,7 @@ class SpecRing:
         batch = pipe.sequence_batch([0], pos)
         shape, feed = pipe.shape(batch), pipe.inputs(batch)
         for i, stage in enumerate(stages):
-            stage.prepare(shape, **self._options(i, last))
+            stage.prepare(shape, **ring_options(i, last, self.bias))
         owed = []
         for i, stage in enumerate(stages):
             replies = []
@@ -154,28 +147,14 @@ class SpecRing:
         """Reads one step's replies (the draft's first); its (draft token, target token), or None once a
         push failed."""
         stages = [self.draft.stages[0], *self.target.stages]
-        clients = [s.client for s in stages]
-        tokens = []
-        for i, (stage, replies) in enumerate(zip(stages, owed)):
-            for command in replies:
-                await_reply(stage.client, clients)
-                payload = stage.client.receive(command)
-                if command == Command.GET_TENSOR:
-                    tokens.append(int(np.frombuffer(payload, np.int32)[0]))
-                elif p.U8Response.decode(payload).result == 1:
-                    continue
-                elif command == Command.PUSH_TENSOR:
-                    if self.broken is None:
-                        self._break(stage.endpoint)
-                else:
-                    name_the_dead(clients)
-                    raise WorkerError(f"worker {stage.endpoint}: a step of the speculative ring failed "
-                                      f"({command.name})", stage.endpoint)
+        tokens = read_step(stages, owed, lambda i: self._break(stages[i].endpoint))
         return None if self.broken else (tokens[0], tokens[1])
 
     def _break(self, endpoint: str) -> None:
         """A push from `endpoint` did not land: releases every wait up to the last step sent, so that the
-        steps in flight run out (on stale inputs; their results are dropped)."""
+        steps in flight run out (on stale inputs; their results are dropped). Once, as the ring's."""
+        if self.broken is not None:
+            return
         self.broken = f"a push from {endpoint} in the speculative ring failed"
         t_step, d_step = self.last_sent
         d, stages = self.draft.stages[0], self.target.stages
