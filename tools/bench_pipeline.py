@@ -88,6 +88,7 @@ class Design:
     topology: str  # "relay" | "push" | "ring", for the headings
     hops: Callable[[int, bool], int]  # one-way crossings per token at N nodes, hosts apart or not (ideal line)
     command: Callable[["argparse.Namespace", list[str], int], list[str]]  # (args, endpoints, tokens) -> argv
+    extra: int = 0  # workers it takes beyond the N nodes (a draft's own), last in its endpoints
 
 
 def llamacpp_command(args, endpoints: list[str], tokens: int) -> list[str]:
@@ -190,7 +191,9 @@ class Cell:
 
 
 class WorkerSets:
-    """N workers per kind, started on demand, restarted when one has died, all stopped by close()."""
+    """Workers per kind, started on demand, restarted when one has died, all stopped by close(). A kind's
+    set is as large as the most any design asked for: a design with an extra worker keeps it for the
+    others of the cell (an idle worker costs no CPU), so their runs see the same processes."""
 
     def __init__(self, log_dir: Path, threads: int):
         self.log_dir, self.threads = log_dir, threads
@@ -198,7 +201,7 @@ class WorkerSets:
 
     def get(self, kind: str, nodes: int) -> list[reference.Worker]:
         current = self.sets.get(kind, [])
-        if len(current) != nodes or not all(w.alive() for w in current):
+        if len(current) < nodes or not all(w.alive() for w in current):
             self.stop(kind)
             started = self.sets[kind] = []
             # ours computes as the pinned llama.cpp build does (its portable AVX2 one), so that the texts
@@ -206,7 +209,7 @@ class WorkerSets:
             isa = "avx2" if kind == "ours" else None
             for _ in range(nodes):
                 started.append(reference.start_worker(kind, self.log_dir, threads=self.threads, isa=isa))
-        return self.sets[kind]
+        return self.sets[kind][:nodes]
 
     def dead(self) -> list[reference.Worker]:
         return [w for workers in self.sets.values() for w in workers if not w.alive()]
@@ -234,7 +237,7 @@ def warm_up(designs: list[str], workers: WorkerSets, nodes: int, args, env) -> N
     """One untimed, unproxied run per design on a fresh worker set (JIT compilation, page cache)."""
     for name in designs:
         design = DESIGNS[name]
-        endpoints = [w.address for w in workers.get(design.worker_kind, nodes)]
+        endpoints = [w.address for w in workers.get(design.worker_kind, nodes + design.extra)]
         try:
             run_client(design.command(args, endpoints, 2), env, args.timeout)
         except RunFailed as exc:
@@ -249,7 +252,7 @@ def measure_cell(cell: Cell, designs: list[str], workers: WorkerSets, args, env)
         for name in designs:
             kind = DESIGNS[name].worker_kind
             try:
-                targets = workers.get(kind, nodes)
+                targets = workers.get(kind, nodes + DESIGNS[name].extra)
             except (reference.WorkerFailed, OSError) as exc:
                 cell.errors[name] = f"workers: {exc}"
                 continue

@@ -23,6 +23,10 @@ Designs (columns):
                 the target's worker with the most free memory
   drafting      the same with --draft-always: every token from the speculative ring (the draft's ring
                 feeding the target's pipeline, orchestrator/pipeline/spec_ring.py)
+  drafting, own worker (spec-own, not run by default)
+                --draft-always with the draft on a worker of its own (N + 1 workers, `--rpc-draft`, its
+                own proxies): where the default placement puts the draft beside a target stage, the two
+                queue on that worker, which computes one graph at a time
   blocks        the same with --no-ring: every token from drafting blocks of --draft-max tokens, each
                 verified in one pass through the orchestrator (stepwise push), as llama.cpp drafts
 
@@ -55,7 +59,7 @@ from tools.bench_worker import load_average  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
 DRAFT_RE = re.compile(r"draft: (\d+) tokens drafted, (\d+) accepted")
-SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-blocks")
+SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-own", "spec-blocks")
 
 
 def quantized(source: Path, wtype: str) -> Path:
@@ -124,6 +128,17 @@ def register(draft: Path, draft_max: int, p_min: float) -> None:
     d["spec"] = bp.Design("ours -md", "ours", "ring", bp.ring_hops, bp.ours_command(*flags))
     d["spec-only"] = bp.Design("drafting", "ours", "ring", bp.ring_hops, bp.ours_command(*flags, "--draft-always"))
     d["spec-blocks"] = bp.Design("blocks", "ours", "push", bp.push_hops, bp.ours_command(*flags, "--no-ring"))
+    d["spec-own"] = bp.Design("drafting, own worker", "ours", "ring", bp.ring_hops,
+                              own_draft_worker(bp.ours_command(*flags, "--draft-always")), extra=1)
+
+
+def own_draft_worker(command):
+    """`command` with the draft on a worker of its own (the last endpoint, `--rpc-draft`), not on the
+    target's worker with the most free memory, whose stage it would queue behind: a worker computes one
+    graph at a time."""
+    def with_draft_worker(args, endpoints: list[str], tokens: int) -> list[str]:
+        return [*command(args, endpoints[:-1], tokens), "--rpc-draft", endpoints[-1]]
+    return with_draft_worker
 
 
 def tok_s(cell: bp.Cell, name: str, tokens: int) -> float | None:
@@ -174,7 +189,8 @@ def parse_args(argv):
     ap.add_argument("--draft-max", type=int, default=3, help="--draft-max of both (default 3, llama.cpp's)")
     ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of both (default 0, llama.cpp's)")
     ap.add_argument("--designs", default="llamacpp,llamacpp-spec,push,ring,spec,spec-only",
-                    help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only (the first gives the reference text)")
+                    help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only, spec-own, spec-blocks "
+                         "(the first gives the reference text)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per run (default 48)")
     ap.add_argument("--prompt", default=bp.PROMPT)
     ap.add_argument("--reps", type=int, default=2, help="repetitions per cell and design (default 2)")
