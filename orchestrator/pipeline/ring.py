@@ -166,7 +166,8 @@ class Ring:
     def run(self, first_token: int, start: int, limit: int) -> Iterator[int]:
         """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded), which
         goes in at position `start`. Stop early by closing the generator: the steps in flight finish and
-        their tokens are dropped. If the ring breaks, the generator ends early with `broken` set; the
+        their tokens are dropped. An exception raised inside (an interrupt, a worker's failure) may cut a
+        command or a reply in two, so the connections are then unusable: close them. If the ring breaks, the generator ends early with `broken` set; the
         tokens yielded are then the ones decoded, so the caller decodes the last of them (or first_token)
         stepwise next."""
         pipe = self.pipe
@@ -182,9 +183,12 @@ class Ring:
                     self.last_sent = step0 + sent - 1
                 token = self._receive(in_flight.popleft())
                 if token is None:
-                    return
-                yield token
-        finally:
+                    break
+                try:
+                    yield token
+                except GeneratorExit:  # closed while it waited at the yield: every exchange is whole
+                    break
             while in_flight:  # the replies of the steps sent but not wanted
                 self._receive(in_flight.popleft())
+        finally:  # an exception inside (SIGTERM's, a worker's) leaves the exchange cut: not drained
             pipe.step = step0 + sent

@@ -184,18 +184,21 @@ class SpecRing:
                 owed, its_run, at = in_flight.popleft()
                 tokens = self._receive(owed)
                 if tokens is None:
-                    return
+                    break
                 if its_run != run:  # read a wrong draft: stale
                     continue
                 drafted, token = tokens
-                yield token
+                try:
+                    yield token
+                except GeneratorExit:  # closed at the yield: every exchange is whole, the steps sent drain
+                    break
                 if at + 1 < end:
                     self.n_drafted += 1
                     if drafted == token:
                         self.n_accepted += 1
                     else:  # the steps after this one read `drafted`: start again from `token`
                         run, pos, first = run + 1, at + 1, token
-        finally:
             while in_flight:  # the replies of the steps sent but not wanted
                 self._receive(in_flight.popleft()[0])
+        finally:  # as Ring.run: after an exception inside, the connections are cut mid-exchange
             target.step, draft.step = t0 + sent, d0 + sent

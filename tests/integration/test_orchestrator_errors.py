@@ -205,3 +205,38 @@ def test_sigterm_stops_the_local_workers_too(model, command):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_interrupt_inside_the_ring_ends_it_at_once(model, worker, monkeypatch):
+    """SIGTERM's KeyboardInterrupt may land while the ring reads a step's replies, one read and the rest
+    not: the ring ends with it at once. (It went on reading the steps in flight as though none were cut,
+    read a GET_TENSOR's reply as a PUSH_TENSOR's and raised WorkerError in place of the interrupt; the CLI
+    took that for a lost worker, re-planned and generated on: `kill` was ignored. The test above met it
+    when the signal came during a wait for a reply.)"""
+    from orchestrator.engine.startup import PipelineOptions, open_model, start_pipeline  # noqa: PLC0415
+    from orchestrator.pipeline import ring as ring_module  # noqa: PLC0415
+    from orchestrator.pipeline.client import await_reply  # noqa: PLC0415
+
+    whole_steps = 3
+
+    def read_step(stages, owed, failed_push):
+        nonlocal whole_steps
+        whole_steps -= 1
+        if whole_steps == -1:  # the interrupt comes after the step's first reply
+            await_reply(stages[0].client, [stages[0].client])
+            stages[0].client.receive(owed[0][0])
+            raise KeyboardInterrupt
+        return real_read_step(stages, owed, failed_push)
+
+    real_read_step = ring_module.read_step
+    monkeypatch.setattr(ring_module, "read_step", read_step)
+    loaded = open_model(model)
+    pipe = start_pipeline(loaded.model, [worker.address], PipelineOptions(n_ctx=256))
+    try:
+        ring = ring_module.Ring(pipe, [])
+        assert ring.why_not() is None and ring.setup()
+        first = loaded.vocab.tokenize("Once", add_special=False, parse_special=False)[0]
+        with pytest.raises(KeyboardInterrupt):
+            list(ring.run(first, 0, 100))  # at position 0: no prompt before it
+    finally:
+        pipe.close()
