@@ -7,12 +7,23 @@ import contextlib
 import select
 import socket
 import time
+from typing import Callable
 
 from wire import framing, protocol as p
 from wire.gguf_files import GgufFile, LoadTensorRequest, decode_gguf_files
 from wire.protocol import Command, ProtocolError
 
 MAX_RESPONSE = 1 << 34
+# Workers this process started itself (LocalWorkers): endpoint -> whether that worker has used CPU since
+# last asked. A wait on one that outlasts --rpc-timeout goes on while it is working: a first run of another
+# model compiles its kernels in its first graphs, which can take minutes (a hung worker uses no CPU).
+STILL_WORKING: dict[str, Callable[[], bool]] = {}
+
+
+def still_working(endpoint: str) -> bool:
+    """True if `endpoint` is one of our local workers and it has used CPU since this was last asked."""
+    check = STILL_WORKING.get(endpoint)
+    return check is not None and check()
 
 
 class WorkerError(Exception):
@@ -110,8 +121,14 @@ class RpcClient:
             self._write(b"".join(frames), f"a burst of {len(frames)} requests")
 
     def _write(self, data: bytes, what: str) -> None:
+        view = memoryview(data).cast("B")
         try:
-            self.sock.sendall(data)
+            while view:
+                try:
+                    view = view[self.sock.send(view):]
+                except TimeoutError:
+                    if not still_working(self.endpoint):
+                        raise
             self.sent_bytes += len(data)
         except OSError as exc:
             raise WorkerError(f"worker {self.endpoint} dropped the connection during {what}: {exc}",
@@ -131,7 +148,12 @@ class RpcClient:
         self.owed -= 1
         try:
             while (payload := self.reader.next_payload(command)) is None:
-                chunk = self.sock.recv(1 << 20)
+                try:
+                    chunk = self.sock.recv(1 << 20)
+                except TimeoutError:
+                    if still_working(self.endpoint):
+                        continue
+                    raise
                 if not chunk:
                     raise WorkerError(f"worker {self.endpoint} closed the connection during {command.name}", self.endpoint)
                 self.received_bytes += len(chunk)
@@ -255,7 +277,7 @@ def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float | No
     replies that depend on it time out."""
     timeout = timeout if timeout is not None else client.sock.gettimeout()
     while not client.reader.complete():
-        if not _pump_readable(watched, timeout):
+        if not _pump_readable(watched, timeout) and not still_working(client.endpoint):
             raise WorkerError(f"worker {client.endpoint}: no reply for {timeout:.0f} s", client.endpoint)
 
 
@@ -269,7 +291,7 @@ def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None)
     extra = (wake,) if wake is not None else ()
     while not (ready := [i for i, c in enumerate(clients) if c.reader.complete()]):
         readable = _pump_readable(clients, timeout, extra)
-        if not readable:
+        if not readable and not any(still_working(c.endpoint) for c in clients):
             # the one worker that owes a reply is the hung one; of several, any may be
             raise WorkerError(f"no reply from {', '.join(c.endpoint for c in clients)} for {timeout:.0f} s",
                               clients[0].endpoint if len(clients) == 1 else None)

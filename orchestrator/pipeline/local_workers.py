@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.pipeline.client import WorkerError
+from orchestrator.pipeline.client import STILL_WORKING, WorkerError
 
 HOST = "127.0.0.1"
 STALL_SECONDS = 120.0  # a starting worker that uses no CPU for this long is given up on
@@ -54,6 +54,19 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def _progress(pid: int) -> Callable[[], bool]:
+    """Whether the process has used CPU since this was last asked (first: since now)."""
+    last = cpu_seconds(pid)
+
+    def working() -> bool:
+        nonlocal last
+        now = cpu_seconds(pid)
+        moved, last = now is not None and now != last, now
+        return moved
+
+    return working
+
+
 def worker_env(threads: int, count: int) -> dict[str, str]:
     """The local workers' environment: this checkout importable, and for several workers of several threads
     sharing these cores OMP_WAIT_POLICY=PASSIVE (unless set): numba's OpenMP threads spin after each parallel
@@ -78,9 +91,9 @@ class LocalWorkers:
     after the one before it) warm up the demo model's tier only (rpcserver.warmup.TIERS), about a
     quarter of every kernel: another model's other kernels compile on first use, in the CLI's untimed
     warm-up run, one worker at a time. Concurrent ones (the server) warm up every kernel. There is no
-    fixed deadline:
-    a worker is waited for as long as it is alive and using CPU, and given up on when it exits or
-    makes no progress for `stall` seconds. `log` receives the progress lines (the CLI prints them).
+    fixed deadline: a worker is waited for as long as it is alive and using CPU, and given up on when
+    it exits or makes no progress for `stall` seconds; once they listen, the orchestrator's waits on
+    them follow the same rule (client.STILL_WORKING), not --rpc-timeout alone. `log` receives the progress lines (the CLI prints them).
     `threads` None: default_threads(count, concurrent=concurrent).
     """
 
@@ -102,6 +115,8 @@ class LocalWorkers:
             rest = [self._start() for _ in range(count - 1)]
             for proc, endpoint in rest:
                 self._wait(proc, endpoint, first=False)
+            for proc, endpoint in zip(self.procs, self.endpoints):
+                STILL_WORKING[endpoint] = _progress(proc.pid)
         except BaseException:
             self.stop()
             raise
@@ -158,6 +173,8 @@ class LocalWorkers:
         return len(lines)
 
     def stop(self) -> None:
+        for endpoint in self.endpoints:
+            STILL_WORKING.pop(endpoint, None)
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()

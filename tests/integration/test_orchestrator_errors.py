@@ -240,3 +240,51 @@ def test_an_interrupt_inside_the_ring_ends_it_at_once(model, worker, monkeypatch
             list(ring.run(first, 0, 100))  # at position 0: no prompt before it
     finally:
         pipe.close()
+
+
+# A stand-in for a local worker: it answers HELLO, then takes `seconds` over its next request, spinning
+# (`busy`: a worker compiling its kernels) or asleep (`idle`: a hung one), and answers it.
+SLOW_WORKER = """
+import socket, struct, sys, time
+from wire import protocol as p
+server = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+
+def request(conn):
+    head = conn.recv(9, socket.MSG_WAITALL)
+    if len(head) == 9 and (size := struct.unpack("<Q", head[1:])[0]):
+        conn.recv(size, socket.MSG_WAITALL)
+    return len(head) == 9
+
+def reply(conn, payload):
+    conn.sendall(struct.pack("<Q", len(payload)) + payload)
+
+while not request(conn := server.accept()[0]):  # LocalWorkers' probes connect and close
+    conn.close()
+reply(conn, p.HelloResponse().encode())
+request(conn)
+end = time.monotonic() + float(sys.argv[3])
+while sys.argv[2] == "busy" and time.monotonic() < end:
+    pass
+time.sleep(max(0.0, end - time.monotonic()))
+reply(conn, p.GetDeviceMemoryResponse(1, 2).encode())
+conn.recv(1)
+"""
+
+
+@pytest.mark.parametrize("state", ["busy", "idle"])
+def test_a_local_worker_is_waited_for_while_it_uses_cpu(state):
+    """A first run of another model compiles that model's kernels in its first graphs, for longer than
+    --rpc-timeout (Gemma 3 on a cold cache: the CLI failed with `PUSH_TENSOR: timed out`, every run). A
+    worker the orchestrator started itself is waited for past the timeout while it uses CPU; one that
+    does not (hung) still times out."""
+    from orchestrator.pipeline.client import RpcClient, WorkerError  # noqa: PLC0415
+    from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
+
+    seconds = 3 if state == "busy" else 10
+    with LocalWorkers(1, command=lambda port: [sys.executable, "-c", SLOW_WORKER, str(port), state, str(seconds)]) as local:
+        with RpcClient(local.endpoints[0], timeout=1) as client:
+            if state == "busy":
+                assert client.device_memory() == (1, 2)
+            else:
+                with pytest.raises(WorkerError, match="timed out"):
+                    client.device_memory()
