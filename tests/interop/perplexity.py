@@ -42,10 +42,10 @@ def corpus_text() -> str:
 
 
 def perplexity_args(model_path, text_file, flash_attn: str, cache_type: str, n_ctx: int = N_CTX,
-                    batch: list | None = None) -> list[str]:
+                    batch: list | None = None, chunks: int = N_CHUNKS) -> list[str]:
     """`batch` replaces the default "-b n_ctx" (one chunk per batch); [] leaves llama.cpp's defaults."""
     batch = ["-b", n_ctx] if batch is None else batch
-    return ["-m", model_path, "-f", text_file, "-c", n_ctx, *batch, "--chunks", N_CHUNKS,
+    return ["-m", model_path, "-f", text_file, "-c", n_ctx, *batch, "--chunks", chunks,
             "-t", CLIENT_THREADS, "-fa", flash_attn, "-ctk", cache_type, "-ctv", cache_type, "-fit", "off", "-lv", 4]
 
 
