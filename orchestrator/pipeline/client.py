@@ -15,15 +15,15 @@ from wire.protocol import Command, ProtocolError
 
 MAX_RESPONSE = 1 << 34
 # Workers this process started itself (LocalWorkers): endpoint -> whether that worker has used CPU since
-# last asked. A wait on one that outlasts --rpc-timeout goes on while it is working: a first run of another
+# last asked. A wait on them that outlasts --rpc-timeout goes on while they work: a first run of another
 # model compiles its kernels in its first graphs, which can take minutes (a hung worker uses no CPU).
 STILL_WORKING: dict[str, Callable[[], bool]] = {}
 
 
 def still_working(endpoint: str) -> bool:
-    """True if `endpoint` is one of our local workers and it has used CPU since this was last asked."""
-    check = STILL_WORKING.get(endpoint)
-    return check is not None and check()
+    """True if `endpoint` is one of our local workers and one of them has used CPU since this was last
+    asked: a reply may wait on another worker (a push from the stage before, compiling)."""
+    return endpoint in STILL_WORKING and any([working() for working in STILL_WORKING.values()])  # each asked
 
 
 class WorkerError(Exception):

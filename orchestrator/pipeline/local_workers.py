@@ -93,8 +93,8 @@ class LocalWorkers:
     warm-up run, one worker at a time. Concurrent ones (the server) warm up every kernel. There is no
     fixed deadline: a worker is waited for as long as it is alive and using CPU, and given up on when
     it exits or makes no progress for `stall` seconds; once they listen, the orchestrator's waits on
-    them follow the same rule (client.STILL_WORKING), not --rpc-timeout alone. `log` receives the progress lines (the CLI prints them).
-    `threads` None: default_threads(count, concurrent=concurrent).
+    them follow the same rule (client.STILL_WORKING), not --rpc-timeout alone. `log` receives the
+    progress lines (the CLI prints them). `threads` None: default_threads(count, concurrent=concurrent).
     """
 
     def __init__(self, count: int, threads: int | None = None, *, concurrent: bool = False, log: Callable[[str], None] = lambda line: None,

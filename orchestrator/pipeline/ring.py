@@ -167,9 +167,9 @@ class Ring:
         """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded), which
         goes in at position `start`. Stop early by closing the generator: the steps in flight finish and
         their tokens are dropped. An exception raised inside (an interrupt, a worker's failure) may cut a
-        command or a reply in two, so the connections are then unusable: close them. If the ring breaks, the generator ends early with `broken` set; the
-        tokens yielded are then the ones decoded, so the caller decodes the last of them (or first_token)
-        stepwise next."""
+        command or a reply in two: the connections are then unusable, to be closed. If the ring breaks,
+        the generator ends early with `broken` set; the tokens yielded are then the ones decoded, so the
+        caller decodes the last of them (or first_token) stepwise next."""
         pipe = self.pipe
         step0 = pipe.step + 1
         limit = min(limit, pipe.n_ctx - start)
