@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,6 +70,18 @@ def _progress(pid: int) -> Callable[[], bool]:
     return working
 
 
+PR_SET_PDEATHSIG = 1  # Linux prctl(2): a signal for this process when the thread that forked it ends
+
+
+def _die_with_parent(parent: int) -> None:
+    """A local worker's preexec_fn on Linux: SIGTERM when the command that started it dies, even by
+    SIGKILL (LocalWorkers.stop never runs then), so that no worker outlives it holding its port and
+    memory. (The fork is made on the main thread, which lives as long as the command.)"""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def worker_env(threads: int, count: int) -> dict[str, str]:
     """The local workers' environment: this checkout importable, and for several workers of several threads
     sharing these cores OMP_WAIT_POLICY=PASSIVE (unless set): numba's OpenMP threads spin after each parallel
@@ -124,7 +139,9 @@ class LocalWorkers:
     def _start(self) -> tuple[subprocess.Popen, str]:
         port = _free_port()
         log = open(self.log_dir / f"worker-{port}.log", "wb")
-        proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
+        armed = functools.partial(_die_with_parent, os.getpid()) if sys.platform == "linux" else None
+        proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                stdin=subprocess.DEVNULL, preexec_fn=armed)
         log.close()
         self.procs.append(proc)
         self.endpoints.append(f"{HOST}:{port}")

@@ -1,11 +1,13 @@
 """The orchestrator's answer to bad input: one clear line on stderr, a non-zero exit, no traceback."""
 
 import os
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -162,6 +164,30 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_local_workers_go_when_the_orchestrator_is_killed(model):
+    """SIGKILL gives the orchestrator no chance to stop its local workers: the kernel tells them
+    (PR_SET_PDEATHSIG) and they end themselves (they stayed, each holding its port and the weights)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    args = ["-m", str(model), "--workers", "2", "-t", "1", "-p", "Once", "-n", "100000", "--ignore-eos", "-c", "4096",
+            "--temp", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+    try:
+        assert len(proc.stdout.read(40)) == 40, f"the orchestrator exited with {proc.wait()} before generating"
+        workers = _children(proc.pid)
+        assert len(workers) == 2 and all(_running(w) for w in workers)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 120  # a worker's SIGTERM lets its running commands finish first
+    while [w for w in workers if _running(w)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [w for w in workers if _running(w)]
+    for w in left:
+        os.kill(w, signal.SIGKILL)
+    assert not left, "local workers outlived the orchestrator that started them"
 
 
 def test_a_one_worker_ring_runs_past_a_graph_change(model):
