@@ -71,13 +71,15 @@ def _progress(pid: int) -> Callable[[], bool]:
 
 
 PR_SET_PDEATHSIG = 1  # Linux prctl(2): a signal for this process when the thread that forked it ends
+# looked up here, in the parent: a forked child of a process with threads should not dlopen
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 def _die_with_parent(parent: int) -> None:
     """A local worker's preexec_fn on Linux: SIGTERM when the command that started it dies, even by
     SIGKILL (LocalWorkers.stop never runs then), so that no worker outlives it holding its port and
     memory. (The fork is made on the main thread, which lives as long as the command.)"""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # it died before the prctl
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -139,7 +141,7 @@ class LocalWorkers:
     def _start(self) -> tuple[subprocess.Popen, str]:
         port = _free_port()
         log = open(self.log_dir / f"worker-{port}.log", "wb")
-        armed = functools.partial(_die_with_parent, os.getpid()) if sys.platform == "linux" else None
+        armed = functools.partial(_die_with_parent, os.getpid()) if _prctl is not None else None
         proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                 stdin=subprocess.DEVNULL, preexec_fn=armed)
         log.close()
