@@ -110,6 +110,9 @@ def draft_options(command):
         click.option("--draft-p-min", "--spec-draft-p-min", "draft_p_min", default=0.0,
                      type=click.FloatRange(0.0, 1.0), help="stop drafting before a position whose most likely "
                      "draft token has less probability than this"),
+        click.option("--draft-fixed", is_flag=True, help="draft --draft-max tokens every step, as llama.cpp does "
+                     "(default: the length between --draft-min and --draft-max that makes tokens fastest by the "
+                     "running acceptance rate)"),
         click.option("--rpc-draft", default=None, help="workers for the draft model, host:port,... (default: the "
                      "model's worker with the most free memory once the model is placed)"),
     ]):
@@ -128,16 +131,17 @@ def open_draft(loaded, model_draft, rpc_draft):
     return speculative.open_draft(model_draft, loaded.vocab, loaded.model.hparams.n_vocab)
 
 
-def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min, rpc_draft, **_):
+def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft, **_):
     """The engine's speculator for an opened draft (None: no draft), its start-up printed."""
     if draft is None:
         return None
     from orchestrator.engine.speculative import DraftOptions, start_speculator  # noqa: PLC0415
 
     endpoints = tuple(e.strip() for e in (rpc_draft or "").split(",") if e.strip())
-    log(f"draft model: {draft.model.path.name} (up to {draft_max} tokens a step)")
-    speculator = start_speculator(pipe, draft, DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min,
-                                                            endpoints), n_slots, PrintedReport())
+    how_many = f"{draft_max} tokens a step" if draft_fixed else f"up to {draft_max} tokens a step, as they pay"
+    log(f"draft model: {draft.model.path.name} ({how_many})")
+    options = DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min, endpoints, adaptive=not draft_fixed)
+    speculator = start_speculator(pipe, draft, options, n_slots, PrintedReport())
     how = "from the draft's ring (one round trip per draft)" if speculator.drafter.ring else "a round trip per token"
     log(f"draft: greedy drafts {how}")
     return speculator
@@ -274,8 +278,8 @@ def parse_logit_bias(text: str) -> tuple[int, float]:
 def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_predict, ctx_size, batch_size,
                   ubatch_size, gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn, cache_type_k,
                   cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
-                  no_ring, draft_always, verbose, model_draft, draft_max, draft_min, draft_p_min, rpc_draft, rpc_spare,
-                  **sampling) -> int:
+                  no_ring, draft_always, verbose, model_draft, draft_max, draft_min, draft_p_min, draft_fixed,
+                  rpc_draft, rpc_spare, **sampling) -> int:
     """The command's run: the prompt through the engine's one slot, its text on stdout."""
     from orchestrator.engine import context_shift as shifting  # noqa: PLC0415
     from orchestrator.chat import apply_chat_template  # noqa: PLC0415
@@ -334,7 +338,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     engine = None
     try:
         speculator = start_draft(pipe, draft, 1, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
-                                 rpc_draft=rpc_draft)
+                                 draft_fixed=draft_fixed, rpc_draft=rpc_draft)
         if warmup:
             pipe.warmup(tokens)
         t_loaded = time.perf_counter()

@@ -27,8 +27,11 @@ Designs (columns):
                 --draft-always with the draft on a worker of its own (N + 1 workers, `--rpc-draft`, its
                 own proxies): where the default placement puts the draft beside a target stage, the two
                 queue on that worker, which computes one graph at a time
-  blocks        the same with --no-ring: every token from drafting blocks of --draft-max tokens, each
-                verified in one pass through the orchestrator (stepwise push), as llama.cpp drafts
+  blocks        the same with --no-ring: every token from drafting blocks of up to --draft-max tokens (the
+                length that pays by the running acceptance rate, speculative.DraftLength), each verified in
+                one pass through the orchestrator (stepwise push), as llama.cpp drafts
+  blocks, fixed (spec-blocks-fixed, not run by default)
+                the same with --draft-fixed: --draft-max tokens every block, as llama.cpp drafts
 
 tok/s = (tokens - 1) / the client's eval time (after the first token, prompt excluded), so that a run
 that verifies several tokens per decode counts every token. acc = drafts accepted / drafted. Every run's
@@ -59,7 +62,7 @@ from tools.bench_worker import load_average  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
 DRAFT_RE = re.compile(r"draft: (\d+) tokens drafted, (\d+) accepted")
-SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-own", "spec-blocks")
+SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-own", "spec-blocks", "spec-blocks-fixed")
 
 
 def quantized(source: Path, wtype: str) -> Path:
@@ -128,6 +131,8 @@ def register(draft: Path, draft_max: int, p_min: float) -> None:
     d["spec"] = bp.Design("ours -md", "ours", "ring", bp.ring_hops, bp.ours_command(*flags))
     d["spec-only"] = bp.Design("drafting", "ours", "ring", bp.ring_hops, bp.ours_command(*flags, "--draft-always"))
     d["spec-blocks"] = bp.Design("blocks", "ours", "push", bp.push_hops, bp.ours_command(*flags, "--no-ring"))
+    d["spec-blocks-fixed"] = bp.Design("blocks, fixed", "ours", "push", bp.push_hops,
+                                       bp.ours_command(*flags, "--no-ring", "--draft-fixed"))
     d["spec-own"] = bp.Design("drafting, own worker", "ours", "ring", bp.ring_hops,
                               own_draft_worker(bp.ours_command(*flags, "--draft-always")), extra=1)
 
@@ -189,8 +194,8 @@ def parse_args(argv):
     ap.add_argument("--draft-max", type=int, default=3, help="--draft-max of both (default 3, llama.cpp's)")
     ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of both (default 0, llama.cpp's)")
     ap.add_argument("--designs", default="llamacpp,llamacpp-spec,push,ring,spec,spec-only",
-                    help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only, spec-own, spec-blocks "
-                         "(the first gives the reference text)")
+                    help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only, spec-own, spec-blocks, "
+                         "spec-blocks-fixed (the first gives the reference text)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per run (default 48)")
     ap.add_argument("--prompt", default=bp.PROMPT)
     ap.add_argument("--reps", type=int, default=2, help="repetitions per cell and design (default 2)")

@@ -55,6 +55,7 @@ class DraftOptions:
     n_min: int = 0  # --draft-min: fewer drafted than this are not verified (a plain step instead)
     p_min: float = 0.0  # --draft-p-min: no drafting at a position whose most likely token is below this
     endpoints: tuple[str, ...] = ()  # --rpc-draft; empty: the target's worker with the most free memory
+    adaptive: bool = True  # the draft length from the running acceptance rate (DraftLength); False: --draft-fixed
 
 
 def incompatibility(target, draft) -> str | None:
@@ -200,6 +201,51 @@ class Pending:
     tokens: list[int]
     dists: list[np.ndarray]
     began: float  # when the drafting started (perf_counter)
+    sent: float  # when it ended: the verification's pass begins
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a block of k drafts makes on average when each position's draft is kept with probability a
+    (given the ones before it were): the kept prefix plus the target's own next token, 1 + a + ... + a^k."""
+    return sum(a ** i for i in range(k + 1))
+
+
+ACCEPT_DECAY = 0.8  # the running acceptance rate's memory, per verified block: about the last five count
+TIME_DECAY = 0.8  # the same for the measured seconds of a drafted token and of a verification
+
+
+class DraftLength:
+    """How many tokens to draft for a slot (issue 30's adaptive draft length): the k between
+    max(1, --draft-min) and --draft-max that makes tokens fastest by the running figures. A block of k
+    drafts makes expected_tokens(a, k) tokens in t + k d seconds, where a is each position's chance that
+    its draft is kept (kept over positions checked, the positions after a rejection not being checked), d
+    the seconds of a drafted token and t of a verification's pass; d and t are the Speculator's, a is the
+    slot's job's. Before the job's first block is verified: --draft-max.
+
+    A draft that is often wrong thus drafts one token a step (a poor draft's extra guesses cost a draft
+    step each and are seldom kept), one that is nearly always right drafts the ceiling, and between them
+    the length follows the price of a drafted token against a pass: long where the pass is dear (slow
+    links) and drafting cheap."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.lo, self.hi = max(1, min(n_min, n_max)), n_max
+        self.kept = self.checked = 0.0
+
+    def record(self, n_drafted: int, n_kept: int) -> None:
+        """A verified block: n_kept of its n_drafted drafts kept (the first n_kept)."""
+        self.kept = ACCEPT_DECAY * self.kept + n_kept
+        self.checked = ACCEPT_DECAY * self.checked + n_kept + (n_kept < n_drafted)
+
+    @property
+    def rate(self) -> float | None:
+        """Each position's running chance of being kept; None before a block is verified."""
+        return self.kept / self.checked if self.checked else None
+
+    def choose(self, draft_s: float | None, pass_s: float | None) -> int:
+        a = self.rate
+        if a is None or draft_s is None or pass_s is None:
+            return self.hi
+        return max(range(self.lo, self.hi + 1), key=lambda k: expected_tokens(a, k) / (pass_s + k * draft_s))
 
 
 # Tokens each way makes when the two are measured against each other: drafting's probe is short (two
@@ -268,6 +314,9 @@ class Speculator:
         self.pace: Pace | None = None  # set when the target's ring can run too (the CLI's greedy sequence)
         self.spec_ring: SpecRing | None = None  # drafting's way for that sequence, when it runs
         self.rngs: dict[int, tuple[object, np.random.Generator]] = {}  # per slot: its job and its RNG
+        self.lengths: dict[int, tuple[object, DraftLength]] = {}  # per slot: its job and its draft length
+        self.draft_s: float | None = None  # running seconds per drafted token (DraftLength's d)
+        self.pass_s: float | None = None  # running seconds from a block's drafts to its rows (DraftLength's t)
 
     def close(self) -> None:
         self.drafter.close()
@@ -279,11 +328,20 @@ class Speculator:
             self.rngs[slot.index] = (slot.job, rng)
         return rng
 
+    def _length(self, slot) -> DraftLength:
+        job, length = self.lengths.get(slot.index, (None, None))
+        if job is not slot.job:
+            length = DraftLength(self.options.n_min, self.options.n_max)
+            self.lengths[slot.index] = (slot.job, length)
+        return length
+
     def propose(self, engine, slot, budget: int) -> list[int]:
         """Drafts for a generating slot whose last token is to be fed: at most `budget` (the batch's room),
-        the draft's and the slot's room, and the tokens the job may still make; [] for a plain step."""
+        the draft's and the slot's room, the tokens the job may still make, and the draft length
+        (DraftLength, or --draft-max with --draft-fixed); [] for a plain step."""
         job, opts = slot.job, self.options
-        k = min(opts.n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
+        n_max = self._length(slot).choose(self.draft_s, self.pass_s) if opts.adaptive else opts.n_max
+        k = min(n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
         if job.n_predict >= 0:
             k = min(k, job.n_predict - slot.n_generated - 1)
         sampled = not exact(job.params)
@@ -294,7 +352,10 @@ class Speculator:
         tokens, dists = self.drafter.draft(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng)
         if len(tokens) < opts.n_min:
             return []
-        self.pending[slot.index] = Pending(tokens, dists, began + self.drafter.catch_up_s)
+        began += self.drafter.catch_up_s  # the draft's catch-up is the price of switching, not of drafting
+        sent = time.perf_counter()
+        self.draft_s = running(self.draft_s, (sent - began) / len(tokens) if tokens else None)
+        self.pending[slot.index] = Pending(tokens, dists, began, sent)
         engine.metrics.n_drafted += len(tokens)
         return tokens
 
@@ -302,7 +363,12 @@ class Speculator:
         """The target's rows for the slot's last fed token and its drafts (n_cached counts the last fed
         one only): the verified drafts join the cached tokens, the next token is the target's."""
         pending = self.pending.pop(slot.index)
+        now = time.perf_counter()
+        self.pass_s = running(self.pass_s, now - pending.sent)
+        job = slot.job
         made = self._verify(engine, slot, rows, pending)
+        if slot.job is job:  # (a job that ended within the block tells nothing of the next)
+            self._length(slot).record(len(pending.tokens), made - 1)
         if self.pace is not None:
             self.pace.record("draft", made, time.perf_counter() - pending.began)
 
@@ -364,6 +430,13 @@ class Speculator:
             slot.paths.append(path)
             engine.metrics.n_drafted_accepted += 1
         return len(rows)
+
+
+def running(mean: float | None, value: float | None) -> float | None:
+    """A running mean of measured seconds (TIME_DECAY), started by its first value."""
+    if value is None:
+        return mean
+    return value if mean is None else TIME_DECAY * mean + (1 - TIME_DECAY) * value
 
 
 def open_draft(path: Path, target_vocab, target_n_vocab: int):

@@ -81,7 +81,7 @@ def run(*, rpc, workers, threads, **options) -> None:
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
           n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
-          chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min, rpc_draft,
+          chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft,
           rpc_spare, **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
@@ -118,7 +118,8 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
         engine.recovery = Recovery(endpoints, endpoint_list(rpc_spare), build, tell=log)
         try:
             engine.speculator = start_draft(pipe, draft, parallel, draft_max=draft_max, draft_min=draft_min,
-                                            draft_p_min=draft_p_min, rpc_draft=rpc_draft)
+                                            draft_p_min=draft_p_min, draft_fixed=draft_fixed,
+                                            rpc_draft=rpc_draft)
         except BaseException:
             pipe.close()
             raise

@@ -108,6 +108,25 @@ def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pairs, workers, 
     assert 0 < n_accepted < n_drafted, spec.stderr[-1000:]  # both paths taken: kept guesses and dropped ones
 
 
+def test_a_draft_never_right_soon_drafts_a_token_a_step(random_pairs, workers, tmp_path):
+    """The adaptive draft length (speculative.DraftLength): a draft of other random weights (seed 8 for the
+    model's 7) is kept at no position, so after the first block it drafts one token a step, not
+    --draft-max as --draft-fixed does; the text is the plain one either way. (Which length pays does not
+    depend on the clock here: with nothing kept, every guess past the first only costs.)"""
+    target, rpc = random_pairs("llama")["Q8_0"], workers[:2]
+    draft = tmp_path / "llama-seed8-Q4_0.gguf"
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "make_model.py"), "--arch", "llama", "--n-layer", "4",
+                    "--weight-type", "Q4_0", "--seed", "8", "-o", str(draft)], check=True, cwd=REPO_ROOT,
+                   capture_output=True)
+    plain = generate(target, rpc)
+    flags = ("-md", draft, "--draft-max", 8, "--no-ring")
+    adaptive, fixed = generate(target, rpc, *flags), generate(target, rpc, *flags, "--draft-fixed")
+    assert adaptive.stdout == fixed.stdout == plain.stdout
+    (n_adaptive, kept_adaptive), (n_fixed, kept_fixed) = drafted(adaptive.stderr), drafted(fixed.stderr)
+    assert kept_fixed < n_fixed / 10, fixed.stderr[-1000:]  # the premise: this draft is (nearly) never right
+    assert 3 * n_adaptive < n_fixed, (adaptive.stderr[-1000:], fixed.stderr[-1000:])
+
+
 @pytest.mark.parametrize(("arch", "n_workers"), [("llama", 1), ("llama", 3), ("qwen2", 2), ("qwen3", 4)])
 def test_the_speculative_ring_gives_the_same_text(random_pairs, workers, arch, n_workers):
     """--draft-always: every token from the speculative ring (the draft's ring feeding the target's
