@@ -127,6 +127,7 @@ class Drafter:
         ring = Ring(pipe, [])
         self.ring = ring if ring.why_not() is None and ring.setup() else None
         self.catch_up_s = 0.0  # what the last draft() from the ring spent feeding tokens it had not seen
+        self.step_s: float | None = None  # the last draft()'s seconds per drafted token past the first
 
     def room(self, n_tokens: int) -> int:
         """Tokens that can be drafted after a sequence of n_tokens (the draft's cells of a slot)."""
@@ -151,7 +152,7 @@ class Drafter:
         tokens and the distribution each was drawn from (for speculative sampling)."""
         cached = self.cached[slot]
         keep = min(common_prefix(cached, sequence), len(sequence) - 1)
-        self.catch_up_s = 0.0
+        self.catch_up_s, self.step_s = 0.0, None
         if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
             return self._draft_ring(sequence, keep, n_max), []
         logits = self._feed(slot, sequence[keep:], keep)
@@ -185,7 +186,12 @@ class Drafter:
         token drafted (the next call then starts at the last token, after a rejection or none)."""
         start = len(sequence) - 1
         self.catch_up(sequence, keep, start)
-        tokens = list(self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)))
+        tokens, times = [], []
+        for token in self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)):
+            tokens.append(token)
+            times.append(time.perf_counter())
+        if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers
+            self.step_s = (times[-1] - times[0]) / (len(times) - 1)
         # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
         self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
         if self.ring.broken is not None:  # a push failed: stepwise from now on
@@ -201,7 +207,7 @@ class Pending:
     tokens: list[int]
     dists: list[np.ndarray]
     began: float  # when the drafting started (perf_counter)
-    sent: float  # when it ended: the verification's pass begins
+    step_s: float  # what one more draft cost in it: DraftLength's d
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -212,6 +218,10 @@ def expected_tokens(a: float, k: int) -> float:
 
 ACCEPT_DECAY = 0.8  # the running acceptance rate's memory, per verified block: about the last five count
 TIME_DECAY = 0.8  # the same for the measured seconds of a drafted token and of a verification
+# A shorter block is taken only where the model rates it this much faster than the longest as good: near a
+# tie the model misleads (measured at 3 stages / 10 ms apart, --draft-max 3: blocks of 2 where 3 rated
+# within a few percent were 0.89x the fixed 3 in tok/s; the draft's later steps cost less than d says)
+LENGTH_MARGIN = 0.10
 
 
 class DraftLength:
@@ -219,8 +229,9 @@ class DraftLength:
     max(1, --draft-min) and --draft-max that makes tokens fastest by the running figures. A block of k
     drafts makes expected_tokens(a, k) tokens in t + k d seconds, where a is each position's chance that
     its draft is kept (kept over positions checked, the positions after a rejection not being checked), d
-    the seconds of a drafted token and t of a verification's pass; d and t are the Speculator's, a is the
-    slot's job's. Before the job's first block is verified: --draft-max.
+    the seconds one more draft costs and t the rest of a block's (the verification's pass, and where the
+    drafts come from the draft's ring its round trip); d and t are the Speculator's, a is the slot's job's.
+    Before the job's first block is verified: --draft-max.
 
     A draft that is often wrong thus drafts one token a step (a poor draft's extra guesses cost a draft
     step each and are seldom kept), one that is nearly always right drafts the ceiling, and between them
@@ -242,10 +253,13 @@ class DraftLength:
         return self.kept / self.checked if self.checked else None
 
     def choose(self, draft_s: float | None, pass_s: float | None) -> int:
+        """The longest k whose rate is within LENGTH_MARGIN of the best one's."""
         a = self.rate
         if a is None or draft_s is None or pass_s is None:
             return self.hi
-        return max(range(self.lo, self.hi + 1), key=lambda k: expected_tokens(a, k) / (pass_s + k * draft_s))
+        rates = {k: expected_tokens(a, k) / (pass_s + k * draft_s) for k in range(self.lo, self.hi + 1)}
+        best = max(rates.values())
+        return max(k for k, rate in rates.items() if rate * (1 + LENGTH_MARGIN) >= best)
 
 
 # Tokens each way makes when the two are measured against each other: drafting's probe is short (two
@@ -315,8 +329,8 @@ class Speculator:
         self.spec_ring: SpecRing | None = None  # drafting's way for that sequence, when it runs
         self.rngs: dict[int, tuple[object, np.random.Generator]] = {}  # per slot: its job and its RNG
         self.lengths: dict[int, tuple[object, DraftLength]] = {}  # per slot: its job and its draft length
-        self.draft_s: float | None = None  # running seconds per drafted token (DraftLength's d)
-        self.pass_s: float | None = None  # running seconds from a block's drafts to its rows (DraftLength's t)
+        self.draft_s: float | None = None  # running seconds one more draft costs (DraftLength's d)
+        self.pass_s: float | None = None  # running seconds of a block apart from its drafts' (DraftLength's t)
 
     def close(self) -> None:
         self.drafter.close()
@@ -353,9 +367,11 @@ class Speculator:
         if len(tokens) < opts.n_min:
             return []
         began += self.drafter.catch_up_s  # the draft's catch-up is the price of switching, not of drafting
-        sent = time.perf_counter()
-        self.draft_s = running(self.draft_s, (sent - began) / len(tokens) if tokens else None)
-        self.pending[slot.index] = Pending(tokens, dists, began, sent)
+        # stepwise, a draft costs a round trip and a step; from the draft's ring, one round trip is the block's
+        step_s = self.drafter.step_s if self.drafter.step_s is not None else \
+            (time.perf_counter() - began) / max(len(tokens), 1)
+        self.draft_s = running(self.draft_s, step_s if tokens else None)
+        self.pending[slot.index] = Pending(tokens, dists, began, step_s)
         engine.metrics.n_drafted += len(tokens)
         return tokens
 
@@ -363,8 +379,8 @@ class Speculator:
         """The target's rows for the slot's last fed token and its drafts (n_cached counts the last fed
         one only): the verified drafts join the cached tokens, the next token is the target's."""
         pending = self.pending.pop(slot.index)
-        now = time.perf_counter()
-        self.pass_s = running(self.pass_s, now - pending.sent)
+        block_s = time.perf_counter() - pending.began
+        self.pass_s = running(self.pass_s, max(block_s - len(pending.tokens) * pending.step_s, 0.0))
         job = slot.job
         made = self._verify(engine, slot, rows, pending)
         if slot.job is job:  # (a job that ended within the block tells nothing of the next)

@@ -111,8 +111,9 @@ def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pairs, workers, 
 def test_a_draft_never_right_soon_drafts_a_token_a_step(random_pairs, workers, tmp_path):
     """The adaptive draft length (speculative.DraftLength): a draft of other random weights (seed 8 for the
     model's 7) is kept at no position, so after the first block it drafts one token a step, not
-    --draft-max as --draft-fixed does; the text is the plain one either way. (Which length pays does not
-    depend on the clock here: with nothing kept, every guess past the first only costs.)"""
+    --draft-max as --draft-fixed does; the text is the plain one either way. (With nothing kept every guess
+    past the first only costs; the margin given to longer blocks would allow 3 only if a guess cost under a
+    twentieth of the rest of a block, and the assertion holds for anything under 2.7 a step.)"""
     target, rpc = random_pairs("llama")["Q8_0"], workers[:2]
     draft = tmp_path / "llama-seed8-Q4_0.gguf"
     subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "make_model.py"), "--arch", "llama", "--n-layer", "4",
