@@ -127,7 +127,7 @@ class Drafter:
         ring = Ring(pipe, [])
         self.ring = ring if ring.why_not() is None and ring.setup() else None
         self.catch_up_s = 0.0  # what the last draft() from the ring spent feeding tokens it had not seen
-        self.step_s: float | None = None  # the last draft()'s seconds per drafted token past the first
+        self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
 
     def room(self, n_tokens: int) -> int:
         """Tokens that can be drafted after a sequence of n_tokens (the draft's cells of a slot)."""
@@ -155,6 +155,7 @@ class Drafter:
         self.catch_up_s, self.step_s = 0.0, None
         if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
             return self._draft_ring(sequence, keep, n_max), []
+        began = time.perf_counter()
         logits = self._feed(slot, sequence[keep:], keep)
         fed = list(sequence)
         tokens, dists = [], []
@@ -170,6 +171,9 @@ class Drafter:
             logits = self._feed(slot, [token], len(fed))
             fed.append(token)
         self.cached[slot] = fed
+        if tokens and len(sequence) - keep <= 2:  # a feed per draft, the first of the target's token (and
+            # the last draft, never fed, after a block kept whole); one of a new job's prompt would not tell
+            self.step_s = (time.perf_counter() - began) / len(tokens)
         return tokens, dists
 
     def catch_up(self, sequence: list[int], keep: int, start: int) -> None:
@@ -207,7 +211,7 @@ class Pending:
     tokens: list[int]
     dists: list[np.ndarray]
     began: float  # when the drafting started (perf_counter)
-    step_s: float  # what one more draft cost in it: DraftLength's d
+    step_s: float | None  # what one more draft cost in it (DraftLength's d), None if not measured
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -225,13 +229,13 @@ LENGTH_MARGIN = 0.10
 
 
 class DraftLength:
-    """How many tokens to draft for a slot (issue 30's adaptive draft length): the k between
-    max(1, --draft-min) and --draft-max that makes tokens fastest by the running figures. A block of k
-    drafts makes expected_tokens(a, k) tokens in t + k d seconds, where a is each position's chance that
-    its draft is kept (kept over positions checked, the positions after a rejection not being checked), d
-    the seconds one more draft costs and t the rest of a block's (the verification's pass, and where the
-    drafts come from the draft's ring its round trip); d and t are the Speculator's, a is the slot's job's.
-    Before the job's first block is verified: --draft-max.
+    """How many tokens to draft for a slot (issue 30's adaptive draft length): the longest k between
+    max(1, --draft-min) and --draft-max that makes tokens within LENGTH_MARGIN of the fastest by the running
+    figures. A block of k drafts makes expected_tokens(a, k) tokens in t + k d seconds, where a is each
+    position's chance that its draft is kept (kept over positions checked, the positions after a rejection
+    not being checked), d the seconds one more draft costs and t the rest of a block's (the verification's
+    pass, and where the drafts come from the draft's ring its round trip); d and t are the Speculator's,
+    a is the slot's job's. Before the job's first block is verified: --draft-max.
 
     A draft that is often wrong thus drafts one token a step (a poor draft's extra guesses cost a draft
     step each and are seldom kept), one that is nearly always right drafts the ceiling, and between them
@@ -368,10 +372,8 @@ class Speculator:
             return []
         began += self.drafter.catch_up_s  # the draft's catch-up is the price of switching, not of drafting
         # stepwise, a draft costs a round trip and a step; from the draft's ring, one round trip is the block's
-        step_s = self.drafter.step_s if self.drafter.step_s is not None else \
-            (time.perf_counter() - began) / max(len(tokens), 1)
-        self.draft_s = running(self.draft_s, step_s if tokens else None)
-        self.pending[slot.index] = Pending(tokens, dists, began, step_s)
+        self.draft_s = running(self.draft_s, self.drafter.step_s)
+        self.pending[slot.index] = Pending(tokens, dists, began, self.drafter.step_s)
         engine.metrics.n_drafted += len(tokens)
         return tokens
 
@@ -379,8 +381,9 @@ class Speculator:
         """The target's rows for the slot's last fed token and its drafts (n_cached counts the last fed
         one only): the verified drafts join the cached tokens, the next token is the target's."""
         pending = self.pending.pop(slot.index)
-        block_s = time.perf_counter() - pending.began
-        self.pass_s = running(self.pass_s, max(block_s - len(pending.tokens) * pending.step_s, 0.0))
+        if pending.step_s is not None:  # (not for a block whose drafting also read a prompt)
+            block_s = time.perf_counter() - pending.began
+            self.pass_s = running(self.pass_s, max(block_s - len(pending.tokens) * pending.step_s, 0.0))
         job = slot.job
         made = self._verify(engine, slot, rows, pending)
         if slot.job is job:  # (a job that ended within the block tells nothing of the next)
