@@ -194,7 +194,8 @@ class Drafter:
         for token in self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)):
             tokens.append(token)
             times.append(time.perf_counter())
-        if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers
+        if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers,
+            # which is the block's once (stepwise, each draft costs a round trip and a step: draft())
             self.step_s = (times[-1] - times[0]) / (len(times) - 1)
         # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
         self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
@@ -339,19 +340,20 @@ class Speculator:
     def close(self) -> None:
         self.drafter.close()
 
-    def _rng(self, slot) -> np.random.Generator:
-        job, rng = self.rngs.get(slot.index, (None, None))
+    @staticmethod
+    def _per_job(table: dict, slot, make):
+        """The slot's entry of `table`, made afresh (make()) when the slot's job is not the one it was made for."""
+        job, value = table.get(slot.index, (None, None))
         if job is not slot.job:
-            rng = np.random.default_rng(slot.sampler.seed)
-            self.rngs[slot.index] = (slot.job, rng)
-        return rng
+            value = make()
+            table[slot.index] = (slot.job, value)
+        return value
+
+    def _rng(self, slot) -> np.random.Generator:
+        return self._per_job(self.rngs, slot, lambda: np.random.default_rng(slot.sampler.seed))
 
     def _length(self, slot) -> DraftLength:
-        job, length = self.lengths.get(slot.index, (None, None))
-        if job is not slot.job:
-            length = DraftLength(self.options.n_min, self.options.n_max)
-            self.lengths[slot.index] = (slot.job, length)
-        return length
+        return self._per_job(self.lengths, slot, lambda: DraftLength(self.options.n_min, self.options.n_max))
 
     def propose(self, engine, slot, budget: int) -> list[int]:
         """Drafts for a generating slot whose last token is to be fed: at most `budget` (the batch's room),
@@ -371,7 +373,6 @@ class Speculator:
         if len(tokens) < opts.n_min:
             return []
         began += self.drafter.catch_up_s  # the draft's catch-up is the price of switching, not of drafting
-        # stepwise, a draft costs a round trip and a step; from the draft's ring, one round trip is the block's
         self.draft_s = running(self.draft_s, self.drafter.step_s)
         self.pending[slot.index] = Pending(tokens, dists, began, self.drafter.step_s)
         engine.metrics.n_drafted += len(tokens)
