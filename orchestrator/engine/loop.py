@@ -318,11 +318,16 @@ class Engine:
             slot = max(idle, key=lambda s: (common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
             want = self.planner.prompt_paths(len(job.prompt))
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
+            try:  # (the server checks this before queueing a job; a job that fails here fails alone)
+                sampler = Sampler(job.params, self.n_vocab, self.vocab)
+            except ValueError as exc:  # GrammarError among them
+                self._outbox.append((job, "error", f"Failed to initialize samplers: {exc}"))
+                continue
             slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
             slot.n_prompt = len(job.prompt)
             slot.want, slot.paths = want, slot.paths[:keep]
             slot.job, slot.n_generated, slot.t_first, slot.sampling_seconds = job, 0, None, 0.0
-            slot.sampler = Sampler(job.params, self.n_vocab, self.vocab)
+            slot.sampler = sampler
             for t in job.prompt:
                 slot.sampler.accept(t, is_generated=False)
             slot.t_start = time.perf_counter()

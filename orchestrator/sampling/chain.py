@@ -56,7 +56,8 @@ class SamplingParams:
 
     def grammar_sampler(self, vocab) -> GrammarSampler | None:
         """common_sampler_init's grammar sampler: the triggers turned into patterns and tokens, the root
-        rule "root". GrammarError (a ValueError) for a grammar libllama refuses."""
+        rule "root", the generation prompt accepted. GrammarError (a ValueError) for a grammar libllama
+        refuses or a generation prompt it does not accept."""
         if not self.grammar:
             return None
         patterns, tokens = [], []
@@ -73,8 +74,12 @@ class SamplingParams:
                 tokens.append(int(value))
         if not self.grammar_lazy:
             patterns, tokens = [], []  # llama_sampler_init_grammar: triggers are not used
-        return GrammarSampler(self.grammar, vocab, lazy=self.grammar_lazy, trigger_patterns=patterns,
-                              trigger_tokens=tokens)
+        grammar = GrammarSampler(self.grammar, vocab, lazy=self.grammar_lazy, trigger_patterns=patterns,
+                                 trigger_tokens=tokens)
+        if not self.grammar_lazy and self.grammar_type != "user":  # common_sampler_init's prefill: a tool call's
+            for token in prefill_tokens(vocab, self.generation_prompt):  # grammar starts at the generation prompt
+                grammar.accept(token)  # GrammarError where it (a prefilled message) does not fit the grammar
+        return grammar
 
     @property
     def greedy(self) -> bool:
@@ -118,9 +123,6 @@ class Sampler:
         self.params = params
         self.n_vocab = n_vocab
         self.grammar = params.grammar_sampler(vocab) if params.grammar else None
-        if self.grammar is not None and not params.grammar_lazy and params.grammar_type != "user":
-            for token in prefill_tokens(vocab, params.generation_prompt):
-                self.grammar.accept(token)
         self._bias = LogitBias(params.logit_bias) if params.logit_bias else None
         self._penalties = None
         if params.repeat_last_n != 0 and not (F32(params.repeat_penalty) == 1.0 and F32(params.frequency_penalty) == 0.0

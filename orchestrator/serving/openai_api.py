@@ -235,6 +235,11 @@ def sampling(body: dict, server, grammar: dict | None = None) -> SamplingParams:
             compile_grammar(params.grammar, server.vocab)
         except GrammarError as exc:
             raise ApiError(400, f"Failed to initialize samplers: failed to parse grammar ({exc})") from None
+        try:  # (compiled once: the engine's sampler finds it cached)
+            params.grammar_sampler(server.vocab)
+        except GrammarError as exc:  # e.g. a prefilled assistant message that a required tool call cannot follow
+            raise ApiError(400, f"Failed to initialize samplers: the generation prompt does not fit the grammar "
+                                f"({exc})") from None
     return params
 
 
