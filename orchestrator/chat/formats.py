@@ -42,6 +42,8 @@ class Family:
     own_prefill: bool = False  # Ministral 3's handler: a continued message's generation prompt is only its reasoning
     #   and content in the think tags, and the parser reads the generation prompt as text (no prefix)
     content_blocks: bool = False  # system and assistant contents rendered as thinking/text blocks (Ministral 3)
+    space_always: bool = False  # the parser skips the space after the prompt for content alone too (chat.cpp's
+    #   Qwen3-Coder handler: `reasoning << content`, tools or not)
 
 
 @dataclass
@@ -329,7 +331,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3-coder", _has("<tool_call>", "<function=", "<parameter=",
                                lacks=("'<tool_call><function=' ~ tool_call.name ~ '>'",)),
            "<tool_call>", "</tool_call>", _parse_qwen3_coder, grammars.qwen3_coder, ("<tool_call>", "</tool_call>"),
-           ends_after_calls=False),
+           ends_after_calls=False, space_always=True),
     Family("glm", _has("<tool_call>", "<arg_key>", "<arg_value>"), "<tool_call>", "</tool_call>", _parse_glm,
            grammars.glm, ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
            think_tags=("<think>", "</think>\n")),
@@ -409,8 +411,8 @@ def parse(params: ChatParams, text: str, partial: bool) -> Message:
     cur.pos = 0 if family.own_prefill else len(prefix)
     msg = Message()
     tools = req.calls_tools and family.parse_calls is not None
-    if (tools or family.think) and not family.own_prefill:  # llama.cpp's parser skips space after the prompt
-        cur.space()  # unless it is pure content
+    if (tools or family.think or family.space_always) and not family.own_prefill:  # llama.cpp's parser skips
+        cur.space()  # space after the prompt, unless it is pure content of a template without a handler of its own
     if params.extracts_reasoning:
         parse_reasoning(cur, msg, *family.think)
     if family.own_prefill:  # Ministral 3's handler: the space is after the reasoning
