@@ -46,6 +46,22 @@ def pytest_collection_modifyitems(config, items):
         if by is not None and callspec is not None and by in callspec.params:
             group += f"[{callspec.params[by]}]"
         item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+
+
+_GROUP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(wrapper=True, specname="pytest_collection_modifyitems")  # after pytest's own reordering
+def pytest_collection_modifyitems_by_group(items):  # (a name of its own: the hook has two implementations here)
+    """A group's tests run one after another (stably, in the order of each group's first test), so a file
+    shared out by XDIST_GROUP_BY starts each group's module fixtures once without -n too: pytest's own
+    reordering cannot see that test_chat_tools' (family, option) parameters share a family."""
+    yield
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.stash.get(_GROUP, ""), i)
+    items.sort(key=lambda item: first[item.stash.get(_GROUP, "")])
 
 
 # Time per tier (setup + call + teardown of its tests, fixtures included), printed at the end of every run:
