@@ -190,6 +190,7 @@ def parse_args(argv):
     ap.add_argument("--latency-ms", type=lambda t: bp.number_list(t, float), default=[0, 10],
                     help="one-way latencies in ms (default 0,10)")
     ap.add_argument("--topology", default="apart,together", help="apart, together or both (default both)")
+    ap.add_argument("--target", default="Q8_0", help="the target's type: Q8_0 or F16 (default Q8_0)")
     ap.add_argument("--draft", default="Q4_0", help="the draft's quantization: Q4_0 or Q2_K (default Q4_0)")
     ap.add_argument("--draft-max", type=int, default=3, help="--draft-max of both (default 3, llama.cpp's)")
     ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of both (default 0, llama.cpp's)")
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     packaged = reference.model_path()
-    args.model = quantized(packaged, "Q8_0")
+    args.model = quantized(packaged, args.target)
     draft = quantized(packaged, args.draft)
     register(draft, args.draft_max, args.draft_p_min)
     env = {**reference.llama_env(),

@@ -239,15 +239,15 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            with self._wake:
-                while not self._has_work() and not self._probe_due():
-                    self._wake.wait(PROBE_PERIOD_S)
-                if self._stopping:
-                    return
-                idle = not self._has_work()
-                retry, self._retry = self._retry, False
-                self._admit()
             try:
+                with self._wake:
+                    while not self._has_work() and not self._probe_due():
+                        self._wake.wait(PROBE_PERIOD_S)
+                    if self._stopping:
+                        return
+                    idle = not self._has_work()
+                    retry, self._retry = self._retry, False
+                    self._admit()
                 if idle:  # nothing to do but the idle probe: the workers' round trips and free memory now
                     self.telemetry.probe(clients(self.pipe))
                     continue
