@@ -138,3 +138,31 @@ def test_a_prompt_that_needs_a_whole_small_ubatch_is_not_starved_by_generating_s
     finally:
         small.stop()
     assert events[0] == ("long", "done"), events  # answered while both still generate
+
+
+def test_a_job_whose_sampler_cannot_be_built_fails_alone(engine):
+    """A grammar that refuses the job's generation prompt (a prefilled message a required tool call cannot
+    follow; the server refuses such a request first, with a 400) fails that job in the engine, which goes on
+    serving: it used to raise in the engine's thread and stop it, every later request hanging."""
+    engine, vocab = engine
+    heard = []
+    done = threading.Semaphore(0)
+
+    def emit(kind, value):
+        if kind in ("done", "error"):
+            heard.append((kind, value))
+            done.release()
+
+    prompt = vocab.tokenize("The capital of France is", add_special=True, parse_special=True)
+    bad = SamplingParams(temp=0, grammar='root ::= "<tool_call>"', grammar_type="tool_calls",
+                         generation_prompt="Hello")
+    engine.vocab = vocab  # (the server's engine has it: grammars need it)
+    try:
+        engine.submit(Job(prompt, bad, 4, emit))
+        engine.submit(Job(prompt, SamplingParams(temp=0), 4, emit))
+        for _ in range(2):
+            assert done.acquire(timeout=300)
+    finally:
+        engine.vocab = None
+    assert heard[0][0] == "error" and heard[0][1].startswith("Failed to initialize samplers:"), heard
+    assert heard[1][0] == "done", heard
