@@ -228,8 +228,8 @@ def test_prompts_with_tools_match_llama_servers(pair):
 
 
 # tool_choice "required": llama-server holds the prefill's continuation to a call with its strict grammar
-# (the end of the turn is not allowed before one, the prefill itself must fit it); ours writes the same
-# grammar (orchestrator/chat/grammars.py), so the one token after the given text is the same too
+# (the end of the turn is not allowed before one; a prefill that does not fit it is a 400 on both); ours writes
+# the same grammar (orchestrator/chat/grammars.py), so the one token after the given text is the same too
 PARSED_OPTIONS = list(OPTIONS)
 XDIST_GROUP_BY = "pair"  # with -n, the families are shared out over the processes (tests/conftest.py)
 
