@@ -5,8 +5,9 @@ one run, with the draft's acceptance rate.
     python tools/bench_speculative.py [--nodes 3] [--latency-ms 0,10] [--topology apart,together]
         [--draft Q4_0] [--draft-max 3] [--draft-p-min 0] [--tokens 48] [--reps 2]
 
-The target is the packaged SmolLM2-135M requantized to Q8_0 (or F16, `--target F16`) and the drafts the same file as Q4_0 or Q2_K
-(llama-quantize --allow-requantize of the pinned build, made once into ~/.cache/pyrpc-llama/bench_speculative).
+The target is the packaged SmolLM2-135M requantized to Q8_0 (or F16, `--target F16`) and the drafts the
+same file as Q4_0 or Q2_K (llama-quantize --allow-requantize of the pinned build, made once into
+~/.cache/pyrpc-llama/bench_speculative).
 Workers, proxies, warm-up and alternation are tools/bench_pipeline.py's (`measure_cell`): "together"
 puts a proxy in front of each worker for the client only; "apart" gives every worker a second proxy that
 the other workers push through as well. llama.cpp's client relays every stage, so its workers only ever

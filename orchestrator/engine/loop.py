@@ -320,7 +320,8 @@ class Engine:
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
             try:  # (the server checks this before queueing a job; a job that fails here fails alone)
                 sampler = Sampler(job.params, self.n_vocab, self.vocab)
-            except Exception as exc:  # noqa: BLE001 - GrammarError or another: the job is out of the queue, so it is told
+            except Exception as exc:  # noqa: BLE001 - GrammarError or another: the job is out of the queue, so
+                # it is told here
                 self._outbox.append((job, "error", f"Failed to initialize samplers: {exc or type(exc).__name__}"))
                 continue
             slot.tokens, slot.n_cached, slot.cache_n, job.cache_n = list(job.prompt), keep, keep, keep
