@@ -341,6 +341,8 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
                                  draft_fixed=draft_fixed, rpc_draft=rpc_draft)
         if warmup:
             pipe.warmup(tokens)
+            if speculator is not None:
+                speculator.drafter.pipe.warmup(tokens)
         t_loaded = time.perf_counter()
         engine = Engine.one_sequence(pipe, loaded.eog)
         engine.speculator = speculator

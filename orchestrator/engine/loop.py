@@ -332,6 +332,8 @@ class Engine:
             for t in job.prompt:
                 slot.sampler.accept(t, is_generated=False)
             slot.t_start = time.perf_counter()
+            if self.speculator is not None:
+                self.speculator.admitted(slot)
 
     def _step(self) -> None:
         """Starts a batch if the first stage is free and a slot has tokens to feed, then moves every batch

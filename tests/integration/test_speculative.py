@@ -248,3 +248,47 @@ def test_sampled_tokens_follow_the_target_with_a_draft(random_pairs, workers, tm
         df += len(p) - 1
     assert df >= 4, (target, pairs)
     assert statistic < CHI2_CRITICAL[df], (statistic, df)
+
+
+def draft_pipe(model, endpoint: str):
+    """The draft's pipeline on one worker, as start_speculator brings it up."""
+    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
+    from orchestrator.pipeline.runner import Pipeline  # noqa: PLC0415
+
+    pipe = Pipeline(ModelFile(model), n_ctx=256, n_batch=256, n_ubatch=256, swa_full=True, flash_attn=True)
+    pipe.connect([endpoint])
+    pipe.place()
+    pipe.allocate()
+    list(pipe.link(push=True))
+    pipe.upload()
+    return pipe
+
+
+def test_a_prompt_read_ahead_drafts_as_one_read_first(model, workers):
+    """Drafter.read_ahead reads a new prompt on a thread of its own, beside the target's reading it: the
+    drafts after it are those of a draft that read the prompt when first asked (the draft's ring and
+    stepwise), and a read that failed is raised by the draft's next use, once."""
+    from orchestrator.engine.speculative import Drafter  # noqa: PLC0415
+    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
+
+    prompt = Vocab.from_gguf(ModelFile(model).reader).tokenize(PROMPT)
+    ahead, first = Drafter(draft_pipe(model, workers[0]), 1), Drafter(draft_pipe(model, workers[1]), 1)
+    try:
+        assert ahead.ring is not None and first.ring is not None
+        ahead.read_ahead(0, prompt)
+        expected = first.draft(0, prompt, 5, 0.0, 1.0, None)[0]
+        assert ahead.draft(0, prompt, 5, 0.0, 1.0, None)[0] == expected and len(expected) == 5
+        assert ahead.cached[0][:len(prompt)] == prompt
+        ahead.ring = first.ring = None  # stepwise drafts (a slot other than 0 drafts so), after a new prompt
+        other = prompt[:4] + prompt[2:]
+        ahead.read_ahead(0, other)
+        assert ahead.draft(0, other, 3, 0.0, 1.0, None)[0] == first.draft(0, other, 3, 0.0, 1.0, None)[0]
+        ahead.pipe.close()  # a worker lost: the read fails on its thread
+        ahead.read_ahead(0, prompt)
+        with pytest.raises(Exception):  # noqa: B017 - whatever the closed connection raised
+            ahead.draft(0, prompt, 3, 0.0, 1.0, None)
+        ahead.wait()  # told once
+    finally:
+        ahead.close()
+        first.close()
