@@ -115,23 +115,39 @@ def draft_options(command):
                      "running acceptance rate)"),
         click.option("--rpc-draft", default=None, help="workers for the draft model, host:port,... (default: the "
                      "model's worker with the most free memory once the model is placed)"),
+        click.option("--spec-type", "spec_type", default=None, metavar="TYPES",
+                     help="llama.cpp's speculative types, comma-separated: draft-simple (needs -md) or none (the "
+                     "draft model is not used) [default: draft-simple with -md, else none]"),
+        click.option("--spec-draft-sampling", "spec_draft_sampling", type=click.Choice(["greedy", "probabilistic"]),
+                     default="probabilistic", show_default=True,
+                     help="at temperature > 0: greedy drafts the draft's argmax and keeps a draft where the model's "
+                     "sample equals it (llama.cpp's default); probabilistic samples the draft and verifies by "
+                     "rejection sampling"),
     ]):
         command = option(command)
     return command
 
 
-def open_draft(loaded, model_draft, rpc_draft):
-    """The draft model for -md, checked against the model's vocabulary (None without -md)."""
-    if model_draft is None:
-        if rpc_draft:
-            raise CliError("--rpc-draft needs a draft model (-md)")
-        return None
+def open_draft(loaded, model_draft, rpc_draft, spec_type=None):
+    """The draft model for -md, checked against the model's vocabulary (None without -md, or with
+    --spec-type none)."""
     from orchestrator.engine import speculative  # noqa: PLC0415
 
+    if model_draft is None and rpc_draft:
+        raise CliError("--rpc-draft needs a draft model (-md)")
+    try:
+        wanted = speculative.drafting_wanted(spec_type, model_draft is not None)
+    except ValueError as exc:
+        raise CliError(f"--spec-type: {exc}") from None
+    if not wanted:
+        if model_draft is not None:
+            log(f"draft model {model_draft.name}: not used (--spec-type {spec_type})")
+        return None
     return speculative.open_draft(model_draft, loaded.vocab, loaded.model.hparams.n_vocab)
 
 
-def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft, **_):
+def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft,
+                spec_draft_sampling="probabilistic", **_):
     """The engine's speculator for an opened draft (None: no draft), its start-up printed."""
     if draft is None:
         return None
@@ -140,7 +156,8 @@ def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min,
     endpoints = tuple(e.strip() for e in (rpc_draft or "").split(",") if e.strip())
     how_many = f"{draft_max} tokens a step" if draft_fixed else f"up to {draft_max} tokens a step, as they pay"
     log(f"draft model: {draft.model.path.name} ({how_many})")
-    options = DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min, endpoints, adaptive=not draft_fixed)
+    options = DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min, endpoints, adaptive=not draft_fixed,
+                           greedy_drafts=spec_draft_sampling == "greedy")
     speculator = start_speculator(pipe, draft, options, n_slots, PrintedReport())
     how = "from the draft's ring (one round trip per draft)" if speculator.drafter.ring else "a round trip per token"
     log(f"draft: greedy drafts {how}")
@@ -279,7 +296,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
                   ubatch_size, gpu_layers, ignore_eos, logit_bias, tensor_split, flash_attn, cache_type_k,
                   cache_type_v, context_shift, keep, warmup, swa_full, chat, system_prompt, display_prompt, no_push,
                   no_ring, draft_always, verbose, model_draft, draft_max, draft_min, draft_p_min, draft_fixed,
-                  rpc_draft, rpc_spare, **sampling) -> int:
+                  rpc_draft, spec_type, spec_draft_sampling, rpc_spare, **sampling) -> int:
     """The command's run: the prompt through the engine's one slot, its text on stdout."""
     from orchestrator.engine import context_shift as shifting  # noqa: PLC0415
     from orchestrator.chat import apply_chat_template  # noqa: PLC0415
@@ -292,7 +309,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     t_start = time.perf_counter()
     loaded = open_model(model_path)
     model, vocab = loaded.model, loaded.vocab
-    draft = open_draft(loaded, model_draft, rpc_draft)
+    draft = open_draft(loaded, model_draft, rpc_draft, spec_type)
     if draft is not None and (context_shift or any(model.hparams.swa_layers)):
         raise CliError("speculative decoding (-md) does not work with --context-shift or a model with "
                        "sliding-window layers yet")
@@ -338,6 +355,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     engine = None
     try:
         speculator = start_draft(pipe, draft, 1, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
+                                 spec_draft_sampling=spec_draft_sampling,
                                  draft_fixed=draft_fixed, rpc_draft=rpc_draft)
         if warmup:
             pipe.warmup(tokens)

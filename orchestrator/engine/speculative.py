@@ -57,6 +57,36 @@ class DraftOptions:
     p_min: float = 0.0  # --draft-p-min: no drafting at a position whose most likely token is below this
     endpoints: tuple[str, ...] = ()  # --rpc-draft; empty: the target's worker with the most free memory
     adaptive: bool = True  # the draft length from the running acceptance rate (DraftLength); False: --draft-fixed
+    # --spec-draft-sampling greedy: at temperature > 0 too the draft proposes its most likely tokens and a
+    # draft is kept where the target's own sample equals it (llama.cpp's default); probabilistic (ours):
+    # the draft samples and the target verifies by rejection sampling. Both follow the target's p.
+    greedy_drafts: bool = False
+
+
+# llama.cpp's --spec-type names (common/speculative.cpp, common_speculative_type_from_name_map): the one
+# run here, and those it has that are not.
+SPEC_TYPE_DRAFT = "draft-simple"
+SPEC_TYPES_NOT_RUN = ("draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple", "ngram-map-k",
+                      "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def drafting_wanted(spec_type: str | None, has_draft: bool) -> bool:
+    """Whether -md's draft drafts, given --spec-type as llama.cpp reads it (comma-separated; "none" ends
+    the list: no speculation). Without --spec-type a draft model drafts (the pinned llama-server's drafts
+    nothing without `--spec-type draft-simple`). ValueError for a name llama.cpp does not know, one not run
+    here, or draft-simple without a draft model."""
+    if spec_type is None:
+        return has_draft
+    for name in (n.strip() for n in spec_type.split(",")):
+        if name == "none":
+            return False
+        if name in SPEC_TYPES_NOT_RUN:
+            raise ValueError(f"speculative type {name} is not supported here, only {SPEC_TYPE_DRAFT} (with -md)")
+        if name != SPEC_TYPE_DRAFT:
+            raise ValueError(f"unknown speculative type: {name}")
+    if not has_draft:
+        raise ValueError(f"{SPEC_TYPE_DRAFT} needs a draft model (-md)")
+    return True
 
 
 def incompatibility(target, draft) -> str | None:
@@ -396,11 +426,15 @@ class Speculator:
     def _length(self, slot) -> DraftLength:
         return self._per_job(self.lengths, slot, lambda: DraftLength(self.options.n_min, self.options.n_max))
 
+    def _exact(self, job) -> bool:
+        """The job's drafts are the draft's most likely tokens, kept where the target's own choice equals
+        them (exact(), or --spec-draft-sampling greedy); else drafts are sampled and verified by rejection."""
+        return exact(job.params) or self.options.greedy_drafts
+
     def admitted(self, slot) -> None:
         """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead)."""
-        job = slot.job
-        if job.n_keep is None and not (job.params.grammar and not exact(job.params)):
-            self.drafter.read_ahead(slot.index, job.prompt)
+        if slot.job.n_keep is None:
+            self.drafter.read_ahead(slot.index, slot.job.prompt)
 
     def propose(self, engine, slot, budget: int) -> list[int]:
         """Drafts for a generating slot whose last token is to be fed: at most `budget` (the batch's room),
@@ -411,10 +445,9 @@ class Speculator:
         k = min(n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
         if job.n_predict >= 0:
             k = min(k, job.n_predict - slot.n_generated - 1)
-        sampled = not exact(job.params)
-        if k <= 0 or k < opts.n_min or job.n_keep is not None or (sampled and job.params.grammar):
+        if k <= 0 or k < opts.n_min or job.n_keep is not None:
             return []
-        rng = self._rng(slot) if sampled else None
+        rng = None if self._exact(job) else self._rng(slot)
         began = time.perf_counter()
         tokens, dists = self.drafter.draft(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng)
         if len(tokens) < opts.n_min:
@@ -473,7 +506,7 @@ class Speculator:
         job = slot.job
         path = slot.paths[-1]
         for i, row in enumerate(rows):
-            if exact(job.params):
+            if self._exact(job):
                 engine._sample(slot, row)
                 if slot.job is not job:
                     return i + 1

@@ -212,17 +212,20 @@ TOP_K = 5
 N_SEEDS = 600
 
 
-def test_sampled_tokens_follow_the_target_with_a_draft(random_pairs, workers, tmp_path):
-    """At temperature 1 and top-k 5, the second generated token (the first one a draft proposes (of max_tokens 3), verified
-    by speculative sampling) given the first follows the target's distribution: the softmax of the five
-    highest logits, as the plain server (no draft) reports them through logprobs. One chi-square over the
-    first tokens seen often enough, at 1e-6 with fixed seeds: deterministic, and a wrong rule fails it."""
+@pytest.mark.parametrize("draft_sampling", ["probabilistic", "greedy"])
+def test_sampled_tokens_follow_the_target_with_a_draft(random_pairs, workers, tmp_path, draft_sampling):
+    """At temperature 1 and top-k 5, the second generated token (the first one a draft proposes (of max_tokens
+    3), verified by speculative sampling, or with --spec-draft-sampling greedy the draft's argmax kept where
+    the target's own sample equals it) given the first follows the target's distribution: the softmax of
+    the five highest logits, as the plain server (no draft) reports them through logprobs. One chi-square
+    over the first tokens seen often enough, at 1e-6 with fixed seeds: deterministic, and a wrong rule fails
+    it."""
     pair = random_pairs("llama")
     prompt = [1, 504, 1987, 282, 216]  # token ids: the same prompt whatever the tokenizer would make of text
     body = {"max_tokens": 3, "temperature": 1.0, "top_k": TOP_K, "top_p": 1.0, "min_p": 0.0, "ignore_eos": True}
     pairs: list[tuple[int, int]] = []
     with served(pair["Q8_0"], workers[:2], tmp_path, "-md", pair["Q4_0"], "--draft-max", 3,
-                "--draft-p-min", 0) as url:
+                "--draft-p-min", 0, "--spec-draft-sampling", draft_sampling) as url:
         for seed in range(N_SEEDS):
             choice = post(f"{url}/v1/completions", {**body, "prompt": prompt, "seed": seed, "logprobs": 1})
             pairs.append(tuple(e["id"] for e in choice["choices"][0]["logprobs"]["content"][:2]))
