@@ -234,7 +234,7 @@ PARSED_OPTIONS = list(OPTIONS)
 XDIST_GROUP_BY = "pair"  # with -n, the families are shared out over the processes (tests/conftest.py)
 
 
-GREEDY_OPTIONS = ["plain", "tools", "thinking-off", "tool_choice=none", "required"]
+GREEDY_OPTIONS = list(OPTIONS)
 
 
 def pytest_generate_tests(metafunc):
