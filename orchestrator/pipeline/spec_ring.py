@@ -39,11 +39,20 @@ from wire import protocol as p
 from wire.ggml import GGMLType
 from wire.protocol import Command
 
-# Steps in flight. Enough to keep the draft busy while a step crosses the target's stages and comes back,
-# and no more: the draft is the slowest part, so steps sent beyond that only queue at its worker, and
-# after a wrong draft the queued (stale) steps run before the new run can start. Measured at 3 stages
-# 10 ms apart (docs/speculative.md): 2, 3 and 4 gave the same speed, 6 a quarter less.
-WINDOW = 4
+# Steps in flight: WINDOW_MIN, or WINDOW while the draft is nearly always right (the running share of
+# drafts right at least WIDE_AGREEMENT). Steps sent past a wrong draft are stale: every worker computes them
+# before the new run's, so a window longer than the runs of right drafts only adds work; one too short
+# leaves the workers idle while a step crosses slow links. Measured at 3 stages, 64 tokens, --draft-always,
+# every window fixed (2026-11-28, docs/speculative.md): with the Q4_0 draft (71% right, runs of 3.4 on
+# average) windows 2 / 3 / 4 made 22.8 / 17.9 / 15.7 tok/s at 0 ms and 17.1 / 16.5 / ~16.9 at 10 ms apart
+# (at 82% right, 2, 3 and 4 made the same); with a draft always right (the target's own file) 2 / 4 made
+# 26.2 / 24.2 at 0 ms and 20.5 / 22.2 at 10 ms apart. So the window widens only where a stale step is rare
+# and links are what it waits for; with the Q4_0 draft at 0 ms this rule read 21.0-21.6 tok/s against a
+# fixed 2's 21.9-23.0 (its runs of right drafts come in streaks), 18-20 with the threshold at 0.9.
+WINDOW, WINDOW_MIN = 4, 2
+WIDE_AGREEMENT = 0.95
+AGREEMENT_DECAY, AGREEMENT_PRIOR = 0.9, 0.8  # about the last ten drafts count; from the prior, 14 right in
+# a row widen the window
 SLOTS = WINDOW + 2
 SELF_LINK, FEED_LINK = 1, 2  # the draft's links: back to itself, and to the target's first stage
 
@@ -52,14 +61,26 @@ class SpecRing:
     """The draft's one-stage ring feeding the target's pipeline (both Pipelines set up and loaded)."""
 
     def __init__(self, target, draft, banned: list[int], window: int = WINDOW):
-        self.target, self.draft, self.window = target, draft, min(window, SLOTS - 2)
+        self.target, self.draft, self.window_max = target, draft, min(window, SLOTS - 2)
         self.bias = banned_bias(target.model.hparams.n_vocab, banned)
         self.self_token: bytes | None = None  # the draft's session, for its own pushes
         self.feed_token: bytes | None = None  # the target's first stage's session, for the draft's pushes
         self.staging: list[list] = []  # per target stage, SLOTS tensors shaped as its pushed input
         self.broken: str | None = None
         self.n_drafted = self.n_accepted = 0
+        self.agreement = AGREEMENT_PRIOR  # running share of the drafts checked that were right
         self.last_sent = (0, 0)  # the target's and the draft's highest step sent
+
+    @property
+    def window(self) -> int:
+        """Steps to keep in flight now (WINDOW_MIN, or window_max while the draft is nearly always right)."""
+        return self.window_max if self.agreement >= WIDE_AGREEMENT else min(WINDOW_MIN, self.window_max)
+
+    def checked(self, right: bool) -> None:
+        """A draft was checked against the target's token: the counts and the running agreement."""
+        self.n_drafted += 1
+        self.n_accepted += right
+        self.agreement = AGREEMENT_DECAY * self.agreement + (1 - AGREEMENT_DECAY) * right
 
     def why_not(self) -> str | None:
         """None if the speculative ring can run over these pipelines, else why not."""
@@ -193,10 +214,8 @@ class SpecRing:
                 except GeneratorExit:  # closed at the yield: every exchange is whole, the steps sent drain
                     break
                 if at + 1 < end:
-                    self.n_drafted += 1
-                    if drafted == token:
-                        self.n_accepted += 1
-                    else:  # the steps after this one read `drafted`: start again from `token`
+                    self.checked(drafted == token)
+                    if drafted != token:  # the steps after this one read `drafted`: start again from `token`
                         run, pos, first = run + 1, at + 1, token
             while in_flight:  # the replies of the steps sent but not wanted
                 self._receive(in_flight.popleft()[0])
