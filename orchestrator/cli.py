@@ -123,6 +123,9 @@ def draft_options(command):
                      help="at temperature > 0: greedy drafts the draft's argmax and keeps a draft where the model's "
                      "sample equals it (llama.cpp's default); probabilistic samples the draft and verifies by "
                      "rejection sampling"),
+        click.option("--draft-always", is_flag=True,
+                     help="with -md: drafting makes every token it can, not measured as it goes against the "
+                     "model's own ring (the CLI's greedy sequence) or plain steps (the others, and the server)"),
     ]):
         command = option(command)
     return command
@@ -147,7 +150,7 @@ def open_draft(loaded, model_draft, rpc_draft, spec_type=None):
 
 
 def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft,
-                spec_draft_sampling="probabilistic", **_):
+                spec_draft_sampling="probabilistic", draft_always=False, **_):
     """The engine's speculator for an opened draft (None: no draft), its start-up printed."""
     if draft is None:
         return None
@@ -157,7 +160,7 @@ def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min,
     how_many = f"{draft_max} tokens a step" if draft_fixed else f"up to {draft_max} tokens a step, as they pay"
     log(f"draft model: {draft.model.path.name} ({how_many})")
     options = DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min, endpoints, adaptive=not draft_fixed,
-                           greedy_drafts=spec_draft_sampling == "greedy")
+                           greedy_drafts=spec_draft_sampling == "greedy", always=draft_always)
     speculator = start_speculator(pipe, draft, options, n_slots, PrintedReport())
     how = "from the draft's ring (one round trip per draft)" if speculator.drafter.ring else "a round trip per token"
     log(f"draft: greedy drafts {how}")
@@ -230,9 +233,6 @@ def check_gpu_layers(value: str, n_layer: int) -> None:
 @click.option("--no-ring", is_flag=True,
               help="greedy generation too goes through the orchestrator token by token (by default the last "
                    "worker picks the greedy token and passes it to the first one itself)")
-@click.option("--draft-always", is_flag=True,
-              help="with -md and greedy sampling: drafting makes every token (by the speculative ring where it "
-                   "runs), not measured against the model's own ring as it goes")
 @click.option("--no-push", is_flag=True,
               help="relay every activation through the orchestrator, even between workers that can push it to "
                    "each other (--rpc host:port@peerhost:port: how the other workers reach that one); no ring")
@@ -355,8 +355,8 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     engine = None
     try:
         speculator = start_draft(pipe, draft, 1, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
-                                 spec_draft_sampling=spec_draft_sampling,
-                                 draft_fixed=draft_fixed, rpc_draft=rpc_draft)
+                                 spec_draft_sampling=spec_draft_sampling, draft_fixed=draft_fixed, rpc_draft=rpc_draft,
+                                 draft_always=draft_always or no_ring)  # --no-ring -md: drafting in blocks throughout
         if warmup:
             pipe.warmup(tokens)
             if speculator is not None:
@@ -416,11 +416,13 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     if m.n_drafted:
         log(f"draft: {m.n_drafted} tokens drafted, {m.n_drafted_accepted} accepted "
             f"({100 * m.n_drafted_accepted / m.n_drafted:.1f}%)")
-    pace = engine.speculator.pace if engine.speculator is not None else None
-    if pace is not None:
+    speculator = engine.speculator
+    pace = speculator.pace or (speculator.load_pace.paces.get(1) if speculator.load_pace else None) \
+        if speculator is not None else None
+    if pace is not None:  # the ring's, or where none runs plain steps' (LoadPace: one slot, load 1)
         rates = ", ".join(f"{way} {rate:.1f} tokens/s" for way, rate in pace.rates.items())
-        log(f"draft: {pace.made['draft']} tokens made drafting, {pace.made['ring']} by the ring "
-            f"(last measured: {rates})")
+        log(f"draft: {pace.made['draft']} tokens made drafting, {pace.made[pace.other]} "
+            f"{'by the ring' if pace.other == 'ring' else 'by plain steps'} (last measured: {rates})")
     return 0
 
 

@@ -333,7 +333,7 @@ class Engine:
                 slot.sampler.accept(t, is_generated=False)
             slot.t_start = time.perf_counter()
             if self.speculator is not None:
-                self.speculator.admitted(slot)
+                self.speculator.admitted(self, slot)
 
     def _step(self) -> None:
         """Starts a batch if the first stage is free and a slot has tokens to feed, then moves every batch
@@ -347,6 +347,8 @@ class Engine:
             self._start_batch()
         if self.runner.busy:
             self._advance()
+        if self.speculator is not None:
+            self.speculator.observe(self)
         self._tell()
 
     def _advance(self) -> None:

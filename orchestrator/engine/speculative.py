@@ -61,6 +61,9 @@ class DraftOptions:
     # draft is kept where the target's own sample equals it (llama.cpp's default); probabilistic (ours):
     # the draft samples and the target verifies by rejection sampling. Both follow the target's p.
     greedy_drafts: bool = False
+    # --draft-always: every step drafts; else the server's slots (and the CLI's where no ring runs) draft at a
+    # load only while drafting is measured faster there than plain steps (LoadPace)
+    always: bool = False
 
 
 # llama.cpp's --spec-type names (common/speculative.cpp, common_speculative_type_from_name_map): the one
@@ -341,35 +344,42 @@ class DraftLength:
 # Tokens each way makes when the two are measured against each other: drafting's probe is short (two
 # blocks of llama.cpp's 3 drafts at its usual acceptance, or the speculative ring's first steps) because a
 # ring wrongly kept costs little, while drafting where it does not pay costs a good deal (0.4x-0.5x the
-# ring's rate with workers together).
-PROBE_TOKENS = {"ring": 8, "draft": 4}
-LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the ring's probes, in ring probes: x8 a win
+# ring's rate with workers together). "other": the target's ring, or the server's plain steps.
+PROBE_TOKENS = {"draft": 4, "other": 8}
+LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the other way's probes, in probes: x8 a win
 
 
 class Pace:
-    """Drafting or the target's ring, for the CLI's greedy sequence when both can run: which makes tokens
-    faster here. Drafting is the speculative ring where it runs (pipeline/spec_ring.py), else blocks
-    verified through the orchestrator. Where the workers sit decides it: drafting pays where every link
-    is slow (while the draft is right, a token costs a draft step, not a pass round the pipeline's links),
-    the ring where only the orchestrator is far or the links are fast (a token costs the workers' compute
-    and their links, the draft's compute on top buys nothing).
+    """Drafting or another way (`other`), whichever makes tokens faster here, measured as they are made.
+    For the CLI's greedy sequence the other way is the target's ring (Pace()): where the workers sit decides
+    it: drafting pays where every link is slow (while the draft is right, a token costs a draft step, not a
+    pass round the pipeline's links), the ring where only the orchestrator is far or the links are fast (a
+    token costs the workers' compute and their links, the draft's compute on top buys nothing). For the
+    server's slots it is plain steps (LoadPace). Drafting is the speculative ring where it runs
+    (pipeline/spec_ring.py), else blocks verified through the orchestrator.
 
     Drafting makes its PROBE_TOKENS first (the draft has read the prompt beside the target:
-    Drafter.read_ahead), then the ring its own. If the ring was faster it keeps the sequence for good:
-    the draft never reads what the ring made (catching up would cost it a prompt's worth of compute; with
-    the ring's probe first, that catch-up cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms).
-    If drafting was faster it makes a stretch of LEAD_GROWTH ring probes' worth (LEAD_GROWTH times longer
-    each time it wins again, at most LEAD_MAX), the ring a probe between stretches (cheap: the target's
-    cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the draft's
-    catch-up is not counted in it (it is the price of switching)."""
+    Drafter.read_ahead), then the other way its own (both times `scale`: the server's probes are per
+    generating slot). If the other way was faster it keeps the tokens for good: the draft never reads what
+    it made (catching up would cost it a prompt's worth of compute; with the ring's probe first, that
+    catch-up cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms).
+    If drafting was faster it makes a stretch of LEAD_GROWTH probes' worth (LEAD_GROWTH times longer
+    each time it wins again, at most LEAD_MAX), the other way a probe between stretches (cheap: the
+    target's cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the
+    draft's catch-up is not counted in it (it is the price of switching)."""
 
-    def __init__(self, always_draft: bool = False):
+    def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1):
+        self.other, self.probe = other, {"draft": PROBE_TOKENS["draft"] * scale, other: PROBE_TOKENS["other"] * scale}
         self.rates: dict[str, float] = {}
-        self.plan = [("draft", math.inf)] if always_draft else \
-            [("draft", PROBE_TOKENS["draft"]), ("ring", PROBE_TOKENS["ring"])]
+        self.plan = [("draft", math.inf)] if always_draft else [("draft", self.probe["draft"]), (other, self.probe[other])]
         self.lead = 1
-        self.made = {"draft": 0, "ring": 0}  # tokens made each way (the CLI's summary)
+        self.made = {"draft": 0, other: 0}  # tokens made each way (the CLI's summary)
         self._next()
+
+    @property
+    def settled(self) -> bool:
+        """The other way makes the tokens for good."""
+        return self.mode == self.other and self.left == math.inf
 
     def _next(self) -> None:
         self.mode, self.left = self.plan.pop(0)
@@ -387,12 +397,53 @@ class Pace:
             return
         self.rates[mode] = self._tokens / max(self._seconds, 1e-9)
         if not self.plan:
-            if self.rates["ring"] >= self.rates["draft"]:
-                self.plan = [("ring", math.inf)]  # for good
+            if self.rates[self.other] >= self.rates["draft"]:
+                self.plan = [(self.other, math.inf)]  # for good
             else:
                 self.lead = min(self.lead * LEAD_GROWTH, LEAD_MAX)
-                self.plan = [("draft", PROBE_TOKENS["ring"] * self.lead), ("ring", PROBE_TOKENS["ring"])]
+                self.plan = [("draft", self.probe[self.other] * self.lead), (self.other, self.probe[self.other])]
         self._next()
+
+
+class LoadPace:
+    """The server's Pace: drafting or plain steps for its generating slots, measured apart for each load
+    (how many slots generate: a plain step of more slots keeps more of the pipeline's stages busy, while
+    drafting costs the draft a step per slot, so which pays changes with it). Without it a draft that costs
+    what the target does (the benchmark's Q4_0 of the same model) made `orchestrator serve -md` 0.30x-0.35x
+    its plain rate with four clients, workers together (0.70x with one).
+
+    Tokens count toward the load's stretch from one observation to the next while the load holds and no
+    prompt is being read (a prompt's pieces take a step's time for tokens that are not generated); any
+    other interval is not counted."""
+
+    def __init__(self):
+        self.paces: dict[int, Pace] = {}
+        self._last: tuple[int, int, float] | None = None  # (load, tokens made, when) at the last observation
+
+    def pace(self, load: int) -> Pace:
+        if load not in self.paces:
+            self.paces[load] = Pace(other="plain", scale=max(load, 1))
+        return self.paces[load]
+
+    def drafting(self, load: int) -> bool:
+        return self.pace(load).mode == "draft"
+
+    def settled(self, load: int) -> bool:
+        """Plain steps were measured faster at this load: they make its tokens for good."""
+        return load in self.paces and self.paces[load].settled
+
+    def observe(self, load: int, made: int, clean: bool, now: float) -> None:
+        """After a step: `made` tokens generated so far, `load` slots generating, `clean` if none reads a
+        prompt; the tokens since the last observation go to the load's pace if it held throughout."""
+        last = self._last
+        if not clean or load == 0 or last is None or last[0] != load:
+            self._last = (load, made, now) if clean and load > 0 else None
+            return
+        if made == last[1]:  # no token since: the interval goes on
+            return
+        self._last = (load, made, now)
+        pace = self.pace(load)
+        pace.record(pace.mode, made - last[1], now - last[2])
 
 
 class Speculator:
@@ -403,6 +454,7 @@ class Speculator:
         self.pending: dict[int, Pending] = {}
         self.pace: Pace | None = None  # set when the target's ring can run too (the CLI's greedy sequence)
         self.spec_ring: SpecRing | None = None  # drafting's way for that sequence, when it runs
+        self.load_pace: LoadPace | None = None if options.always else LoadPace()  # the others' (when pace is None)
         self.rngs: dict[int, tuple[object, np.random.Generator]] = {}  # per slot: its job and its RNG
         self.lengths: dict[int, tuple[object, DraftLength]] = {}  # per slot: its job and its draft length
         self.draft_s: float | None = None  # running seconds one more draft costs (DraftLength's d)
@@ -431,10 +483,26 @@ class Speculator:
         them (exact(), or --spec-draft-sampling greedy); else drafts are sampled and verified by rejection."""
         return exact(job.params) or self.options.greedy_drafts
 
-    def admitted(self, slot) -> None:
-        """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead)."""
+    def _paced(self, engine) -> LoadPace | None:
+        """The LoadPace that decides for the engine's slots (not where the CLI's Pace does)."""
+        return self.load_pace if self.pace is None else None
+
+    def admitted(self, engine, slot) -> None:
+        """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead);
+        not where plain steps were measured faster at the load it makes (the draft would read for nothing)."""
+        paced = self._paced(engine)
+        if paced is not None and paced.settled(generating(engine) + 1):
+            return
         if slot.job.n_keep is None:
             self.drafter.read_ahead(slot.index, slot.job.prompt)
+
+    def observe(self, engine) -> None:
+        """After an engine step: the tokens made since the last one, for the LoadPace."""
+        paced = self._paced(engine)
+        if paced is not None:
+            busy = [s for s in engine.slots if s.job is not None]
+            paced.observe(generating(engine), engine.metrics.tokens_predicted, all(s.generating for s in busy),
+                          time.perf_counter())
 
     def propose(self, engine, slot, budget: int) -> list[int]:
         """Drafts for a generating slot whose last token is to be fed: at most `budget` (the batch's room),
@@ -446,6 +514,9 @@ class Speculator:
         if job.n_predict >= 0:
             k = min(k, job.n_predict - slot.n_generated - 1)
         if k <= 0 or k < opts.n_min or job.n_keep is not None:
+            return []
+        paced = self._paced(engine)
+        if paced is not None and not paced.drafting(generating(engine)):
             return []
         rng = None if self._exact(job) else self._rng(slot)
         began = time.perf_counter()
@@ -530,6 +601,11 @@ class Speculator:
             slot.paths.append(path)
             engine.metrics.n_drafted_accepted += 1
         return len(rows)
+
+
+def generating(engine) -> int:
+    """How many of the engine's slots generate (their prompt read)."""
+    return sum(s.job is not None and s.generating for s in engine.slots)
 
 
 def running(mean: float | None, value: float | None) -> float | None:

@@ -82,7 +82,7 @@ def run(*, rpc, workers, threads, **options) -> None:
 def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
           n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
           chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft,
-          spec_type, spec_draft_sampling, rpc_spare, **sampling) -> None:
+          spec_type, spec_draft_sampling, draft_always, rpc_spare, **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
@@ -119,7 +119,8 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
         try:
             engine.speculator = start_draft(pipe, draft, parallel, draft_max=draft_max, draft_min=draft_min,
                                             draft_p_min=draft_p_min, draft_fixed=draft_fixed,
-                                            rpc_draft=rpc_draft, spec_draft_sampling=spec_draft_sampling)
+                                            rpc_draft=rpc_draft, spec_draft_sampling=spec_draft_sampling,
+                                            draft_always=draft_always)
         except BaseException:
             pipe.close()
             raise

@@ -22,7 +22,7 @@ def run(pace: Pace, seconds_per_token: dict[str, float], n_tokens: int) -> list[
 def test_drafting_that_is_faster_runs_ever_longer_stretches_between_the_rings_probes():
     pace = Pace()
     seen = run(pace, {"draft": 0.02, "ring": 0.04}, 3000)
-    p, d = PROBE_TOKENS["ring"], PROBE_TOKENS["draft"]
+    p, d = PROBE_TOKENS["other"], PROBE_TOKENS["draft"]
     stretches = [p * min(LEAD_GROWTH ** i, LEAD_MAX) for i in (1, 2, 3)]
     expected = [("draft", d)]
     for n in stretches:
@@ -37,7 +37,7 @@ def test_drafting_that_is_faster_runs_ever_longer_stretches_between_the_rings_pr
 def test_a_ring_that_is_faster_keeps_the_sequence():
     pace = Pace()
     seen = run(pace, {"draft": 0.04, "ring": 0.03}, 2000)
-    p, d = PROBE_TOKENS["ring"], PROBE_TOKENS["draft"]
+    p, d = PROBE_TOKENS["other"], PROBE_TOKENS["draft"]
     assert seen == [("draft", d), ("ring", 2000 - d)]
 
 

@@ -1,0 +1,65 @@
+"""speculative.LoadPace: the server's choice between drafting and plain steps, made apart for each load (how
+many slots generate), from observations fed in by hand (no clock): which intervals count, and where."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.engine.speculative import PROBE_TOKENS, LoadPace
+
+
+class Feed:
+    """Observations of one engine: each step makes `per_step` tokens in the seconds its mode takes."""
+
+    def __init__(self, pace: LoadPace):
+        self.pace, self.made, self.now = pace, 0, 0.0
+
+    def steps(self, load: int, n: int, seconds: dict[str, float], *, clean: bool = True, per_step: int = 1) -> list[bool]:
+        """n steps at `load`; whether each drafted."""
+        drafted = []
+        for _ in range(n):
+            drafting = self.pace.drafting(load)
+            drafted.append(drafting)
+            self.made += per_step
+            self.now += seconds["draft" if drafting else "plain"]
+            self.pace.observe(load, self.made, clean, self.now)
+        return drafted
+
+
+def test_each_load_probes_both_ways_and_keeps_the_faster():
+    pace = LoadPace()
+    feed = Feed(pace)
+    feed.steps(1, 1, {"draft": 0.0, "plain": 0.0})  # the first observation starts the interval
+    one = feed.steps(1, 400, {"draft": 0.01, "plain": 0.03})  # one slot: drafting pays
+    d, p = PROBE_TOKENS["draft"], PROBE_TOKENS["other"]
+    assert one[:d + p] == [True] * d + [False] * p and sum(one) > 300
+    assert not pace.settled(1)
+    # four slots: plain steps make 4 tokens a step at the same price, drafting's steps cost more: plain wins,
+    # and its probes are per slot
+    feed.steps(4, 1, {"draft": 0.0, "plain": 0.0})  # (a new load: a new interval)
+    four = feed.steps(4, 200, {"draft": 0.05, "plain": 0.03}, per_step=4)
+    assert four[:d + p] == [True] * d + [False] * p and not any(four[d + p:])
+    assert pace.settled(4) and not pace.drafting(4)
+    assert pace.paces[4].rates == pytest.approx({"draft": 4 / 0.05, "plain": 4 / 0.03})
+    assert not pace.settled(1) and pace.paces[1].rates["draft"] == pytest.approx(100.0)
+
+
+def test_intervals_with_a_prompt_being_read_or_a_load_change_are_not_counted():
+    pace = LoadPace()
+    feed = Feed(pace)
+    feed.steps(2, 1, {"draft": 0.0, "plain": 0.0})
+    feed.steps(2, 3, {"draft": 0.01, "plain": 0.01}, per_step=2)  # 6 of drafting's 8 probe tokens
+    feed.steps(2, 5, {"draft": 9.0, "plain": 9.0}, clean=False, per_step=2)  # a prompt read: not counted
+    feed.steps(3, 5, {"draft": 9.0, "plain": 9.0}, per_step=3)  # another load (its own pace)
+    feed.steps(2, 1, {"draft": 9.0, "plain": 9.0}, per_step=2)  # back at 2: this interval starts anew
+    assert pace.paces[2].left == 2 and pace.paces[2].mode == "draft"
+    feed.steps(2, 1, {"draft": 0.01, "plain": 0.01}, per_step=2)
+    assert pace.paces[2].rates == pytest.approx({"draft": 200.0})  # 8 tokens in 0.04 s
+
+
+def test_an_observation_without_a_token_extends_the_interval():
+    pace = LoadPace()
+    pace.observe(1, 0, True, 0.0)
+    pace.observe(1, 0, True, 0.5)  # a step in which no batch came back
+    pace.observe(1, PROBE_TOKENS["draft"], True, 1.0)
+    assert pace.paces[1].rates == pytest.approx({"draft": PROBE_TOKENS["draft"] / 1.0})
