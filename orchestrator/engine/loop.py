@@ -396,15 +396,21 @@ class Engine:
         pieces: list[Piece] = []
         budget = self.pipe.n_ubatch
         deferred, self._deferred = self._deferred, False
+        drafted: dict[int, list[int]] = {}  # a draft's guesses of the next tokens, by slot
+        if self.speculator is not None and not deferred:  # drafted together, each slot a share of the room
+            feeding = [s for s in generating if s.n_cached == len(s.tokens) - 1]
+            if feeding:
+                began = time.perf_counter()
+                drafted = self.speculator.propose(self, feeding, budget // len(feeding) - 1)
+                self.metrics.tokens_predicted_seconds += time.perf_counter() - began  # drafting is eval time
         for slot in reading + generating if deferred else generating + reading:
             if budget <= 0:
-                break
+                if slot.index in drafted:
+                    self.speculator.dropped(slot)
+                continue
             start, drafts = slot.n_cached, []
-            if start >= slot.n_prompt:  # the token sampled last, and a draft's guesses of the next ones
-                if self.speculator is not None and start == len(slot.tokens) - 1:
-                    began = time.perf_counter()
-                    drafts = self.speculator.propose(self, slot, budget - 1)
-                    self.metrics.tokens_predicted_seconds += time.perf_counter() - began  # drafting is eval time
+            if start >= slot.n_prompt:  # the token sampled last, and the draft's guesses of the next ones
+                drafts = drafted.get(slot.index, []) if start == len(slot.tokens) - 1 else []
                 n, path = 1, self.planner.path(1 + len(drafts), start + 1 + len(drafts))
             else:
                 n = self.planner.piece(start, slot.n_prompt, slot.want, budget)

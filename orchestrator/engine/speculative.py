@@ -160,7 +160,7 @@ class Drafter:
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]
         ring = Ring(pipe, [])
         self.ring = ring if ring.why_not() is None and ring.setup() else None
-        self.catch_up_s = 0.0  # what the last draft() from the ring spent feeding tokens it had not seen
+        self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
         self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
         self._reader: threading.Thread | None = None  # read_ahead()'s, until wait() has joined it
         self._read_error: BaseException | None = None
@@ -217,32 +217,56 @@ class Drafter:
         draft_distribution; drafting stops before a position whose most likely token has a probability
         below p_min (common_speculative's "only collect very high-confidence draft tokens"). Returns the
         tokens and the distribution each was drawn from (for speculative sampling)."""
-        self.wait()
-        cached = self.cached[slot]
-        keep = min(common_prefix(cached, sequence), len(sequence) - 1)
-        self.catch_up_s, self.step_s = 0.0, None
         if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
+            self.step_s = None
             return self._draft_ring(sequence, n_max), []
+        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, rng)])[0]
+
+    def draft_many(self, requests: list["DraftRequest"]) -> list[tuple[list[int], list[np.ndarray]]]:
+        """draft() for several slots at once, stepwise: each step one batch of every slot still drafting
+        (its first: what the slot's cells lack of its sequence), so k drafts of any number of slots cost k
+        round trips to the draft's workers, not k per slot. catch_up_s: the seconds spent waiting for a
+        read ahead and feeding what would not fit in the first step (not drafting's price)."""
+        waited = time.perf_counter()
+        self.wait()
+        self.step_s = None
+        feeds, read = {}, False  # per request: the tokens its slot is fed next, and from which position
+        for i, r in enumerate(requests):
+            keep = min(common_prefix(self.cached[r.slot], r.sequence), len(r.sequence) - 1)
+            read |= len(r.sequence) - keep > 2  # more than the target's token and the last draft: a prompt
+            if len(r.sequence) - 1 - keep > self.pipe.n_ubatch // len(requests) - 1:  # too long to share a step
+                self._feed(r.slot, r.sequence[keep:-1], keep)
+                keep = len(r.sequence) - 1
+            feeds[i] = (list(r.sequence[keep:]), keep)
         began = time.perf_counter()
-        logits = self._feed(slot, sequence[keep:], keep)
-        fed = list(sequence)
-        tokens, dists = [], []
-        while len(tokens) < n_max:
-            q = draft_distribution(logits, temp if rng is not None else 1.0)
-            if q.max() < p_min:
-                break
-            token = int(np.argmax(q)) if rng is None else int(rng.choice(len(q), p=q))
-            tokens.append(token)
-            dists.append(q)
-            if len(tokens) == n_max:
-                break
-            logits = self._feed(slot, [token], len(fed))
-            fed.append(token)
-        self.cached[slot] = fed
-        if tokens and len(sequence) - keep <= 2:  # a feed per draft, the first of the target's token (and
-            # the last draft, never fed, after a block kept whole); one of a new job's prompt would not tell
-            self.step_s = (time.perf_counter() - began) / len(tokens)
-        return tokens, dists
+        self.catch_up_s = began - waited
+        fed = [list(r.sequence) for r in requests]
+        results: list[tuple[list[int], list[np.ndarray]]] = [([], []) for _ in requests]
+        while feeds:
+            pieces = [Piece(requests[i].slot, tokens, start, self.planner.path(len(tokens), start + len(tokens)), True)
+                      for i, (tokens, start) in feeds.items()]
+            batch, order = self.planner.batch(pieces)
+            rows = dict(zip((p.slot for p in order), self.pipe.run(batch)))
+            for i in list(feeds):
+                r = requests[i]
+                tokens, dists = results[i]
+                q = draft_distribution(rows[r.slot], r.temp if r.rng is not None else 1.0)
+                del feeds[i]
+                if q.max() < r.p_min:
+                    continue
+                token = int(np.argmax(q)) if r.rng is None else int(r.rng.choice(len(q), p=q))
+                tokens.append(token)
+                dists.append(q)
+                if len(tokens) < r.n_max:
+                    feeds[i] = ([token], len(fed[i]))
+                    fed[i].append(token)
+        for r, sequence in zip(requests, fed):
+            self.cached[r.slot] = sequence
+        most = max(len(tokens) for tokens, _ in results)
+        if most and not read:  # a step per draft, the first also feeding the target's token (and the last draft,
+            # never fed, after a block kept whole); one of a new job's prompt would not tell
+            self.step_s = (time.perf_counter() - began) / most
+        return results
 
     def catch_up(self, sequence: list[int], start: int) -> None:
         """Feeds slot 0 the tokens of sequence[:start] its cells lack (the prompt, what the target's ring
@@ -279,6 +303,18 @@ class Drafter:
             self.wait()
         except Exception:  # noqa: BLE001 - closing: what it met no longer matters
             pass
+
+
+@dataclass
+class DraftRequest:
+    """What draft() is asked for one slot."""
+
+    slot: int
+    sequence: list[int]
+    n_max: int
+    p_min: float
+    temp: float
+    rng: np.random.Generator | None  # None: the draft's most likely tokens
 
 
 @dataclass
@@ -455,6 +491,7 @@ class Speculator:
         self.pace: Pace | None = None  # set when the target's ring can run too (the CLI's greedy sequence)
         self.spec_ring: SpecRing | None = None  # drafting's way for that sequence, when it runs
         self.load_pace: LoadPace | None = None if options.always else LoadPace()  # the others' (when pace is None)
+        self.switch_s = 0.0  # seconds the draft spent catching up, all told (LoadPace's clock leaves them out)
         self.rngs: dict[int, tuple[object, np.random.Generator]] = {}  # per slot: its job and its RNG
         self.lengths: dict[int, tuple[object, DraftLength]] = {}  # per slot: its job and its draft length
         self.draft_s: float | None = None  # running seconds one more draft costs (DraftLength's d)
@@ -502,32 +539,49 @@ class Speculator:
         if paced is not None:
             busy = [s for s in engine.slots if s.job is not None]
             paced.observe(generating(engine), engine.metrics.tokens_predicted, all(s.generating for s in busy),
-                          time.perf_counter())
+                          time.perf_counter() - self.switch_s)
 
-    def propose(self, engine, slot, budget: int) -> list[int]:
-        """Drafts for a generating slot whose last token is to be fed: at most `budget` (the batch's room),
-        the draft's and the slot's room, the tokens the job may still make, and the draft length
-        (DraftLength, or --draft-max with --draft-fixed); [] for a plain step."""
-        job, opts = slot.job, self.options
-        n_max = self._length(slot).choose(self.draft_s, self.pass_s) if opts.adaptive else opts.n_max
-        k = min(n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
-        if job.n_predict >= 0:
-            k = min(k, job.n_predict - slot.n_generated - 1)
-        if k <= 0 or k < opts.n_min or job.n_keep is not None:
-            return []
+    def propose(self, engine, slots: list, budget: int) -> dict[int, list[int]]:
+        """Drafts for generating slots whose last token is to be fed, by slot index (none: a plain step),
+        drafted together (Drafter.draft_many; one slot: Drafter.draft, from the draft's ring where it can).
+        Each slot's are at most `budget` (its share of the batch's room), the draft's and the slot's room,
+        the tokens the job may still make, and the draft length (DraftLength, or --draft-max with
+        --draft-fixed); none where LoadPace has plain steps at this load."""
         paced = self._paced(engine)
         if paced is not None and not paced.drafting(generating(engine)):
-            return []
-        rng = None if self._exact(job) else self._rng(slot)
+            return {}
+        opts, requests = self.options, []
+        for slot in slots:
+            job = slot.job
+            n_max = self._length(slot).choose(self.draft_s, self.pass_s) if opts.adaptive else opts.n_max
+            k = min(n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
+            if job.n_predict >= 0:
+                k = min(k, job.n_predict - slot.n_generated - 1)
+            if k > 0 and k >= opts.n_min and job.n_keep is None:
+                rng = None if self._exact(job) else self._rng(slot)
+                requests.append(DraftRequest(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng))
+        if not requests:
+            return {}
         began = time.perf_counter()
-        tokens, dists = self.drafter.draft(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng)
-        if len(tokens) < opts.n_min:
-            return []
+        if len(requests) == 1:
+            r = requests[0]
+            results = [self.drafter.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.rng)]
+        else:
+            results = self.drafter.draft_many(requests)
         began += self.drafter.catch_up_s  # the draft's catch-up is the price of switching, not of drafting
+        self.switch_s += self.drafter.catch_up_s
         self.draft_s = running(self.draft_s, self.drafter.step_s)
-        self.pending[slot.index] = Pending(tokens, dists, began, self.drafter.step_s)
-        engine.metrics.n_drafted += len(tokens)
-        return tokens
+        drafts = {}
+        for r, (tokens, dists) in zip(requests, results):
+            if tokens and len(tokens) >= opts.n_min:
+                self.pending[r.slot] = Pending(tokens, dists, began, self.drafter.step_s)
+                engine.metrics.n_drafted += len(tokens)
+                drafts[r.slot] = tokens
+        return drafts
+
+    def dropped(self, slot) -> None:
+        """The slot's drafts did not go into the batch after all (it had no room): they are forgotten."""
+        self.pending.pop(slot.index, None)
 
     def verify(self, engine, slot, rows: np.ndarray) -> None:
         """The target's rows for the slot's last fed token and its drafts (n_cached counts the last fed
