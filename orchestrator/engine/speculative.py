@@ -445,8 +445,8 @@ class LoadPace:
     """The server's Pace: drafting or plain steps for its generating slots, measured apart for each load
     (how many slots generate: a plain step of more slots keeps more of the pipeline's stages busy, while
     drafting costs the draft a step per slot, so which pays changes with it). Without it a draft that costs
-    what the target does (the benchmark's Q4_0 of the same model) made `orchestrator serve -md` 0.30x-0.35x
-    its plain rate with four clients, workers together (0.70x with one).
+    what the target does (the benchmark's Q4_0 of the same model) made `orchestrator serve -md` 0.33x-0.34x
+    its plain rate with four clients, workers together (0.68x-0.81x with one; docs/speculative.md).
 
     Tokens count toward the load's stretch from one observation to the next while the load holds and no
     prompt is being read (a prompt's pieces take a step's time for tokens that are not generated); any
