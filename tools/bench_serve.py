@@ -2,6 +2,7 @@
 
     python tools/bench_serve.py [--clients 1,2,4,8] [-n 64] [-np 4] [--workers 2] [--worker reference,ours]
     python tools/bench_serve.py --default-command [--clients 4]   # `orchestrator serve -m MODEL`, as users run it
+    python tools/bench_serve.py -m TARGET.gguf -md DRAFT.gguf ...   # both servers with a draft model
 
 --default-command measures the command a user types, with its own local workers and every default (no -t,
 -c, -np): the same --clients prompts sent one after another, then all at once, side by side in each of
@@ -64,6 +65,9 @@ def start_server(kind: str, model: str, rpc: str, args, log: Path) -> subprocess
     common = ["-m", model, "--host", reference.LOCALHOST, "--port", str(port), "-c", str(args.ctx), "-np", str(args.parallel)]
     if args.tensor_split:
         common += ["--tensor-split", args.tensor_split]
+    if args.model_draft:  # the same draft for both (llama-server drafts nothing without --spec-type)
+        common += ["-md", str(args.model_draft)] + (["-ngld", "99", "--spec-type", "draft-simple"]
+                                                    if kind == "llama-server" else [])
     if kind == "llama-server":
         cmd = [str(reference.binary("llama-server")), *common, "--rpc", rpc, "-ngl", "99", "--no-webui", "-fit", "off",
                "-t", "1"]
@@ -259,6 +263,9 @@ def main(argv=None) -> int:
     ap.add_argument("-np", "--parallel", type=int, default=4)
     ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("-md", "--model-draft", type=Path, default=None,
+                    help="both servers speculate with this draft (ours: -md, drafting where it pays; llama-server: "
+                         "--spec-type draft-simple -md, its draft over the same workers)")
     ap.add_argument("-ts", "--tensor-split", default=None, help="both servers' --tensor-split (default: by free memory)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker")
     ap.add_argument("--reps", type=int, default=5, help="rounds per number of clients (medians)")

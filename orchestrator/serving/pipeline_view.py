@@ -56,8 +56,7 @@ def snapshot(service) -> dict:
                        for endpoint, state in states.items() if endpoint not in shown]
     carried = seen["steps"][-1]["kind"] if seen["steps"] else None
     for ln in getattr(pipe, "links", []):
-        # what the last step did: the server's waves relay every boundary, its lone job's steps (Solo) and
-        # the ring push where the link pushes
+        # what the last step did: the server's waves relay every boundary, the ring pushes every one
         relayed = carried == "waves" or (carried == "stepwise" and not ln.push) if carried else None
         src, dst = (seen["probes"].get(e) for e in (ln.src, ln.dst))
         out["links"].append({
