@@ -416,10 +416,8 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     if m.n_drafted:
         log(f"draft: {m.n_drafted} tokens drafted, {m.n_drafted_accepted} accepted "
             f"({100 * m.n_drafted_accepted / m.n_drafted:.1f}%)")
-    speculator = engine.speculator
-    pace = speculator.pace or (speculator.load_pace.paces.get(1) if speculator.load_pace else None) \
-        if speculator is not None else None
-    if pace is not None:  # the ring's, or where none runs plain steps' (LoadPace: one slot, load 1)
+    pace = engine.speculator.sequence_pace() if engine.speculator is not None else None
+    if pace is not None:  # the ring's, or where none runs plain steps' (LoadPace at one slot)
         rates = ", ".join(f"{way} {rate:.1f} tokens/s" for way, rate in pace.rates.items())
         log(f"draft: {pace.made['draft']} tokens made drafting, {pace.made[pace.other]} "
             f"{'by the ring' if pace.other == 'ring' else 'by plain steps'} (last measured: {rates})")

@@ -520,14 +520,21 @@ class Speculator:
         them (exact(), or --spec-draft-sampling greedy); else drafts are sampled and verified by rejection."""
         return exact(job.params) or self.options.greedy_drafts
 
-    def _paced(self, engine) -> LoadPace | None:
+    @property
+    def _paced(self) -> LoadPace | None:
         """The LoadPace that decides for the engine's slots (not where the CLI's Pace does)."""
         return self.load_pace if self.pace is None else None
+
+    def sequence_pace(self) -> Pace | None:
+        """What decided the CLI's one sequence: the ring's Pace, or else LoadPace's at one slot (None: it
+        drafted throughout, or never)."""
+        paced = self._paced
+        return self.pace if paced is None else paced.paces.get(1)
 
     def admitted(self, engine, slot) -> None:
         """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead);
         not where plain steps were measured faster at the load it makes (the draft would read for nothing)."""
-        paced = self._paced(engine)
+        paced = self._paced
         if paced is not None and paced.settled(generating(engine) + 1):
             return
         if slot.job.n_keep is None:
@@ -535,7 +542,7 @@ class Speculator:
 
     def observe(self, engine) -> None:
         """After an engine step: the tokens made since the last one, for the LoadPace."""
-        paced = self._paced(engine)
+        paced = self._paced
         if paced is not None:
             busy = [s for s in engine.slots if s.job is not None]
             paced.observe(generating(engine), engine.metrics.tokens_predicted, all(s.generating for s in busy),
@@ -547,7 +554,7 @@ class Speculator:
         Each slot's are at most `budget` (its share of the batch's room), the draft's and the slot's room,
         the tokens the job may still make, and the draft length (DraftLength, or --draft-max with
         --draft-fixed); none where LoadPace has plain steps at this load."""
-        paced = self._paced(engine)
+        paced = self._paced
         if paced is not None and not paced.drafting(generating(engine)):
             return {}
         opts, requests = self.options, []

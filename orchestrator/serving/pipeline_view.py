@@ -62,7 +62,7 @@ def snapshot(service) -> dict:
         out["links"].append({
             "src": ln.src, "dst": ln.dst, "push": ln.push, "reason": ln.reason, "relayed": relayed,
             # relayed: the src's reply per token (its activation, framed); pushed: worker to worker, not seen
-            "bytes_per_token": seen["stages"].get(ln.src, {}).get("relayed_per_token") if relayed else None,
+            "bytes_per_token": seen["stages"].get(ln.src, {}).get("received_per_token") if relayed else None,
             "rtt_src": src["rtt"] if src else None, "rtt_dst": dst["rtt"] if dst else None})
     out["timeline"], out["throughput"] = seen["steps"][-TIMELINE:], seen.get("throughput")
     m = engine.metrics
