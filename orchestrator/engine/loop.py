@@ -182,6 +182,10 @@ class Engine:
                 for client in clients(self.pipe):
                     client.abort()
                 self._thread.join(STOP_GRACE_S)
+        with self._wake:
+            jobs = self._drop_jobs()
+        for job in jobs:  # their clients are told now, not when the HTTP server's shutdown gives up on them
+            job.emit("error", "the server is stopping")
         self.pipe.close()
         if self.speculator is not None:
             self.speculator.close()
@@ -560,11 +564,16 @@ class Engine:
         self._tell()
         with self._wake:
             self.failed = message
-            jobs = [s.job for s in self.slots if s.job is not None] + list(self.waiting)
-            self.waiting.clear()
-            for slot in self.slots:
-                slot.job, slot.awaiting = None, False
+            jobs = self._drop_jobs()
             self.runner = self._new_runner(self.pipe)  # idle: what was in flight is dropped
         for job in jobs:
             job.emit("error", message)
+
+    def _drop_jobs(self) -> list[Job]:
+        """Every job, generating or waiting, taken off the engine (under self._wake)."""
+        jobs = [s.job for s in self.slots if s.job is not None] + list(self.waiting)
+        self.waiting.clear()
+        for slot in self.slots:
+            slot.job, slot.awaiting = None, False
+        return jobs
 

@@ -65,8 +65,10 @@ def serve(**options) -> None:
     except (CliError, StartupError, WorkerError, ModelError, PlacementError, TokenizerError, OSError) as exc:
         log(f"error: {exc}")
         sys.exit(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the server runs: once it does, an interrupt stops it (server.stop_signals)
         log("interrupted")
+    except asyncio.CancelledError:  # a second interrupt while stopping
+        log("stopped at once")
 
 
 def run(*, rpc, workers, threads, **options) -> None:

@@ -10,8 +10,11 @@ frees its slot at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import signal
+import threading
 import time
 
 from aiohttp import web
@@ -462,16 +465,82 @@ def make_app(service: Service) -> web.Application:
 
 async def serve(service: Service, load, host: str, port: int, log) -> None:
     """Listens on host:port, then runs `load()` (which returns the started engine) on a thread, answering
-    503 meanwhile; serves until cancelled. An error while loading ends the server, as llama-server's."""
+    503 meanwhile; serves until SIGINT or SIGTERM, then returns. An error while loading ends the server, as
+    llama-server's."""
     runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=None)
     await runner.setup()
+    stop = asyncio.Event()
+    stopping = asyncio.ensure_future(stop.wait())
+    with stop_signals(stop.set):
+        try:
+            await web.TCPSite(runner, host, port).start()
+            log(f"listening on http://{host}:{port} (loading the model)")
+            loading = on_daemon_thread(load)
+            await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not loading.done():  # a load cannot be cut short on its thread: it ends, then is undone
+                log("stopping once the model is loaded (interrupt again to stop at once)")
+            service.engine = await loading
+            if not stopping.done():
+                log(f"model loaded: http://{host}:{port}/v1/chat/completions is ready")
+            await stopping
+        finally:
+            if stopping.done():
+                log("interrupted")
+            stopping.cancel()
+            if service.engine is not None:
+                service.engine.stop()
+            await runner.cleanup()
+
+
+def on_daemon_thread(fn) -> asyncio.Future:
+    """fn() on a thread of its own that the process's exit does not wait for (asyncio.run waits for its
+    default executor's): a second Ctrl-C during a stuck load ends the server."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, exc) -> None:
+        if not future.cancelled():
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, exc = None, error
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits it any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, name="load", daemon=True).start()
+    return future
+
+
+@contextlib.contextmanager
+def stop_signals(stop):
+    """SIGINT and SIGTERM call `stop` on the event loop, instead of raising KeyboardInterrupt wherever the
+    loop happens to be: an exception raised inside asyncio's or aiohttp's own code can leave a future that
+    nothing resolves, and the shutdown then waits on it for ever. A second signal cancels the task that
+    serves (a hard stop: the shutdown it was in is cut short); asyncio.run then raises CancelledError."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    kept = {signum: signal.getsignal(signum) for signum in signals}
+    stopped = False
+
+    def on_signal() -> None:
+        nonlocal stopped
+        if stopped:
+            task.cancel()
+        stopped = True
+        stop()
+
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal)
     try:
-        await web.TCPSite(runner, host, port).start()
-        log(f"listening on http://{host}:{port} (loading the model)")
-        service.engine = await asyncio.get_running_loop().run_in_executor(None, load)
-        log(f"model loaded: http://{host}:{port}/v1/chat/completions is ready")
-        await asyncio.Event().wait()
+        yield
     finally:
-        if service.engine is not None:
-            service.engine.stop()
-        await runner.cleanup()
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, kept[signum])

@@ -268,3 +268,31 @@ def test_sigterm_stops_the_server_while_a_worker_hangs(model, workers, tmp_path)
             server.proc.kill()
         server.log.close()
         workers.revive()
+
+
+def test_ctrl_c_twice_stops_a_server_whose_load_hangs(model, workers, tmp_path):
+    """The first Ctrl-C while the model loads says the server stops once loaded; a load that cannot end (a
+    worker stopped, a timeout of an hour) must not keep the server: the second Ctrl-C ends it. Before, the
+    process waited for the loading thread however often it was interrupted."""
+    workers.all[0].proc.send_signal(signal.SIGSTOP)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "serve", "--rpc", workers.rpc, "-m", str(model),
+             "--port", str(reference.free_port()), "--rpc-timeout", "3600"],
+            stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+    try:
+        while "loading the model" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        while "stopping once the model is loaded" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+        assert log_path.read_text().strip().splitlines()[-1] == "stopped at once", log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        workers.revive()
