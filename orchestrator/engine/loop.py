@@ -6,8 +6,9 @@ how a step runs and where a slot's cells lie, not how a token is made: every tok
 or picked by the workers, goes through one path (_take: the sampler accepts it, end of generation,
 n_predict, a full context that stops or shifts) and reaches the job's emit.
 
-The ways of running a step: Waves (the server: up to one batch per stage in flight, relayed),
-Stepwise (the CLI: one batch through every stage, pushed where a link pushes) and, for the CLI's greedy
+The ways of running a step: Waves (the server: up to one batch per stage in flight, relayed; Solo makes
+it Stepwise while one job alone generates), Stepwise (the CLI: one batch through every stage, pushed where a
+link pushes) and, for the CLI's greedy
 sequence when every link pushes, the ring (orchestrator/pipeline/ring.py: the workers pick the tokens and the
 orchestrator only reads them). The layouts: the server's Planner (a run of cells per slot, batches
 grouped for attention: orchestrator/engine/batching.py) and the CLI's OneSequence (llama-completion's cells).
@@ -48,7 +49,7 @@ from orchestrator.pipeline.telemetry import PROBE_PERIOD_S, Mark, Telemetry, cli
 from orchestrator.sampling import Sampler
 from orchestrator.sampling.gbnf import GrammarError
 from orchestrator.engine.slots import Finish, Job, Metrics, Slot, common_prefix, log_probs
-from orchestrator.pipeline.waves import Stepwise, Waves
+from orchestrator.pipeline.waves import Solo, Stepwise
 
 __all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
 
@@ -79,7 +80,7 @@ class Engine:
         self.n_vocab = pipe.model.hparams.n_vocab
         self.planner = planner
         self.telemetry = Telemetry()  # the last steps' times and bytes, the workers' round trips (the page)
-        self.runner = runner if runner is not None else Waves(pipe)  # how a batch goes through the stages
+        self.runner = runner if runner is not None else Solo(pipe)  # how a batch goes through the stages
         self.runner.telemetry = self.telemetry
         self.ring: Ring | None = None  # the CLI's greedy sequence, when the workers pick its tokens
         self.on_ring_off: Callable[[str], None] | None = None  # told why, when a ring breaks
@@ -434,6 +435,9 @@ class Engine:
         batch, order = self.planner.batch(pieces, {s.index: s.n_cached for s in self.slots if s.job is not None})
         outs = [(self.slots[p.slot], self.slots[p.slot].job, p.n_out) for p in order if p.output]  # out_ids' order
         n_gen = sum(n_out for s, _, n_out in outs if s.generating)
+        if isinstance(self.runner, Solo):  # one job, generating, nothing waiting: its tokens go pushed
+            busy = [s for s in self.slots if s.job is not None]
+            self.runner.solo = len(busy) == 1 and busy[0].generating and not self.waiting
         self.runner.start(batch, (outs, len(batch.tokens), n_gen))
 
     def _ring_ready(self) -> bool:

@@ -113,8 +113,8 @@ class Telemetry:
 
     def summary(self, now: float | None = None) -> dict:
         """JSON-ready: the recent steps (oldest first, with their age in seconds), the tokens per second
-        over them, per endpoint the mean wait and busy seconds and the bytes per token each way, and the
-        last probe of each endpoint."""
+        over them, per endpoint the mean wait and busy seconds and the bytes per token each way (and what it
+        sent back per token in the relayed steps), and the last probe of each endpoint."""
         now = time.time() if now is None else now
         steps, probes = self.steps(), self.probes()
         out = {"steps": [{**asdict(s), "age": now - s.end} for s in steps], "throughput": None, "stages": {},
@@ -128,7 +128,8 @@ class Telemetry:
         per: dict[str, dict] = {}
         for step in steps:
             for st in step.stages:
-                acc = per.setdefault(st.endpoint, {"wait": [], "busy": [], "sent": 0, "received": 0, "tokens": 0})
+                acc = per.setdefault(st.endpoint, {"wait": [], "busy": [], "sent": 0, "received": 0, "tokens": 0,
+                                                   "relayed": 0, "relayed_tokens": 0})
                 if st.wait is not None:
                     acc["wait"].append(st.wait)
                 if st.busy is not None:
@@ -136,10 +137,14 @@ class Telemetry:
                 acc["sent"] += st.sent
                 acc["received"] += st.received
                 acc["tokens"] += step.n_tokens
+                if step.kind == "waves":  # every boundary relayed: the activation comes back to the orchestrator
+                    acc["relayed"] += st.received
+                    acc["relayed_tokens"] += step.n_tokens
         for endpoint, acc in per.items():
             n = acc["tokens"] or 1
             out["stages"][endpoint] = {
                 "wait": sum(acc["wait"]) / len(acc["wait"]) if acc["wait"] else None,
                 "busy": sum(acc["busy"]) / len(acc["busy"]) if acc["busy"] else None,
-                "sent_per_token": acc["sent"] / n, "received_per_token": acc["received"] / n}
+                "sent_per_token": acc["sent"] / n, "received_per_token": acc["received"] / n,
+                "relayed_per_token": acc["relayed"] / acc["relayed_tokens"] if acc["relayed_tokens"] else None}
         return out

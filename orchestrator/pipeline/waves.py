@@ -173,3 +173,44 @@ class Stepwise:
         if self.telemetry is not None:
             self.telemetry.whole("stepwise", mark, len(batch.tokens))
         return [(tag, logits, seconds)]
+
+
+class Solo:
+    """Waves, except that a batch started while `solo` holds (the engine's one job generating, nothing else
+    to read: each token waits for the one before, so no second batch could be in flight) goes Stepwise:
+    pushed where links push instead of relayed, one link crossing per boundary instead of a round trip to
+    the orchestrator per stage. A long prompt still goes in Waves (its chunks one behind the other)."""
+
+    def __init__(self, pipe):
+        self.waves, self.stepwise = Waves(pipe), Stepwise(pipe)
+        self.solo = False  # set by the engine before each start()
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        return self.waves.telemetry
+
+    @telemetry.setter
+    def telemetry(self, value: Telemetry | None) -> None:
+        self.waves.telemetry = self.stepwise.telemetry = value
+
+    @property
+    def ready(self) -> bool:
+        return self.waves.ready and self.stepwise.ready
+
+    @property
+    def busy(self) -> bool:
+        return self.waves.busy or self.stepwise.busy
+
+    @property
+    def in_flight(self) -> int:
+        return self.waves.in_flight + self.stepwise.in_flight
+
+    @property
+    def width(self) -> int:
+        return self.waves.width
+
+    def start(self, batch: Batch, tag: object) -> None:
+        (self.stepwise if self.solo and not self.waves.busy else self.waves).start(batch, tag)
+
+    def tick(self, wake=None) -> list[tuple[object, np.ndarray, float]]:
+        return self.stepwise.tick(wake) if self.stepwise.busy else self.waves.tick(wake)

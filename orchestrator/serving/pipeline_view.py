@@ -56,13 +56,14 @@ def snapshot(service) -> dict:
                        for endpoint, state in states.items() if endpoint not in shown]
     carried = seen["steps"][-1]["kind"] if seen["steps"] else None
     for ln in getattr(pipe, "links", []):
-        # what the last step did: the server's waves relay every boundary, the ring pushes every one
+        # what the last step did: the server's waves relay every boundary, its lone job's steps (Solo) and
+        # the ring push where the link pushes
         relayed = carried == "waves" or (carried == "stepwise" and not ln.push) if carried else None
         src, dst = (seen["probes"].get(e) for e in (ln.src, ln.dst))
         out["links"].append({
             "src": ln.src, "dst": ln.dst, "push": ln.push, "reason": ln.reason, "relayed": relayed,
             # relayed: the src's reply per token (its activation, framed); pushed: worker to worker, not seen
-            "bytes_per_token": seen["stages"].get(ln.src, {}).get("received_per_token") if relayed else None,
+            "bytes_per_token": seen["stages"].get(ln.src, {}).get("relayed_per_token") if relayed else None,
             "rtt_src": src["rtt"] if src else None, "rtt_dst": dst["rtt"] if dst else None})
     out["timeline"], out["throughput"] = seen["steps"][-TIMELINE:], seen.get("throughput")
     m = engine.metrics

@@ -98,9 +98,10 @@ def pipeline_state(url: str) -> dict:
 
 
 def assert_telemetry_is_plausible(url: str, browser, model_path) -> None:
-    """After a reply: every worker probed (a round trip, free memory within its total), the link relayed
-    (the server's waves) at least a token's activation per token, n_embd float32 as the gguf package reads
-    it, plus framing; the page draws the steps and the round trips."""
+    """After a reply: every worker probed (a round trip, free memory within its total), the link pushed
+    (one job decoding alone); after a prompt alone (the server's waves), relayed: at least a token's
+    activation per token, n_embd float32 as the gguf package reads it, plus framing; the page draws the
+    steps and the round trips."""
     from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
 
     wait = WebDriverWait(browser, RPC_TIMEOUT)
@@ -109,10 +110,14 @@ def assert_telemetry_is_plausible(url: str, browser, model_path) -> None:
     for w in state["workers"]:
         assert w["rtt"] > 0 and 0 < w["free_now"] <= w["total"], w
         assert w["busy"] > 0 and w["sent_per_token"] > 0 and w["received_per_token"] > 0, w
-    n_embd = int(gguf.GGUFReader(model_path).fields["llama.embedding_length"].parts[-1][0])
     (link,) = state["links"]
-    assert link["relayed"] is True and 4 * n_embd <= link["bytes_per_token"] < 4 * n_embd + 256, (link, n_embd)
+    # the reply's last steps were one job's alone: pushed from worker to worker (Solo), nothing relayed
+    assert link["push"] is True and link["relayed"] is False and link["bytes_per_token"] is None, link
     assert link["rtt_src"] > 0 and link["rtt_dst"] > 0, link
+    greedy(url, n_tokens=1)  # a prompt only: its steps go in waves, every boundary relayed
+    n_embd = int(gguf.GGUFReader(model_path).fields["llama.embedding_length"].parts[-1][0])
+    (link,) = pipeline_state(url)["links"]
+    assert link["relayed"] is True and 4 * n_embd <= link["bytes_per_token"] < 4 * n_embd + 256, (link, n_embd)
     assert state["timeline"] and all(len(step["stages"]) == 2 for step in state["timeline"]), state["timeline"]
     drawn = "return [document.querySelectorAll('#timeline .step').length, " \
             "[...document.querySelectorAll('#workers tr.worker td.rtt')].map(c => c.textContent)]"

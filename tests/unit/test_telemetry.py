@@ -61,7 +61,7 @@ def test_summary_means_bytes_per_token_and_throughput():
     assert s["throughput"] == pytest.approx(3 / 0.5)  # the second step's tokens over the time between their ends
     a, b = s["stages"]["a:1"], s["stages"]["b:2"]
     assert (a["wait"], a["busy"]) == (pytest.approx(0.2), pytest.approx(0.3))
-    assert (a["sent_per_token"], a["received_per_token"]) == (500 / 5, 150 / 5)
+    assert (a["sent_per_token"], a["received_per_token"], a["relayed_per_token"]) == (500 / 5, 150 / 5, 150 / 5)
     assert (b["wait"], b["busy"], b["sent_per_token"], b["received_per_token"]) == (pytest.approx(0.1), pytest.approx(0.2), 40, 5)
     assert s["probes"] == {}
 
@@ -71,4 +71,13 @@ def test_summary_of_whole_steps_has_bytes_but_no_stage_times():
     t.add(StepTime("ring", 10.0, 1.0, 8, (StageTime("a:1", None, None, 800, 80),)))
     s = t.summary(now=10.0)
     assert s["throughput"] is None  # one step: no span to divide by
-    assert s["stages"]["a:1"] == {"wait": None, "busy": None, "sent_per_token": 100, "received_per_token": 10}
+    assert s["stages"]["a:1"] == {"wait": None, "busy": None, "sent_per_token": 100, "received_per_token": 10,
+                                  "relayed_per_token": None}  # nothing relayed
+
+
+def test_relayed_bytes_per_token_count_the_relayed_steps_only():
+    t = Telemetry()
+    t.add(StepTime("waves", 10.0, 0.5, 4, (StageTime("a:1", 0.1, 0.2, 100, 4000),)))  # a prompt, relayed
+    t.add(StepTime("stepwise", 11.0, 0.1, 1, (StageTime("a:1", None, None, 50, 20),)))  # a token, pushed on
+    a = t.summary(now=11.0)["stages"]["a:1"]
+    assert a["relayed_per_token"] == 1000 and a["received_per_token"] == 4020 / 5
