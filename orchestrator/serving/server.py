@@ -471,7 +471,7 @@ async def serve(service: Service, load, host: str, port: int, log) -> None:
     await runner.setup()
     stop = asyncio.Event()
     stopping = asyncio.ensure_future(stop.wait())
-    with stop_signals(stop.set):
+    with stop_signals(stop):
         try:
             await web.TCPSite(runner, host, port).start()
             log(f"listening on http://{host}:{port} (loading the model)")
@@ -515,8 +515,8 @@ def on_daemon_thread(fn) -> asyncio.Future:
 
 
 @contextlib.contextmanager
-def stop_signals(stop):
-    """SIGINT and SIGTERM call `stop` on the event loop, instead of raising KeyboardInterrupt wherever the
+def stop_signals(stop: asyncio.Event):
+    """SIGINT and SIGTERM set `stop` on the event loop, instead of raising KeyboardInterrupt wherever the
     loop happens to be: an exception raised inside asyncio's or aiohttp's own code can leave a future that
     nothing resolves, and the shutdown then waits on it for ever. A second signal cancels the task that
     serves (a hard stop: the shutdown it was in is cut short); asyncio.run then raises CancelledError."""
@@ -527,14 +527,11 @@ def stop_signals(stop):
     task = asyncio.current_task()
     signals = (signal.SIGINT, signal.SIGTERM)
     kept = {signum: signal.getsignal(signum) for signum in signals}
-    stopped = False
 
     def on_signal() -> None:
-        nonlocal stopped
-        if stopped:
+        if stop.is_set():
             task.cancel()
-        stopped = True
-        stop()
+        stop.set()
 
     for signum in signals:
         loop.add_signal_handler(signum, on_signal)
