@@ -302,7 +302,7 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     from orchestrator.chat import apply_chat_template  # noqa: PLC0415
     from orchestrator.engine.loop import Engine, Job  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
-    from orchestrator.engine.speculative import Pace  # noqa: PLC0415
+    from orchestrator.engine.pacing import Pace  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
     from orchestrator.engine.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 

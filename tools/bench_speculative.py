@@ -20,7 +20,7 @@ Designs (columns):
                 its draft is split over the same RPC workers as the target
   push, ring    our orchestrator without a draft (stepwise push; the ring)
   ours -md      our orchestrator with -md DRAFT as users run it: drafting (the speculative ring) and the
-                target's ring both run, the faster one making most tokens (speculative.Pace); the draft on
+                target's ring both run, the faster one making most tokens (pacing.Pace); the draft on
                 the target's worker with the most free memory
   drafting      the same with --draft-always: every token from the speculative ring (the draft's ring
                 feeding the target's pipeline, orchestrator/pipeline/spec_ring.py)
@@ -29,7 +29,7 @@ Designs (columns):
                 own proxies): where the default placement puts the draft beside a target stage, the two
                 queue on that worker, which computes one graph at a time
   blocks        the same with --no-ring: every token from drafting blocks of up to --draft-max tokens (the
-                length that pays by the running acceptance rate, speculative.DraftLength), each verified in
+                length that pays by the running acceptance rate, pacing.DraftLength), each verified in
                 one pass through the orchestrator (stepwise push), as llama.cpp drafts
   blocks, fixed (spec-blocks-fixed, not run by default)
                 the same with --draft-fixed: --draft-max tokens every block, as llama.cpp drafts

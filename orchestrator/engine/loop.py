@@ -456,7 +456,7 @@ class Engine:
         limit = room if job.n_predict < 0 else min(job.n_predict - slot.n_generated, room)
         speculator = self.speculator
         pace = speculator.pace if speculator is not None else None
-        if pace is not None:  # the ring's stretch, then drafting's (speculative.Pace)
+        if pace is not None:  # the ring's stretch, then drafting's (pacing.Pace)
             limit = min(limit, pace.left)
         spec = pace is not None and pace.mode == "draft" and speculator.spec_ring is not None  # drafting's stretch
         if spec:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.engine.speculative import PROBE_TOKENS
+from orchestrator.engine.pacing import PROBE_TOKENS
 from tools import reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def drafted(stderr: str) -> tuple[int, int]:
 
 
 def made(stderr: str) -> tuple[int, int]:
-    """Tokens made drafting and by the target's ring, when both could run (speculative.Pace)."""
+    """Tokens made drafting and by the target's ring, when both could run (pacing.Pace)."""
     found = re.search(r"draft: (\d+) tokens made drafting, (\d+) by the ring", stderr)
     assert found, stderr[-2000:]
     return int(found[1]), int(found[2])
@@ -110,7 +110,7 @@ def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pairs, workers, 
 
 
 def test_a_draft_never_right_soon_drafts_a_token_a_step(random_pairs, workers, tmp_path):
-    """The adaptive draft length (speculative.DraftLength): a draft of other random weights (seed 8 for the
+    """The adaptive draft length (pacing.DraftLength): a draft of other random weights (seed 8 for the
     model's 7) is kept at no position, so after the first block it drafts one token a step, not
     --draft-max as --draft-fixed does; the text is the plain one either way. (With nothing kept every guess
     past the first only costs; the margin given to longer blocks would allow 3 only if a guess cost under a

@@ -1,4 +1,4 @@
-"""speculative.DraftLength: the adaptive draft length. Its choice is checked against a simulation of
+"""pacing.DraftLength: the adaptive draft length. Its choice is checked against a simulation of
 blocks (each position's draft kept with probability a given the ones before it, a block of k drafts
 costing t + k d seconds): for every setting tried, the length it picks makes tokens at the best
 simulated rate of any length allowed, within the margin given to longer blocks and the simulation's
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.engine.speculative import ACCEPT_DECAY, LENGTH_MARGIN, DraftLength
+from orchestrator.engine.pacing import ACCEPT_DECAY, LENGTH_MARGIN, DraftLength
 
 
 def simulated_rate(a: float, k: int, pass_s: float, draft_s: float, n_blocks: int, seed: int) -> float:

@@ -1,11 +1,11 @@
-"""speculative.LoadPace: the server's choice between drafting and plain steps, made apart for each load (how
+"""pacing.LoadPace: the server's choice between drafting and plain steps, made apart for each load (how
 many slots generate), from observations fed in by hand (no clock): which intervals count, and where."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.speculative import PROBE_TOKENS, LoadPace
+from orchestrator.engine.pacing import PROBE_TOKENS, LoadPace
 
 
 class Feed:

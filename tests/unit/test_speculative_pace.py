@@ -1,4 +1,4 @@
-"""speculative.Pace: which of drafting and the target's ring makes the CLI's greedy tokens, from rates fed
+"""pacing.Pace: which of drafting and the target's ring makes the CLI's greedy tokens, from rates fed
 in by hand (no clock): drafting's probe, the ring's, then the ring for good if it was faster, else
 drafting's stretches growing while it keeps winning with the ring's probes between."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.speculative import LEAD_GROWTH, LEAD_MAX, PROBE_TOKENS, Pace
+from orchestrator.engine.pacing import LEAD_GROWTH, LEAD_MAX, PROBE_TOKENS, Pace
 
 
 def run(pace: Pace, seconds_per_token: dict[str, float], n_tokens: int) -> list[tuple[str, int]]:

@@ -1,0 +1,173 @@
+"""How speculative decoding decides how much to draft, and whether to draft at all, from what it measures as
+it runs: DraftLength (the tokens of a block, from the running acceptance rate and the prices of a draft and
+of a pass), Pace (drafting or the target's ring for the CLI's greedy sequence) and LoadPace (drafting or
+plain steps for the server's slots, per load). Pure bookkeeping: no pipeline, no clock of its own; the
+Speculator (engine/speculative.py) feeds them.
+"""
+
+from __future__ import annotations
+
+import math
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a block of k drafts makes on average when each position's draft is kept with probability a
+    (given the ones before it were): the kept prefix plus the target's own next token, 1 + a + ... + a^k."""
+    return sum(a ** i for i in range(k + 1))
+
+
+ACCEPT_DECAY = 0.8  # the running acceptance rate's memory, per verified block: about the last five count
+TIME_DECAY = 0.8  # the same for the measured seconds of a drafted token and of a verification
+# A shorter block is taken only where the model rates it this much faster than the longest as good: near a
+# tie the model misleads (measured at 3 stages / 10 ms apart, --draft-max 3: blocks of 2 where 3 rated
+# within a few percent were 0.89x the fixed 3 in tok/s; the draft's later steps cost less than d says)
+LENGTH_MARGIN = 0.10
+
+
+class DraftLength:
+    """How many tokens to draft for a slot (issue 30's adaptive draft length): the longest k between
+    max(1, --draft-min) and --draft-max that makes tokens within LENGTH_MARGIN of the fastest by the running
+    figures. A block of k drafts makes expected_tokens(a, k) tokens in t + k d seconds, where a is each
+    position's chance that its draft is kept (kept over positions checked, the positions after a rejection
+    not being checked), d the seconds one more draft costs and t the rest of a block's (the verification's
+    pass, and where the drafts come from the draft's ring its round trip); d and t are the Speculator's,
+    a is the slot's job's. Before the job's first block is verified: --draft-max.
+
+    A draft that is often wrong thus drafts one token a step (a poor draft's extra guesses cost a draft
+    step each and are seldom kept), one that is nearly always right drafts the ceiling, and between them
+    the length follows the price of a drafted token against a pass: long where the pass is dear (slow
+    links) and drafting cheap."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.lo, self.hi = max(1, min(n_min, n_max)), n_max
+        self.kept = self.checked = 0.0
+
+    def record(self, n_drafted: int, n_kept: int) -> None:
+        """A verified block: n_kept of its n_drafted drafts kept (the first n_kept)."""
+        self.kept = ACCEPT_DECAY * self.kept + n_kept
+        self.checked = ACCEPT_DECAY * self.checked + n_kept + (n_kept < n_drafted)
+
+    @property
+    def rate(self) -> float | None:
+        """Each position's running chance of being kept; None before a block is verified."""
+        return self.kept / self.checked if self.checked else None
+
+    def choose(self, draft_s: float | None, pass_s: float | None) -> int:
+        """The longest k whose rate is within LENGTH_MARGIN of the best one's."""
+        a = self.rate
+        if a is None or draft_s is None or pass_s is None:
+            return self.hi
+        rates = {k: expected_tokens(a, k) / (pass_s + k * draft_s) for k in range(self.lo, self.hi + 1)}
+        best = max(rates.values())
+        return max(k for k, rate in rates.items() if rate * (1 + LENGTH_MARGIN) >= best)
+
+
+# Tokens each way makes when the two are measured against each other: drafting's probe is short (two
+# blocks of llama.cpp's 3 drafts at its usual acceptance, or the speculative ring's first steps) because a
+# ring wrongly kept costs little, while drafting where it does not pay costs a good deal (0.4x-0.5x the
+# ring's rate with workers together). "other": the target's ring, or the server's plain steps.
+PROBE_TOKENS = {"draft": 4, "other": 8}
+LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the other way's probes, in probes: x8 a win
+
+
+class Pace:
+    """Drafting or another way (`other`), whichever makes tokens faster here, measured as they are made.
+    For the CLI's greedy sequence the other way is the target's ring (Pace()): where the workers sit decides
+    it: drafting pays where every link is slow (while the draft is right, a token costs a draft step, not a
+    pass round the pipeline's links), the ring where only the orchestrator is far or the links are fast (a
+    token costs the workers' compute and their links, the draft's compute on top buys nothing). For the
+    server's slots it is plain steps (LoadPace). Drafting is the speculative ring where it runs
+    (pipeline/spec_ring.py), else blocks verified through the orchestrator.
+
+    Drafting makes its PROBE_TOKENS first (the draft has read the prompt beside the target:
+    Drafter.read_ahead), then the other way its own (both times `scale`: the server's probes are per
+    generating slot). If the other way was faster it keeps the tokens for good: the draft never reads what
+    it made (catching up would cost it a prompt's worth of compute; with the ring's probe first, that
+    catch-up cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms).
+    If drafting was faster it makes a stretch of LEAD_GROWTH probes' worth (LEAD_GROWTH times longer
+    each time it wins again, at most LEAD_MAX), the other way a probe between stretches (cheap: the
+    target's cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the
+    draft's catch-up is not counted in it (it is the price of switching)."""
+
+    def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1):
+        self.other, self.probe = other, {"draft": PROBE_TOKENS["draft"] * scale, other: PROBE_TOKENS["other"] * scale}
+        self.rates: dict[str, float] = {}
+        self.plan = [("draft", math.inf)] if always_draft else [("draft", self.probe["draft"]), (other, self.probe[other])]
+        self.lead = 1
+        self.made = {"draft": 0, other: 0}  # tokens made each way (the CLI's summary)
+        self._next()
+
+    @property
+    def settled(self) -> bool:
+        """The other way makes the tokens for good."""
+        return self.mode == self.other and self.left == math.inf
+
+    def _next(self) -> None:
+        self.mode, self.left = self.plan.pop(0)
+        self._tokens, self._seconds = 0, 0.0
+
+    def record(self, mode: str, n_tokens: int, seconds: float) -> None:
+        """`mode` made n_tokens in `seconds`; the next stretch begins when this one has made its tokens."""
+        self.made[mode] += n_tokens
+        if mode != self.mode:
+            return
+        self._tokens += n_tokens
+        self._seconds += seconds
+        self.left -= n_tokens
+        if self.left > 0:
+            return
+        self.rates[mode] = self._tokens / max(self._seconds, 1e-9)
+        if not self.plan:
+            if self.rates[self.other] >= self.rates["draft"]:
+                self.plan = [(self.other, math.inf)]  # for good
+            else:
+                self.lead = min(self.lead * LEAD_GROWTH, LEAD_MAX)
+                self.plan = [("draft", self.probe[self.other] * self.lead), (self.other, self.probe[self.other])]
+        self._next()
+
+
+class LoadPace:
+    """The server's Pace: drafting or plain steps for its generating slots, measured apart for each load
+    (how many slots generate: a plain step of more slots keeps more of the pipeline's stages busy, while
+    drafting costs the draft a step per slot, so which pays changes with it). Without it a draft that costs
+    what the target does (the benchmark's Q4_0 of the same model) made `orchestrator serve -md` 0.33x-0.34x
+    its plain rate with four clients, workers together (0.68x-0.81x with one; docs/speculative.md).
+
+    Tokens count toward the load's stretch from one observation to the next while the load holds and no
+    prompt is being read (a prompt's pieces take a step's time for tokens that are not generated); any
+    other interval is not counted."""
+
+    def __init__(self):
+        self.paces: dict[int, Pace] = {}
+        self._last: tuple[int, int, float] | None = None  # (load, tokens made, when) at the last observation
+
+    def pace(self, load: int) -> Pace:
+        if load not in self.paces:
+            self.paces[load] = Pace(other="plain", scale=max(load, 1))
+        return self.paces[load]
+
+    def drafting(self, load: int) -> bool:
+        return self.pace(load).mode == "draft"
+
+    def settled(self, load: int) -> bool:
+        """Plain steps were measured faster at this load: they make its tokens for good."""
+        return load in self.paces and self.paces[load].settled
+
+    def observe(self, load: int, made: int, clean: bool, now: float) -> None:
+        """After a step: `made` tokens generated so far, `load` slots generating, `clean` if none reads a
+        prompt; the tokens since the last observation go to the load's pace if it held throughout."""
+        last = self._last
+        if not clean or load == 0 or last is None or last[0] != load:
+            self._last = (load, made, now) if clean and load > 0 else None
+            return
+        if made == last[1]:  # no token since: the interval goes on
+            return
+        self._last = (load, made, now)
+        pace = self.pace(load)
+        pace.record(pace.mode, made - last[1], now - last[2])
+
+
+def running(mean: float | None, value: float | None) -> float | None:
+    """A running mean of measured seconds (TIME_DECAY), started by its first value."""
+    if value is None:
+        return mean
+    return value if mean is None else TIME_DECAY * mean + (1 - TIME_DECAY) * value
