@@ -38,7 +38,9 @@ tok/s = (tokens - 1) / the client's eval time (after the first token, prompt exc
 that verifies several tokens per decode counts every token. acc = drafts accepted / drafted. Every run's
 text (greedy, --ignore-eos) must equal the first design's (up to trailing white space: llama-server's
 content ends where llama-completion prints two more newlines): a cell where one does not is marked DIFF.
-Ratios: ours -md over the better of push and ring, and over llama.cpp -md. Figures from a busy machine
+Ratios: ours -md over the better of push and ring, and over llama.cpp -md. `--baseline CHECKOUT` (a
+worktree of another commit) adds NAME@base for each of our designs: that checkout's orchestrator on the
+same workers and proxies, alternating with this one's (a change measured side by side). Figures from a busy machine
 (see the load averages printed) only compare within the run.
 """
 
@@ -124,18 +126,26 @@ def llama_server_once(argv) -> int:
     return 0
 
 
-def register(draft: Path, draft_max: int, p_min: float) -> None:
+def register(draft: Path, draft_max: int, p_min: float, baseline: Path | None = None) -> None:
+    """The designs with a draft; with `baseline` (a checkout of another commit) also each of ours as that
+    checkout runs it, named NAME@base, measured alternately with this one's on the same workers."""
     d = bp.DESIGNS
     d["llamacpp-spec"] = bp.Design("llama.cpp -md", "reference", "relay", bp.relay_hops,
                                    llama_server_command(draft, draft_max, p_min))
     flags = ("-md", str(draft), "--draft-max", str(draft_max), "--draft-p-min", str(p_min))
-    d["spec"] = bp.Design("ours -md", "ours", "ring", bp.ring_hops, bp.ours_command(*flags))
-    d["spec-only"] = bp.Design("drafting", "ours", "ring", bp.ring_hops, bp.ours_command(*flags, "--draft-always"))
-    d["spec-blocks"] = bp.Design("blocks", "ours", "push", bp.push_hops, bp.ours_command(*flags, "--no-ring"))
-    d["spec-blocks-fixed"] = bp.Design("blocks, fixed", "ours", "push", bp.push_hops,
-                                       bp.ours_command(*flags, "--no-ring", "--draft-fixed"))
-    d["spec-own"] = bp.Design("drafting, own worker", "ours", "ring", bp.ring_hops,
-                              own_draft_worker(bp.ours_command(*flags, "--draft-always")), extra=1)
+    ring, push = ("ring", bp.ring_hops), ("push", bp.push_hops)
+    ours = {  # name: label, flags beyond -md, topology and hops, whether the draft gets a worker of its own
+        "spec": ("ours -md", (), ring, False),
+        "spec-only": ("drafting", ("--draft-always",), ring, False),
+        "spec-blocks": ("blocks", ("--no-ring",), push, False),
+        "spec-blocks-fixed": ("blocks, fixed", ("--no-ring", "--draft-fixed"), push, False),
+        "spec-own": ("drafting, own worker", ("--draft-always",), ring, True),
+    }
+    for checkout, suffix, note in ((None, "", ""), *([(baseline, "@base", " (base)")] if baseline else [])):
+        for name, (label, more, (topology, hops), own) in ours.items():
+            command = bp.ours_command(*flags, *more, checkout=checkout)
+            d[name + suffix] = bp.Design(label + note, "ours", topology, hops,
+                                         own_draft_worker(command) if own else command, extra=int(own))
 
 
 def own_draft_worker(command):
@@ -172,7 +182,7 @@ def row(cell: bp.Cell, designs: list[str], topology: str, tokens: int, reference
     speeds = {name: tok_s(cell, name, tokens) for name in designs}
     cols = [str(cell.nodes), f"{cell.latency_ms:g}", topology]
     cols += [bp.fmt(speeds[name]) for name in designs]
-    cols += [acceptance(cell, name) for name in designs if name in SPEC_DESIGNS]
+    cols += [acceptance(cell, name) for name in designs if name.split("@")[0] in SPEC_DESIGNS]
     plain = [speeds[n] for n in ("push", "ring") if speeds.get(n)]
     cols.append(ratio(speeds.get("spec"), max(plain) if plain else None))
     cols.append(ratio(speeds.get("spec"), speeds.get("llamacpp-spec")))
@@ -199,6 +209,9 @@ def parse_args(argv):
                     help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only, spec-own, spec-blocks, "
                          "spec-blocks-fixed (the first gives the reference text)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per run (default 48)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a checkout of another commit (git worktree): adds NAME@base for each of our designs "
+                         "with a draft, that checkout's orchestrator on the same workers, measured alternately")
     ap.add_argument("--prompt", default=bp.PROMPT)
     ap.add_argument("--reps", type=int, default=2, help="repetitions per cell and design (default 2)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads of each worker and llama.cpp client")
@@ -229,7 +242,9 @@ def main(argv=None) -> int:
     packaged = reference.model_path()
     args.model = quantized(packaged, args.target)
     draft = quantized(packaged, args.draft)
-    register(draft, args.draft_max, args.draft_p_min)
+    register(draft, args.draft_max, args.draft_p_min, args.baseline)
+    if args.baseline is not None:
+        bp.add_baseline(args.baseline)  # ours@base, push@base, ring@base
     env = {**reference.llama_env(),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(reference.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
@@ -239,7 +254,7 @@ def main(argv=None) -> int:
     print()
     labels = [bp.DESIGNS[n].label for n in args.designs]
     cols = ["N", "L ms", "hosts", *[f"{x} tok/s" for x in labels],
-            *[f"{bp.DESIGNS[n].label} acc" for n in args.designs if n in SPEC_DESIGNS],
+            *[f"{bp.DESIGNS[n].label} acc" for n in args.designs if n.split("@")[0] in SPEC_DESIGNS],
             "ours -md / best plain", "ours -md / llama.cpp -md", "notes"]
     print(bp.markdown(cols))
     print(bp.markdown(["---"] * len(cols)), flush=True)
