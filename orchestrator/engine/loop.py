@@ -402,6 +402,7 @@ class Engine:
         budget = self.pipe.n_ubatch
         deferred, self._deferred = self._deferred, False
         drafted: dict[int, list[int]] = {}  # a draft's guesses of the next tokens, by slot
+        sent: dict[int, list[int]] = {}  # those that go into the batch
         if self.speculator is not None and not deferred:  # drafted together, each slot a share of the room
             feeding = [s for s in generating if s.n_cached == len(s.tokens) - 1]
             if feeding:
@@ -426,6 +427,8 @@ class Engine:
             slot.n_cached += n
             slot.paths[start:] = [path] * n
             budget -= n + len(drafts)
+            if drafts:
+                sent[slot.index] = drafts
             done = slot.n_cached == len(slot.tokens)
             pieces.append(Piece(slot.index, slot.tokens[start:slot.n_cached] + drafts, start, path, done,
                                 1 + len(drafts)))
@@ -439,6 +442,8 @@ class Engine:
             busy = [s for s in self.slots if s.job is not None]
             self.runner.solo = len(busy) == 1 and busy[0].generating and not self.waiting
         self.runner.start(batch, (outs, len(batch.tokens), n_gen))
+        if sent:  # the draft drafts the next blocks while the target verifies these
+            self.speculator.draft_ahead(self, sent)
 
     def _ring_ready(self) -> bool:
         """The ring has the next tokens: it is on, the one slot has a sampled token to feed and, with a

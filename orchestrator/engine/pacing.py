@@ -66,6 +66,10 @@ class DraftLength:
 # ring wrongly kept costs little, while drafting where it does not pay costs a good deal (0.4x-0.5x the
 # ring's rate with workers together). "other": the target's ring, or the server's plain steps.
 PROBE_TOKENS = {"draft": 4, "other": 8}
+# The server's probes, per generating slot (LoadPace): longer, since a load's first probes may decide it for
+# good and a block's time varies (the next block drafted ahead or not); measured with one client at 10 ms,
+# drafting's 4 tokens read 32.7 tok/s where its stretch then made 21.6. A server pays them once per load.
+LOAD_PROBE_TOKENS = {"draft": 16, "other": 16}
 LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the other way's probes, in probes: x8 a win
 
 
@@ -88,8 +92,8 @@ class Pace:
     target's cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the
     draft's catch-up is not counted in it (it is the price of switching)."""
 
-    def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1):
-        self.other, self.probe = other, {"draft": PROBE_TOKENS["draft"] * scale, other: PROBE_TOKENS["other"] * scale}
+    def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1, probes: dict = PROBE_TOKENS):
+        self.other, self.probe = other, {"draft": probes["draft"] * scale, other: probes["other"] * scale}
         self.rates: dict[str, float] = {}
         self.plan = [("draft", math.inf)] if always_draft else [("draft", self.probe["draft"]), (other, self.probe[other])]
         self.lead = 1
@@ -134,15 +138,18 @@ class LoadPace:
 
     Tokens count toward the load's stretch from one observation to the next while the load holds and no
     prompt is being read (a prompt's pieces take a step's time for tokens that are not generated); any
-    other interval is not counted."""
+    other interval is not counted, nor are those in which the batches in flight when the load's way
+    changed came back (they were built the other way: counted, a drafting block ending the drafting stretch
+    made the plain probe after it read 26.6 tok/s where plain steps made 17)."""
 
     def __init__(self):
         self.paces: dict[int, Pace] = {}
         self._last: tuple[int, int, float] | None = None  # (load, tokens made, when) at the last observation
+        self._stale = 0  # intervals still to come back from batches built before the way changed
 
     def pace(self, load: int) -> Pace:
         if load not in self.paces:
-            self.paces[load] = Pace(other="plain", scale=max(load, 1))
+            self.paces[load] = Pace(other="plain", scale=max(load, 1), probes=LOAD_PROBE_TOKENS)
         return self.paces[load]
 
     def drafting(self, load: int) -> bool:
@@ -152,9 +159,10 @@ class LoadPace:
         """Plain steps were measured faster at this load: they make its tokens for good."""
         return load in self.paces and self.paces[load].settled
 
-    def observe(self, load: int, made: int, clean: bool, now: float) -> None:
+    def observe(self, load: int, made: int, clean: bool, now: float, in_flight: int = 0) -> None:
         """After a step: `made` tokens generated so far, `load` slots generating, `clean` if none reads a
-        prompt; the tokens since the last observation go to the load's pace if it held throughout."""
+        prompt, `in_flight` batches sent and not yet back; the tokens since the last observation go to the
+        load's pace if it held throughout."""
         last = self._last
         if not clean or load == 0 or last is None or last[0] != load:
             self._last = (load, made, now) if clean and load > 0 else None
@@ -162,8 +170,14 @@ class LoadPace:
         if made == last[1]:  # no token since: the interval goes on
             return
         self._last = (load, made, now)
+        if self._stale:
+            self._stale -= 1
+            return
         pace = self.pace(load)
-        pace.record(pace.mode, made - last[1], now - last[2])
+        mode = pace.mode
+        pace.record(mode, made - last[1], now - last[2])
+        if pace.mode != mode:
+            self._stale = in_flight
 
 
 def running(mean: float | None, value: float | None) -> float | None:

@@ -162,33 +162,63 @@ class Drafter:
         self.ring = ring if ring.why_not() is None and ring.setup() else None
         self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
         self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
-        self._reader: threading.Thread | None = None  # read_ahead()'s, until wait() has joined it
+        self.ahead: dict[int, list[int]] = {}  # draft_ahead()'s tokens by slot, once wait() has returned
+        self._reader: threading.Thread | None = None  # read_ahead()'s or draft_ahead()'s, until wait() joins it
         self._read_error: BaseException | None = None
+        self._stop = threading.Event()  # asks draft_ahead()'s drafting to end after its current step
+
+    def _background(self, name: str, work) -> None:
+        """Runs work() on the draft's one background thread; wait() joins it and raises what it met."""
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the engine's thread
+                self._read_error = exc
+
+        self._reader = threading.Thread(target=run, name=name, daemon=True)
+        self._reader.start()
 
     def read_ahead(self, slot: int, prompt: list[int]) -> None:
         """Starts feeding the slot a new prompt (what its cells lack of it) on a thread of its own, so that
         the draft reads it while the target does, not after the first token; the draft's next use waits for
         it (wait()). Nothing is started while an earlier read runs (the slot's first draft reads it then)."""
-        if self._reader is not None and self._reader.is_alive():
+        if self._reader is not None and self._reader.is_alive() and self._reader.name == "draft-read-ahead":
             return
+        self.stop_ahead()  # a new request's first token matters more than another slot's drafts ahead
         self.wait()
         keep = common_prefix(self.cached[slot], prompt)
         if keep == len(prompt):
             return
 
         def read() -> None:
-            try:
-                self._feed(slot, prompt[keep:], keep)
-                self.cached[slot] = list(prompt)
-            except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the engine's thread
-                self._read_error = exc
+            self._feed(slot, prompt[keep:], keep)
+            self.cached[slot] = list(prompt)
 
         self.cached[slot] = list(prompt[:keep])  # until the read is done
-        self._reader = threading.Thread(target=read, name="draft-read-ahead", daemon=True)
-        self._reader.start()
+        self._background("draft-read-ahead", read)
+
+    def draft_ahead(self, requests: list["DraftRequest"]) -> None:
+        """Starts drafting for the requests on the background thread (while the target verifies the slots'
+        blocks, each request's sequence assuming its block is kept whole); `ahead` has the tokens once
+        wait() returns. stop_ahead() ends it after the draft step under way (its guesses are stale)."""
+        self.wait()
+        self._stop.clear()
+        self.ahead = {}
+
+        def draft() -> None:
+            for r, (tokens, _) in zip(requests, self.draft_each(requests, self._stop)):
+                self.ahead[r.slot] = tokens
+
+        self._background("draft-ahead", draft)
+
+    def stop_ahead(self) -> None:
+        self._stop.set()
 
     def wait(self) -> None:
-        """Waits for read_ahead()'s thread; raises what it met (a WorkerError: the engine recovers)."""
+        """Waits for the background thread (read_ahead()'s, draft_ahead()'s); raises what it met (a
+        WorkerError: the engine recovers). A no-op on that thread itself (draft_ahead() drafts there)."""
+        if self._reader is threading.current_thread():
+            return
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.join()
@@ -211,8 +241,17 @@ class Drafter:
             logits = self.pipe.run(batch)[-1]
         return logits
 
+    def draft_each(self, requests: list["DraftRequest"], stop: threading.Event | None = None
+                   ) -> list[tuple[list[int], list[np.ndarray]]]:
+        """draft() for one request (from the draft's ring where it can), draft_many() for several."""
+        if len(requests) == 1:
+            r = requests[0]
+            return [self.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.rng, stop)]
+        return self.draft_many(requests, stop)
+
     def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float,
-              rng: np.random.Generator | None) -> tuple[list[int], list[np.ndarray]]:
+              rng: np.random.Generator | None, stop: threading.Event | None = None
+              ) -> tuple[list[int], list[np.ndarray]]:
         """Up to n_max tokens after `sequence`: the draft's most likely token (rng None) or draws from
         draft_distribution; drafting stops before a position whose most likely token has a probability
         below p_min (common_speculative's "only collect very high-confidence draft tokens"). Returns the
@@ -220,13 +259,15 @@ class Drafter:
         if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
             self.step_s = None
             return self._draft_ring(sequence, n_max), []
-        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, rng)])[0]
+        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, rng)], stop)[0]
 
-    def draft_many(self, requests: list["DraftRequest"]) -> list[tuple[list[int], list[np.ndarray]]]:
+    def draft_many(self, requests: list["DraftRequest"], stop: threading.Event | None = None
+                   ) -> list[tuple[list[int], list[np.ndarray]]]:
         """draft() for several slots at once, stepwise: each step one batch of every slot still drafting
         (its first: what the slot's cells lack of its sequence), so k drafts of any number of slots cost k
         round trips to the draft's workers, not k per slot. catch_up_s: the seconds spent waiting for a
-        read ahead and feeding what would not fit in the first step (not drafting's price)."""
+        read ahead and feeding what would not fit in the first step (not drafting's price). `stop` set:
+        no step after the one under way."""
         waited = time.perf_counter()
         self.wait()
         self.step_s = None
@@ -260,6 +301,10 @@ class Drafter:
                 if len(tokens) < r.n_max:
                     feeds[i] = ([token], len(fed[i]))
                     fed[i].append(token)
+            if stop is not None and stop.is_set():
+                for i in feeds:  # drafted but not fed
+                    fed[i].pop()
+                break
         for r, sequence in zip(requests, fed):
             self.cached[r.slot] = sequence
         most = max(len(tokens) for tokens, _ in results)
@@ -317,6 +362,12 @@ class DraftRequest:
     rng: np.random.Generator | None  # None: the draft's most likely tokens
 
 
+# Drafts ahead are made only where the slot's job has a fair chance of using them: every draft of the
+# block kept and the guess of the target's next token right, by the running acceptance rate (a draft that is
+# seldom right would only take compute from the target's stages where they share a worker or a core).
+AHEAD_MIN_HIT = 0.1
+
+
 @dataclass
 class Pending:
     tokens: list[int]
@@ -326,7 +377,16 @@ class Pending:
 
 
 class Speculator:
-    """What the engine asks: propose(slot, budget) before a batch, verify(engine, slot, rows) after it."""
+    """What the engine asks: propose(engine, slots, budget) before a batch, draft_ahead(engine, sent) once it
+    is sent, verify(engine, slot, rows) after it.
+
+    Drafting ahead (duo's and PipeInfer's use of the idle time): while the target verifies a block, the draft
+    already drafts the next one as if the block were kept whole, a token more than a block's drafts: its
+    first is the draft's guess of the target's own next token. Where the target kept every draft and its
+    next token is that guess, the next block's drafts are ready when the block is verified; otherwise they
+    are dropped (the draft stops after the step under way) and the block is drafted as usual. Only for jobs
+    whose drafts are the draft's most likely tokens (exact(), --spec-draft-sampling greedy): sampled drafts
+    ahead would draw from the job's seeded RNG a number of times that depends on timing."""
 
     def __init__(self, drafter: Drafter, options: DraftOptions):
         self.drafter, self.options = drafter, options
@@ -339,6 +399,8 @@ class Speculator:
         self.lengths: dict[int, tuple[object, DraftLength]] = {}  # per slot: its job and its draft length
         self.draft_s: float | None = None  # running seconds one more draft costs (DraftLength's d)
         self.pass_s: float | None = None  # running seconds of a block apart from its drafts' (DraftLength's t)
+        self.ahead: dict[int, tuple[object, list[int]]] = {}  # per slot drafted ahead: its job, the sequence assumed
+        self.ahead_blocks = [0, 0]  # blocks drafted ahead, and of those the ones whose drafts were used
 
     def close(self) -> None:
         self.drafter.close()
@@ -389,7 +451,7 @@ class Speculator:
         if paced is not None:
             busy = [s for s in engine.slots if s.job is not None]
             paced.observe(generating(engine), engine.metrics.tokens_predicted, all(s.generating for s in busy),
-                          time.perf_counter() - self.switch_s)
+                          time.perf_counter() - self.switch_s, engine.runner.in_flight)
 
     def propose(self, engine, slots: list, budget: int) -> dict[int, list[int]]:
         """Drafts for generating slots whose last token is to be fed, by slot index (none: a plain step),
@@ -399,35 +461,78 @@ class Speculator:
         --draft-fixed); none where LoadPace has plain steps at this load."""
         paced = self._paced
         if paced is not None and not paced.drafting(generating(engine)):
+            self._drop_ahead()
             return {}
-        opts, requests = self.options, []
+        opts, requests, drafts = self.options, [], {}
         for slot in slots:
             job = slot.job
             n_max = self._length(slot).choose(self.draft_s, self.pass_s) if opts.adaptive else opts.n_max
             k = min(n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
             if job.n_predict >= 0:
                 k = min(k, job.n_predict - slot.n_generated - 1)
-            if k > 0 and k >= opts.n_min and job.n_keep is None:
+            ready = self._drafted_ahead(slot)
+            if k <= 0 or k < opts.n_min or job.n_keep is not None:
+                continue
+            if ready:  # drafted while the last block was verified: no drafting in this one's time
+                self.pending[slot.index] = Pending(ready[:k], [], time.perf_counter(), 0.0)
+                engine.metrics.n_drafted += len(ready[:k])
+                drafts[slot.index] = ready[:k]
+            else:
                 rng = None if self._exact(job) else self._rng(slot)
                 requests.append(DraftRequest(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng))
+        self._drop_ahead()
         if not requests:
-            return {}
+            return drafts
         began = time.perf_counter()
-        if len(requests) == 1:
-            r = requests[0]
-            results = [self.drafter.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.rng)]
-        else:
-            results = self.drafter.draft_many(requests)
+        results = self.drafter.draft_each(requests)
         began += self.drafter.catch_up_s  # the draft's catch-up is the price of switching, not of drafting
         self.switch_s += self.drafter.catch_up_s
         self.draft_s = running(self.draft_s, self.drafter.step_s)
-        drafts = {}
         for r, (tokens, dists) in zip(requests, results):
             if tokens and len(tokens) >= opts.n_min:
                 self.pending[r.slot] = Pending(tokens, dists, began, self.drafter.step_s)
                 engine.metrics.n_drafted += len(tokens)
                 drafts[r.slot] = tokens
         return drafts
+
+    def draft_ahead(self, engine, sent: dict[int, list[int]]) -> None:
+        """The batch just sent verifies these drafts (by slot index): the draft drafts each exact job's next
+        block meanwhile, as if its drafts were kept, on the draft's background thread (Drafter.draft_ahead)."""
+        requests = []
+        for index, drafts in sent.items():
+            slot = engine.slots[index]
+            job = slot.job
+            rate = self._length(slot).rate if job is not None else None
+            if job is None or not self._exact(job) or (rate is not None and rate ** (len(drafts) + 1) < AHEAD_MIN_HIT):
+                continue
+            sequence = slot.tokens + drafts
+            n = min(self.options.n_max + 1, engine.n_ctx_slot - len(sequence), self.drafter.room(len(sequence)))
+            if job.n_predict >= 0:
+                n = min(n, job.n_predict - slot.n_generated - len(drafts) - 1)
+            if n >= 2:  # the guess of the target's next token, and a draft after it at least
+                requests.append(DraftRequest(index, sequence, n, self.options.p_min, job.params.temp, None))
+                self.ahead[index] = (job, sequence)
+        if requests:
+            self.ahead_blocks[0] += len(requests)
+            self.drafter.draft_ahead(requests)
+
+    def _drafted_ahead(self, slot) -> list[int]:
+        """The drafts made ahead for the slot's next block, if they hold: its last block was kept whole and
+        the target's next token is the draft's guess; else none."""
+        job, sequence = self.ahead.pop(slot.index, (None, None))
+        if job is not slot.job or len(slot.tokens) != len(sequence) + 1 or slot.tokens[:-1] != sequence:
+            return []
+        self.drafter.wait()
+        tokens = self.drafter.ahead.get(slot.index, [])
+        if len(tokens) < 2 or tokens[0] != slot.tokens[-1]:
+            return []
+        self.ahead_blocks[1] += 1
+        return tokens[1:]
+
+    def _drop_ahead(self) -> None:
+        """What was drafted ahead for slots not asked for drafts now is stale: the draft stops drafting it."""
+        self.ahead.clear()
+        self.drafter.stop_ahead()
 
     def dropped(self, slot) -> None:
         """The slot's drafts did not go into the batch after all (it had no room): they are forgotten."""
@@ -444,6 +549,10 @@ class Speculator:
         made = self._verify(engine, slot, rows, pending)
         if slot.job is job:  # (a job that ended within the block tells nothing of the next)
             self._length(slot).record(len(pending.tokens), made - 1)
+        if made <= len(pending.tokens) or slot.job is not job:  # a draft not kept: its slot's drafts ahead are stale
+            self.ahead.pop(slot.index, None)
+            if not self.ahead:
+                self.drafter.stop_ahead()
         if self.pace is not None:
             self.pace.record("draft", made, time.perf_counter() - pending.began)
 

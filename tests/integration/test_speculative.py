@@ -97,6 +97,26 @@ def test_a_draft_that_agrees_gives_the_same_text(model, workers, n_workers):
     assert by_draft >= PROBE_TOKENS["draft"] and by_ring >= PROBE_TOKENS["other"] and by_draft + by_ring == 39, spec.stderr[-1000:]  # the first: the prompt's
 
 
+def ahead(stderr: str) -> tuple[int, int]:
+    """Blocks drafted ahead while the target verified the one before, and how many of them were used."""
+    found = re.search(r"draft: (\d+) blocks drafted ahead while the target verified, (\d+) of them used", stderr)
+    assert found, stderr[-2000:]
+    return int(found[1]), int(found[2])
+
+
+def test_blocks_drafted_ahead_give_the_same_text(model, workers):
+    """--no-ring: every block verified through the orchestrator, the next one drafted while it is verified.
+    With the model itself as its draft nearly every block is kept whole and the guess of the target's next
+    token right, so the blocks drafted ahead are used; the text is the plain one."""
+    rpc = workers[:2]
+    plain = generate(model, rpc)
+    spec = generate(model, rpc, "-md", model, "--draft-max", 3, "--no-ring")
+    assert spec.stdout == plain.stdout
+    started, used = ahead(spec.stderr)
+    n_drafted, n_accepted = drafted(spec.stderr)
+    assert 0 < used <= started and n_accepted > n_drafted // 2, spec.stderr[-1000:]
+
+
 @pytest.mark.parametrize(("arch", "n_workers"), [("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen2", 3),
                                                 ("qwen3", 2), ("qwen3", 4)])
 def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pairs, workers, arch, n_workers):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.pacing import PROBE_TOKENS, LoadPace
+from orchestrator.engine.pacing import LOAD_PROBE_TOKENS as PROBE_TOKENS, LoadPace
 
 
 class Feed:
@@ -48,13 +48,14 @@ def test_intervals_with_a_prompt_being_read_or_a_load_change_are_not_counted():
     pace = LoadPace()
     feed = Feed(pace)
     feed.steps(2, 1, {"draft": 0.0, "plain": 0.0})
-    feed.steps(2, 3, {"draft": 0.01, "plain": 0.01}, per_step=2)  # 6 of drafting's 8 probe tokens
+    probe = 2 * PROBE_TOKENS["draft"]
+    feed.steps(2, probe // 2 - 1, {"draft": 0.01, "plain": 0.01}, per_step=2)  # all but 2 of drafting's probe tokens
     feed.steps(2, 5, {"draft": 9.0, "plain": 9.0}, clean=False, per_step=2)  # a prompt read: not counted
     feed.steps(3, 5, {"draft": 9.0, "plain": 9.0}, per_step=3)  # another load (its own pace)
     feed.steps(2, 1, {"draft": 9.0, "plain": 9.0}, per_step=2)  # back at 2: this interval starts anew
     assert pace.paces[2].left == 2 and pace.paces[2].mode == "draft"
     feed.steps(2, 1, {"draft": 0.01, "plain": 0.01}, per_step=2)
-    assert pace.paces[2].rates == pytest.approx({"draft": 200.0})  # 8 tokens in 0.04 s
+    assert pace.paces[2].rates == pytest.approx({"draft": probe / (0.01 * probe / 2)})
 
 
 def test_an_observation_without_a_token_extends_the_interval():
@@ -63,3 +64,19 @@ def test_an_observation_without_a_token_extends_the_interval():
     pace.observe(1, 0, True, 0.5)  # a step in which no batch came back
     pace.observe(1, PROBE_TOKENS["draft"], True, 1.0)
     assert pace.paces[1].rates == pytest.approx({"draft": PROBE_TOKENS["draft"] / 1.0})
+
+
+def test_the_batches_in_flight_when_the_way_changes_are_not_counted():
+    """A batch comes back a step after it was built (one in flight), so the interval after a change of way
+    holds the old way's batch: counted, one fast drafting block would make the plain probe after it look
+    fast."""
+    pace = LoadPace()
+    pace.observe(1, 0, True, 0.0, in_flight=1)
+    made, now, built = 0, 0.0, []  # built: the way each batch in flight was built, oldest first
+    for _ in range(200):
+        built.append(pace.drafting(1))
+        if len(built) > 1:  # the batch built a step before comes back now
+            drafted = built.pop(0)
+            made, now = made + (4 if drafted else 1), now + 0.1  # drafting: 4 tokens a step, plain 1
+        pace.observe(1, made, True, now, in_flight=1)
+    assert pace.paces[1].rates == pytest.approx({"draft": 40.0, "plain": 10.0})
