@@ -17,7 +17,9 @@ mask ever shows them (position masks, cell i at position i of the slot).
 
 The CLI's one greedy sequence drafts by the speculative ring instead where it runs (pipeline/spec_ring.py:
 the draft's ring feeds the target's stages, the orchestrator only compares), measured against the
-target's own ring as it goes (Pace); the server's slots draft in blocks as above.
+target's own ring as it goes (Pace); the server's slots draft in blocks as above, the next block drafted
+while the target verifies one where that pays (Speculator.draft_ahead), and only at loads where drafting is
+measured faster than plain steps (LoadPace, engine/pacing.py).
 
 llama.cpp's checks and flags: the vocabularies must match as common_speculative_are_compatible says;
 --draft-max / --draft-min / --draft-p-min are common_params_speculative's n_max / n_min / p_min, with the
@@ -26,7 +28,6 @@ pinned build's defaults (its names --spec-draft-n-max etc. are accepted too).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +35,9 @@ from typing import Iterator
 
 import numpy as np
 
-from orchestrator.engine.batching import Piece, Planner
+from orchestrator.engine.drafter import DraftRequest, Drafter
 from orchestrator.engine.pacing import DraftLength, LoadPace, Pace, running
-from orchestrator.engine.slots import common_prefix
 from orchestrator.pipeline.placement import PlacementError
-from orchestrator.pipeline.ring import Ring
 from orchestrator.pipeline.spec_ring import SpecRing
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128  # SPEC_VOCAB_MAX_SIZE_DIFFERENCE
@@ -116,21 +115,6 @@ def exact(params) -> bool:
     return params.temp <= 0 or bool(params.grammar)
 
 
-DRAFT_TOP_K = 10  # the draft's sampler in common/speculative.cpp: top_k 10, then the target's temperature
-
-
-def draft_distribution(logits: np.ndarray, temp: float) -> np.ndarray:
-    """q: what the pinned llama.cpp's draft sampler draws from (spec_retune: top-k 10, then the target's
-    temperature; temperature 1 for a greedy job), as float64 over the whole vocabulary."""
-    x = np.asarray(logits, dtype=np.float64)
-    top = np.argpartition(-x, DRAFT_TOP_K - 1)[:DRAFT_TOP_K] if len(x) > DRAFT_TOP_K else np.arange(len(x))
-    z = x[top] / (temp if temp > 0 else 1.0)
-    e = np.exp(z - z.max())
-    q = np.zeros(len(x))
-    q[top] = e / e.sum()
-    return q
-
-
 def accept_or_resample(p: np.ndarray, q: np.ndarray, drafted: int, rng: np.random.Generator) -> tuple[int, bool]:
     """Speculative sampling of one position: the drafted token (drawn from q) kept with probability
     min(1, p/q), else a token from the residual max(p - q, 0) normalized. The result is distributed as p."""
@@ -140,226 +124,6 @@ def accept_or_resample(p: np.ndarray, q: np.ndarray, drafted: int, rng: np.rando
     total = residual.sum()
     dist = residual / total if total > 0 else p
     return int(rng.choice(len(p), p=dist)), False
-
-
-class Drafter:
-    """The draft model's pipeline and, per slot, which tokens its cells hold (cell i: position i of the
-    slot's run, as the engine's Planner lays them out).
-
-    Greedy drafts of slot 0 come from the ring (pipeline/ring.py) when the draft's workers can run one:
-    the draft's last stage picks each token and feeds it back to its first, so k drafted tokens cost one
-    round trip to the draft's workers instead of k. Slot 0's cells are where the ring's one sequence puts
-    them (cell i: position i), and its masks hide every other slot's cells."""
-
-    def __init__(self, pipe, n_slots: int):
-        if pipe.n_swa:
-            raise ValueError("a draft model with sliding-window layers is not supported")
-        self.pipe = pipe
-        self.planner = Planner(n_slots, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
-                               cache_types=pipe.cache_types)
-        self.cached: list[list[int]] = [[] for _ in range(n_slots)]
-        ring = Ring(pipe, [])
-        self.ring = ring if ring.why_not() is None and ring.setup() else None
-        self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
-        self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
-        self.ahead: dict[int, list[int]] = {}  # draft_ahead()'s tokens by slot, once wait() has returned
-        self._reader: threading.Thread | None = None  # read_ahead()'s or draft_ahead()'s, until wait() joins it
-        self._read_error: BaseException | None = None
-        self._stop = threading.Event()  # asks draft_ahead()'s drafting to end after its current step
-
-    def _background(self, name: str, work) -> None:
-        """Runs work() on the draft's one background thread; wait() joins it and raises what it met."""
-        def run() -> None:
-            try:
-                work()
-            except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the engine's thread
-                self._read_error = exc
-
-        self._reader = threading.Thread(target=run, name=name, daemon=True)
-        self._reader.start()
-
-    def read_ahead(self, slot: int, prompt: list[int]) -> None:
-        """Starts feeding the slot a new prompt (what its cells lack of it) on a thread of its own, so that
-        the draft reads it while the target does, not after the first token; the draft's next use waits for
-        it (wait()). Nothing is started while an earlier read runs (the slot's first draft reads it then)."""
-        if self._reader is not None and self._reader.is_alive() and self._reader.name == "draft-read-ahead":
-            return
-        self.stop_ahead()  # a new request's first token matters more than another slot's drafts ahead
-        self.wait()
-        keep = common_prefix(self.cached[slot], prompt)
-        if keep == len(prompt):
-            return
-
-        def read() -> None:
-            self._feed(slot, prompt[keep:], keep)
-            self.cached[slot] = list(prompt)
-
-        self.cached[slot] = list(prompt[:keep])  # until the read is done
-        self._background("draft-read-ahead", read)
-
-    def draft_ahead(self, requests: list["DraftRequest"]) -> None:
-        """Starts drafting for the requests on the background thread (while the target verifies the slots'
-        blocks, each request's sequence assuming its block is kept whole); `ahead` has the tokens once
-        wait() returns. stop_ahead() ends it after the draft step under way (its guesses are stale)."""
-        self.wait()
-        self._stop.clear()
-        self.ahead = {}
-
-        def draft() -> None:
-            for r, (tokens, _) in zip(requests, self.draft_each(requests, self._stop)):
-                self.ahead[r.slot] = tokens
-
-        self._background("draft-ahead", draft)
-
-    def stop_ahead(self) -> None:
-        self._stop.set()
-
-    def wait(self) -> None:
-        """Waits for the background thread (read_ahead()'s, draft_ahead()'s); raises what it met (a
-        WorkerError: the engine recovers). A no-op on that thread itself (draft_ahead() drafts there)."""
-        if self._reader is threading.current_thread():
-            return
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.join()
-        error, self._read_error = self._read_error, None
-        if error is not None:
-            raise error
-
-    def room(self, n_tokens: int) -> int:
-        """Tokens that can be drafted after a sequence of n_tokens (the draft's cells of a slot)."""
-        return max(0, self.planner.size - n_tokens)
-
-    def _feed(self, slot: int, tokens: list[int], start: int) -> np.ndarray:
-        """Feeds tokens at positions start.. in ubatch pieces; the last one's logits."""
-        logits = None
-        for u in range(0, len(tokens), self.pipe.n_ubatch):
-            chunk = tokens[u:u + self.pipe.n_ubatch]
-            s = start + u
-            piece = Piece(slot, chunk, s, self.planner.path(len(chunk), s + len(chunk)), True)
-            batch, _ = self.planner.batch([piece])
-            logits = self.pipe.run(batch)[-1]
-        return logits
-
-    def draft_each(self, requests: list["DraftRequest"], stop: threading.Event | None = None
-                   ) -> list[tuple[list[int], list[np.ndarray]]]:
-        """draft() for one request (from the draft's ring where it can), draft_many() for several."""
-        if len(requests) == 1:
-            r = requests[0]
-            return [self.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.rng, stop)]
-        return self.draft_many(requests, stop)
-
-    def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float,
-              rng: np.random.Generator | None, stop: threading.Event | None = None
-              ) -> tuple[list[int], list[np.ndarray]]:
-        """Up to n_max tokens after `sequence`: the draft's most likely token (rng None) or draws from
-        draft_distribution; drafting stops before a position whose most likely token has a probability
-        below p_min (common_speculative's "only collect very high-confidence draft tokens"). Returns the
-        tokens and the distribution each was drawn from (for speculative sampling)."""
-        if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
-            self.step_s = None
-            return self._draft_ring(sequence, n_max), []
-        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, rng)], stop)[0]
-
-    def draft_many(self, requests: list["DraftRequest"], stop: threading.Event | None = None
-                   ) -> list[tuple[list[int], list[np.ndarray]]]:
-        """draft() for several slots at once, stepwise: each step one batch of every slot still drafting
-        (its first: what the slot's cells lack of its sequence), so k drafts of any number of slots cost k
-        round trips to the draft's workers, not k per slot. catch_up_s: the seconds spent waiting for a
-        read ahead and feeding what would not fit in the first step (not drafting's price). `stop` set:
-        no step after the one under way."""
-        waited = time.perf_counter()
-        self.wait()
-        self.step_s = None
-        feeds, read = {}, False  # per request: the tokens its slot is fed next, and from which position
-        for i, r in enumerate(requests):
-            keep = min(common_prefix(self.cached[r.slot], r.sequence), len(r.sequence) - 1)
-            read |= len(r.sequence) - keep > 2  # more than the target's token and the last draft: a prompt
-            if len(r.sequence) - 1 - keep > self.pipe.n_ubatch // len(requests) - 1:  # too long to share a step
-                self._feed(r.slot, r.sequence[keep:-1], keep)
-                keep = len(r.sequence) - 1
-            feeds[i] = (list(r.sequence[keep:]), keep)
-        began = time.perf_counter()
-        self.catch_up_s = began - waited
-        fed = [list(r.sequence) for r in requests]
-        results: list[tuple[list[int], list[np.ndarray]]] = [([], []) for _ in requests]
-        while feeds:
-            pieces = [Piece(requests[i].slot, tokens, start, self.planner.path(len(tokens), start + len(tokens)), True)
-                      for i, (tokens, start) in feeds.items()]
-            batch, order = self.planner.batch(pieces)
-            rows = dict(zip((p.slot for p in order), self.pipe.run(batch)))
-            for i in list(feeds):
-                r = requests[i]
-                tokens, dists = results[i]
-                q = draft_distribution(rows[r.slot], r.temp if r.rng is not None else 1.0)
-                del feeds[i]
-                if q.max() < r.p_min:
-                    continue
-                token = int(np.argmax(q)) if r.rng is None else int(r.rng.choice(len(q), p=q))
-                tokens.append(token)
-                dists.append(q)
-                if len(tokens) < r.n_max:
-                    feeds[i] = ([token], len(fed[i]))
-                    fed[i].append(token)
-            if stop is not None and stop.is_set():
-                for i in feeds:  # drafted but not fed
-                    fed[i].pop()
-                break
-        for r, sequence in zip(requests, fed):
-            self.cached[r.slot] = sequence
-        most = max(len(tokens) for tokens, _ in results)
-        if most and not read:  # a step per draft, the first also feeding the target's token (and the last draft,
-            # never fed, after a block kept whole); one of a new job's prompt would not tell
-            self.step_s = (time.perf_counter() - began) / most
-        return results
-
-    def catch_up(self, sequence: list[int], start: int) -> None:
-        """Feeds slot 0 the tokens of sequence[:start] its cells lack (the prompt, what the target's ring
-        made, or what a ring that broke left unfed); catch_up_s: the seconds it took, a read ahead's wait
-        included (the price of switching to drafting, not counted in drafting's rate)."""
-        began = time.perf_counter()
-        self.wait()
-        keep = min(common_prefix(self.cached[0], sequence), start)
-        if keep < start:
-            self._feed(0, sequence[keep:start], keep)
-        self.catch_up_s = time.perf_counter() - began
-
-    def _draft_ring(self, sequence: list[int], n_max: int) -> list[int]:
-        """Slot 0's greedy drafts from the ring: one token more than wanted, so that the cells hold every
-        token drafted (the next call then starts at the last token, after a rejection or none)."""
-        start = len(sequence) - 1
-        self.catch_up(sequence, start)
-        tokens, times = [], []
-        for token in self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)):
-            tokens.append(token)
-            times.append(time.perf_counter())
-        if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers,
-            # which is the block's once (stepwise, each draft costs a round trip and a step: draft())
-            self.step_s = (times[-1] - times[0]) / (len(times) - 1)
-        # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
-        self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
-        if self.ring.broken is not None:  # a push failed: stepwise from now on
-            self.ring = None
-        return tokens[:n_max]
-
-    def close(self) -> None:
-        self.pipe.close()  # (a read still running meets the closed connections and ends)
-        try:
-            self.wait()
-        except Exception:  # noqa: BLE001 - closing: what it met no longer matters
-            pass
-
-
-@dataclass
-class DraftRequest:
-    """What draft() is asked for one slot."""
-
-    slot: int
-    sequence: list[int]
-    n_max: int
-    p_min: float
-    temp: float
-    rng: np.random.Generator | None  # None: the draft's most likely tokens
 
 
 # Drafts ahead are made only where the slot's job has a fair chance of using them: every draft of the
@@ -384,7 +148,9 @@ class Speculator:
     already drafts the next one as if the block were kept whole, a token more than a block's drafts: its
     first is the draft's guess of the target's own next token. Where the target kept every draft and its
     next token is that guess, the next block's drafts are ready when the block is verified; otherwise they
-    are dropped (the draft stops after the step under way) and the block is drafted as usual. Only for jobs
+    are dropped (the draft stops after the step under way) and the block is drafted as usual. Only where
+    the verification's pass takes longer than drafting a block (slow links; at 0 ms on two vCPUs the
+    drafts ahead made blocks 0.8x as fast, the draft computing beside the target's stages), and only for jobs
     whose drafts are the draft's most likely tokens (exact(), --spec-draft-sampling greedy): sampled drafts
     ahead would draw from the job's seeded RNG a number of times that depends on timing."""
 
@@ -401,6 +167,7 @@ class Speculator:
         self.pass_s: float | None = None  # running seconds of a block apart from its drafts' (DraftLength's t)
         self.ahead: dict[int, tuple[object, list[int]]] = {}  # per slot drafted ahead: its job, the sequence assumed
         self.ahead_blocks = [0, 0]  # blocks drafted ahead, and of those the ones whose drafts were used
+        self.block_draft_s: float | None = None  # running seconds of a block's drafting (not drafted ahead)
 
     def close(self) -> None:
         self.drafter.close()
@@ -483,11 +250,13 @@ class Speculator:
         self._drop_ahead()
         if not requests:
             return drafts
+        self.drafter.wait()  # (drafts ahead gone stale: drafting's price, not a catch-up)
         began = time.perf_counter()
         results = self.drafter.draft_each(requests)
         began += self.drafter.catch_up_s  # the draft's catch-up is the price of switching, not of drafting
         self.switch_s += self.drafter.catch_up_s
         self.draft_s = running(self.draft_s, self.drafter.step_s)
+        self.block_draft_s = running(self.block_draft_s, time.perf_counter() - began)
         for r, (tokens, dists) in zip(requests, results):
             if tokens and len(tokens) >= opts.n_min:
                 self.pending[r.slot] = Pending(tokens, dists, began, self.drafter.step_s)
@@ -497,7 +266,11 @@ class Speculator:
 
     def draft_ahead(self, engine, sent: dict[int, list[int]]) -> None:
         """The batch just sent verifies these drafts (by slot index): the draft drafts each exact job's next
-        block meanwhile, as if its drafts were kept, on the draft's background thread (Drafter.draft_ahead)."""
+        block meanwhile, as if its drafts were kept, on the draft's background thread (Drafter.draft_ahead).
+        Not while a block's drafting is measured longer than the rest of a block (the verification's pass):
+        then a block drafted ahead is waited for even when it holds, and one gone stale is waited for too."""
+        if self.pass_s is not None and self.block_draft_s is not None and self.pass_s < self.block_draft_s:
+            return
         requests = []
         for index, drafts in sent.items():
             slot = engine.slots[index]

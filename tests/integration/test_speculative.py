@@ -311,7 +311,7 @@ def test_a_prompt_read_ahead_drafts_as_one_read_first(model, workers):
     """Drafter.read_ahead reads a new prompt on a thread of its own, beside the target's reading it: the
     drafts after it are those of a draft that read the prompt when first asked (the draft's ring and
     stepwise), and a read that failed is raised by the draft's next use, once."""
-    from orchestrator.engine.speculative import Drafter  # noqa: PLC0415
+    from orchestrator.engine.drafter import Drafter  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
     from orchestrator.graph.model import ModelFile  # noqa: PLC0415
 

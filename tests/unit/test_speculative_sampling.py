@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.engine.speculative import DRAFT_TOP_K, accept_or_resample, draft_distribution
+from orchestrator.engine.drafter import DRAFT_TOP_K, draft_distribution
+from orchestrator.engine.speculative import accept_or_resample
 
 # Upper 1e-6 quantiles of chi-square by degrees of freedom (scipy.stats.chi2.isf(1e-6, df)).
 CHI2_CRITICAL = {1: 23.928, 2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522}

@@ -1,0 +1,251 @@
+"""The draft model's side of speculative decoding: its pipeline, which tokens its cells hold per slot, and
+the drafting itself (stepwise for any number of slots at once, or from the draft's ring), including the
+background thread on which it reads a new prompt and drafts ahead while the target verifies. The
+Speculator (engine/speculative.py) decides what to draft and verifies it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.engine.batching import Piece, Planner
+from orchestrator.engine.slots import common_prefix
+from orchestrator.pipeline.ring import Ring
+
+DRAFT_TOP_K = 10  # the draft's sampler in common/speculative.cpp: top_k 10, then the target's temperature
+
+
+def draft_distribution(logits: np.ndarray, temp: float) -> np.ndarray:
+    """q: what the pinned llama.cpp's draft sampler draws from (spec_retune: top-k 10, then the target's
+    temperature; temperature 1 for a greedy job), as float64 over the whole vocabulary."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = np.argpartition(-x, DRAFT_TOP_K - 1)[:DRAFT_TOP_K] if len(x) > DRAFT_TOP_K else np.arange(len(x))
+    z = x[top] / (temp if temp > 0 else 1.0)
+    e = np.exp(z - z.max())
+    q = np.zeros(len(x))
+    q[top] = e / e.sum()
+    return q
+
+
+class Drafter:
+    """The draft model's pipeline and, per slot, which tokens its cells hold (cell i: position i of the
+    slot's run, as the engine's Planner lays them out).
+
+    Greedy drafts of slot 0 come from the ring (pipeline/ring.py) when the draft's workers can run one:
+    the draft's last stage picks each token and feeds it back to its first, so k drafted tokens cost one
+    round trip to the draft's workers instead of k. Slot 0's cells are where the ring's one sequence puts
+    them (cell i: position i), and its masks hide every other slot's cells."""
+
+    def __init__(self, pipe, n_slots: int):
+        if pipe.n_swa:
+            raise ValueError("a draft model with sliding-window layers is not supported")
+        self.pipe = pipe
+        self.planner = Planner(n_slots, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
+                               cache_types=pipe.cache_types)
+        self.cached: list[list[int]] = [[] for _ in range(n_slots)]
+        ring = Ring(pipe, [])
+        self.ring = ring if ring.why_not() is None and ring.setup() else None
+        self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
+        self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
+        self.ahead: dict[int, list[int]] = {}  # draft_ahead()'s tokens by slot, once wait() has returned
+        self._reader: threading.Thread | None = None  # read_ahead()'s or draft_ahead()'s, until wait() joins it
+        self._read_error: BaseException | None = None
+        self._stop = threading.Event()  # asks draft_ahead()'s drafting to end after its current step
+
+    def _background(self, name: str, work) -> None:
+        """Runs work() on the draft's one background thread; wait() joins it and raises what it met."""
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the engine's thread
+                self._read_error = exc
+
+        self._reader = threading.Thread(target=run, name=name, daemon=True)
+        self._reader.start()
+
+    def read_ahead(self, slot: int, prompt: list[int]) -> None:
+        """Starts feeding the slot a new prompt (what its cells lack of it) on a thread of its own, so that
+        the draft reads it while the target does, not after the first token; the draft's next use waits for
+        it (wait()). Nothing is started while an earlier read runs (the slot's first draft reads it then)."""
+        if self._reader is not None and self._reader.is_alive() and self._reader.name == "draft-read-ahead":
+            return
+        self.stop_ahead()  # a new request's first token matters more than another slot's drafts ahead
+        self.wait()
+        keep = common_prefix(self.cached[slot], prompt)
+        if keep == len(prompt):
+            return
+
+        def read() -> None:
+            self._feed(slot, prompt[keep:], keep)
+            self.cached[slot] = list(prompt)
+
+        self.cached[slot] = list(prompt[:keep])  # until the read is done
+        self._background("draft-read-ahead", read)
+
+    def draft_ahead(self, requests: list["DraftRequest"]) -> None:
+        """Starts drafting for the requests on the background thread (while the target verifies the slots'
+        blocks, each request's sequence assuming its block is kept whole); `ahead` has the tokens once
+        wait() returns. stop_ahead() ends it after the draft step under way (its guesses are stale)."""
+        self.wait()
+        self._stop.clear()
+        self.ahead = {}
+
+        def draft() -> None:
+            for r, (tokens, _) in zip(requests, self.draft_each(requests, self._stop)):
+                self.ahead[r.slot] = tokens
+
+        self._background("draft-ahead", draft)
+
+    def stop_ahead(self) -> None:
+        self._stop.set()
+
+    def wait(self) -> None:
+        """Waits for the background thread (read_ahead()'s, draft_ahead()'s); raises what it met (a
+        WorkerError: the engine recovers). A no-op on that thread itself (draft_ahead() drafts there)."""
+        if self._reader is threading.current_thread():
+            return
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.join()
+        error, self._read_error = self._read_error, None
+        if error is not None:
+            raise error
+
+    def room(self, n_tokens: int) -> int:
+        """Tokens that can be drafted after a sequence of n_tokens (the draft's cells of a slot)."""
+        return max(0, self.planner.size - n_tokens)
+
+    def _feed(self, slot: int, tokens: list[int], start: int) -> np.ndarray:
+        """Feeds tokens at positions start.. in ubatch pieces; the last one's logits."""
+        logits = None
+        for u in range(0, len(tokens), self.pipe.n_ubatch):
+            chunk = tokens[u:u + self.pipe.n_ubatch]
+            s = start + u
+            piece = Piece(slot, chunk, s, self.planner.path(len(chunk), s + len(chunk)), True)
+            batch, _ = self.planner.batch([piece])
+            logits = self.pipe.run(batch)[-1]
+        return logits
+
+    def draft_each(self, requests: list["DraftRequest"], stop: threading.Event | None = None
+                   ) -> list[tuple[list[int], list[np.ndarray]]]:
+        """draft() for one request (from the draft's ring where it can), draft_many() for several."""
+        if len(requests) == 1:
+            r = requests[0]
+            return [self.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.rng, stop)]
+        return self.draft_many(requests, stop)
+
+    def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float,
+              rng: np.random.Generator | None, stop: threading.Event | None = None
+              ) -> tuple[list[int], list[np.ndarray]]:
+        """Up to n_max tokens after `sequence`: the draft's most likely token (rng None) or draws from
+        draft_distribution; drafting stops before a position whose most likely token has a probability
+        below p_min (common_speculative's "only collect very high-confidence draft tokens"). Returns the
+        tokens and the distribution each was drawn from (for speculative sampling)."""
+        if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
+            self.step_s = None
+            return self._draft_ring(sequence, n_max), []
+        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, rng)], stop)[0]
+
+    def draft_many(self, requests: list["DraftRequest"], stop: threading.Event | None = None
+                   ) -> list[tuple[list[int], list[np.ndarray]]]:
+        """draft() for several slots at once, stepwise: each step one batch of every slot still drafting
+        (its first: what the slot's cells lack of its sequence), so k drafts of any number of slots cost k
+        round trips to the draft's workers, not k per slot. catch_up_s: the seconds spent waiting for a
+        read ahead and feeding what would not fit in the first step (not drafting's price). `stop` set:
+        no step after the one under way."""
+        waited = time.perf_counter()
+        self.wait()
+        self.step_s = None
+        feeds, read = {}, False  # per request: the tokens its slot is fed next, and from which position
+        for i, r in enumerate(requests):
+            keep = min(common_prefix(self.cached[r.slot], r.sequence), len(r.sequence) - 1)
+            read |= len(r.sequence) - keep > 2  # more than the target's token and the last draft: a prompt
+            if len(r.sequence) - 1 - keep > self.pipe.n_ubatch // len(requests) - 1:  # too long to share a step
+                self._feed(r.slot, r.sequence[keep:-1], keep)
+                keep = len(r.sequence) - 1
+            feeds[i] = (list(r.sequence[keep:]), keep)
+        began = time.perf_counter()
+        self.catch_up_s = began - waited
+        fed = [list(r.sequence) for r in requests]
+        results: list[tuple[list[int], list[np.ndarray]]] = [([], []) for _ in requests]
+        while feeds:
+            pieces = [Piece(requests[i].slot, tokens, start, self.planner.path(len(tokens), start + len(tokens)), True)
+                      for i, (tokens, start) in feeds.items()]
+            batch, order = self.planner.batch(pieces)
+            rows = dict(zip((p.slot for p in order), self.pipe.run(batch)))
+            for i in list(feeds):
+                r = requests[i]
+                tokens, dists = results[i]
+                q = draft_distribution(rows[r.slot], r.temp if r.rng is not None else 1.0)
+                del feeds[i]
+                if q.max() < r.p_min:
+                    continue
+                token = int(np.argmax(q)) if r.rng is None else int(r.rng.choice(len(q), p=q))
+                tokens.append(token)
+                dists.append(q)
+                if len(tokens) < r.n_max:
+                    feeds[i] = ([token], len(fed[i]))
+                    fed[i].append(token)
+            if stop is not None and stop.is_set():
+                for i in feeds:  # drafted but not fed
+                    fed[i].pop()
+                break
+        for r, sequence in zip(requests, fed):
+            self.cached[r.slot] = sequence
+        most = max(len(tokens) for tokens, _ in results)
+        if most and not read:  # a step per draft, the first also feeding the target's token (and the last draft,
+            # never fed, after a block kept whole); one of a new job's prompt would not tell
+            self.step_s = (time.perf_counter() - began) / most
+        return results
+
+    def catch_up(self, sequence: list[int], start: int) -> None:
+        """Feeds slot 0 the tokens of sequence[:start] its cells lack (the prompt, what the target's ring
+        made, or what a ring that broke left unfed); catch_up_s: the seconds it took, a read ahead's wait
+        included (the price of switching to drafting, not counted in drafting's rate)."""
+        began = time.perf_counter()
+        self.wait()
+        keep = min(common_prefix(self.cached[0], sequence), start)
+        if keep < start:
+            self._feed(0, sequence[keep:start], keep)
+        self.catch_up_s = time.perf_counter() - began
+
+    def _draft_ring(self, sequence: list[int], n_max: int) -> list[int]:
+        """Slot 0's greedy drafts from the ring: one token more than wanted, so that the cells hold every
+        token drafted (the next call then starts at the last token, after a rejection or none)."""
+        start = len(sequence) - 1
+        self.catch_up(sequence, start)
+        tokens, times = [], []
+        for token in self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)):
+            tokens.append(token)
+            times.append(time.perf_counter())
+        if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers,
+            # which is the block's once (stepwise, each draft costs a round trip and a step: draft())
+            self.step_s = (times[-1] - times[0]) / (len(times) - 1)
+        # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
+        self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
+        if self.ring.broken is not None:  # a push failed: stepwise from now on
+            self.ring = None
+        return tokens[:n_max]
+
+    def close(self) -> None:
+        self.pipe.close()  # (a read still running meets the closed connections and ends)
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - closing: what it met no longer matters
+            pass
+
+
+@dataclass
+class DraftRequest:
+    """What draft() is asked for one slot."""
+
+    slot: int
+    sequence: list[int]
+    n_max: int
+    p_min: float
+    temp: float
+    rng: np.random.Generator | None  # None: the draft's most likely tokens
