@@ -268,8 +268,12 @@ class Speculator:
         """The batch just sent verifies these drafts (by slot index): the draft drafts each exact job's next
         block meanwhile, as if its drafts were kept, on the draft's background thread (Drafter.draft_ahead).
         Not while a block's drafting is measured longer than the rest of a block (the verification's pass):
-        then a block drafted ahead is waited for even when it holds, and one gone stale is waited for too."""
+        then a block drafted ahead is waited for even when it holds, and one gone stale is waited for too.
+        Nor where a generating slot is not in this batch: it would ask for drafts before the batch is back,
+        and the draft, drafting for one batch at a time, would drop these."""
         if self.pass_s is not None and self.block_draft_s is not None and self.pass_s < self.block_draft_s:
+            return
+        if any(s.job is not None and s.generating and s.index not in sent for s in engine.slots):
             return
         requests = []
         for index, drafts in sent.items():
