@@ -416,9 +416,9 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     if m.n_drafted:
         log(f"draft: {m.n_drafted} tokens drafted, {m.n_drafted_accepted} accepted "
             f"({100 * m.n_drafted_accepted / m.n_drafted:.1f}%)")
-    if engine.speculator is not None and engine.speculator.ahead_blocks[0]:
-        started, used = engine.speculator.ahead_blocks
-        log(f"draft: {started} blocks drafted ahead while the target verified, {used} of them used")
+    if engine.speculator is not None and engine.speculator.ahead_started:
+        log(f"draft: {engine.speculator.ahead_started} blocks drafted ahead while the target verified, "
+            f"{engine.speculator.ahead_used} of them used")
     pace = engine.speculator.sequence_pace() if engine.speculator is not None else None
     if pace is not None:  # the ring's, or where none runs plain steps' (LoadPace at one slot)
         rates = ", ".join(f"{way} {rate:.1f} tokens/s" for way, rate in pace.rates.items())

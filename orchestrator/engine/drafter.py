@@ -52,8 +52,8 @@ class Drafter:
         self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
         self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
         self.ahead: dict[int, list[int]] = {}  # draft_ahead()'s tokens by slot, once wait() has returned
-        self._reader: threading.Thread | None = None  # read_ahead()'s or draft_ahead()'s, until wait() joins it
-        self._read_error: BaseException | None = None
+        self._thread: threading.Thread | None = None  # read_ahead()'s or draft_ahead()'s, until wait() joins it
+        self._thread_error: BaseException | None = None
         self._stop = threading.Event()  # asks draft_ahead()'s drafting to end after its current step
 
     def _background(self, name: str, work) -> None:
@@ -62,16 +62,16 @@ class Drafter:
             try:
                 work()
             except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the engine's thread
-                self._read_error = exc
+                self._thread_error = exc
 
-        self._reader = threading.Thread(target=run, name=name, daemon=True)
-        self._reader.start()
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
 
     def read_ahead(self, slot: int, prompt: list[int]) -> None:
         """Starts feeding the slot a new prompt (what its cells lack of it) on a thread of its own, so that
         the draft reads it while the target does, not after the first token; the draft's next use waits for
         it (wait()). Nothing is started while an earlier read runs (the slot's first draft reads it then)."""
-        if self._reader is not None and self._reader.is_alive() and self._reader.name == "draft-read-ahead":
+        if self._thread is not None and self._thread.is_alive() and self._thread.name == "draft-read-ahead":
             return
         self.stop_ahead()  # a new request's first token matters more than another slot's drafts ahead
         self.wait()
@@ -106,12 +106,12 @@ class Drafter:
     def wait(self) -> None:
         """Waits for the background thread (read_ahead()'s, draft_ahead()'s); raises what it met (a
         WorkerError: the engine recovers). A no-op on that thread itself (draft_ahead() drafts there)."""
-        if self._reader is threading.current_thread():
+        if self._thread is threading.current_thread():
             return
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.join()
-        error, self._read_error = self._read_error, None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._thread_error = self._thread_error, None
         if error is not None:
             raise error
 

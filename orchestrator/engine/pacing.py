@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+
 def expected_tokens(a: float, k: int) -> float:
     """Tokens a block of k drafts makes on average when each position's draft is kept with probability a
     (given the ones before it were): the kept prefix plus the target's own next token, 1 + a + ... + a^k."""

@@ -166,7 +166,7 @@ class Speculator:
         self.draft_s: float | None = None  # running seconds one more draft costs (DraftLength's d)
         self.pass_s: float | None = None  # running seconds of a block apart from its drafts' (DraftLength's t)
         self.ahead: dict[int, tuple[object, list[int]]] = {}  # per slot drafted ahead: its job, the sequence assumed
-        self.ahead_blocks = [0, 0]  # blocks drafted ahead, and of those the ones whose drafts were used
+        self.ahead_started = self.ahead_used = 0  # blocks drafted ahead, and of those the ones used
         self.block_draft_s: float | None = None  # running seconds of a block's drafting (not drafted ahead)
 
     def close(self) -> None:
@@ -237,13 +237,13 @@ class Speculator:
             k = min(n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
             if job.n_predict >= 0:
                 k = min(k, job.n_predict - slot.n_generated - 1)
-            ready = self._drafted_ahead(slot)
+            ready = self._drafted_ahead(slot)[:max(k, 0)]
             if k <= 0 or k < opts.n_min or job.n_keep is not None:
                 continue
             if ready:  # drafted while the last block was verified: no drafting in this one's time
-                self.pending[slot.index] = Pending(ready[:k], [], time.perf_counter(), 0.0)
-                engine.metrics.n_drafted += len(ready[:k])
-                drafts[slot.index] = ready[:k]
+                self.pending[slot.index] = Pending(ready, [], time.perf_counter(), 0.0)
+                engine.metrics.n_drafted += len(ready)
+                drafts[slot.index] = ready
             else:
                 rng = None if self._exact(job) else self._rng(slot)
                 requests.append(DraftRequest(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng))
@@ -290,7 +290,7 @@ class Speculator:
                 requests.append(DraftRequest(index, sequence, n, self.options.p_min, job.params.temp, None))
                 self.ahead[index] = (job, sequence)
         if requests:
-            self.ahead_blocks[0] += len(requests)
+            self.ahead_started += len(requests)
             self.drafter.draft_ahead(requests)
 
     def _drafted_ahead(self, slot) -> list[int]:
@@ -303,7 +303,7 @@ class Speculator:
         tokens = self.drafter.ahead.get(slot.index, [])
         if len(tokens) < 2 or tokens[0] != slot.tokens[-1]:
             return []
-        self.ahead_blocks[1] += 1
+        self.ahead_used += 1
         return tokens[1:]
 
     def _drop_ahead(self) -> None:
