@@ -10,7 +10,7 @@ The ways of running a step: Waves (the server: up to one batch per stage in flig
 it Stepwise while one job alone generates), Stepwise (the CLI: one batch through every stage, pushed where a
 link pushes) and, for the CLI's greedy
 sequence when every link pushes, the ring (orchestrator/pipeline/ring.py: the workers pick the tokens and the
-orchestrator only reads them). The layouts: the server's Planner (a run of cells per slot, batches
+orchestrator only reads them; its runs: orchestrator/engine/ring_steps.py). The layouts: the server's Planner (a run of cells per slot, batches
 grouped for attention: orchestrator/engine/batching.py) and the CLI's OneSequence (llama-completion's cells).
 
 The server's engine runs on a thread of its own (the pipeline's RPC is blocking) and serves Jobs from a
@@ -43,9 +43,10 @@ import numpy as np
 
 from orchestrator.engine.batching import OneSequence, Piece, Planner
 from orchestrator.engine.recovery import Recovery, RecoveryError, reset_slots
+from orchestrator.engine.ring_steps import ring_ready, run_ring
 from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.ring import Ring
-from orchestrator.pipeline.telemetry import PROBE_PERIOD_S, Mark, Telemetry, clients
+from orchestrator.pipeline.telemetry import PROBE_PERIOD_S, Telemetry, clients
 from orchestrator.sampling import Sampler
 from orchestrator.sampling.gbnf import GrammarError
 from orchestrator.engine.slots import Finish, Job, Metrics, Slot, common_prefix, log_probs
@@ -346,8 +347,8 @@ class Engine:
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled:
                 self._finish(slot, "cancelled")
-        if self._ring_ready() and not self.runner.busy:
-            self._run_ring(self.slots[0])
+        if ring_ready(self) and not self.runner.busy:
+            run_ring(self, self.slots[0])
         if self.runner.ready:
             self._start_batch()
         if self.runner.busy:
@@ -390,7 +391,7 @@ class Engine:
         stage can hold a batch), then pieces of the prompts still being read, up to n_ubatch tokens in all
         (a new prompt does not wait for a batch of its own: its first token comes sooner). A prompt piece
         that found too little room left goes first in the next batch."""
-        if self._ring_ready():  # the ring feeds it
+        if ring_ready(self):  # the ring feeds it
             return
         ready = [s for s in self.slots if s.job is not None and not s.awaiting and s.n_cached < len(s.tokens)]
         share = -(-sum(s.job is not None for s in self.slots) // self.runner.width)
@@ -444,61 +445,6 @@ class Engine:
         self.runner.start(batch, (outs, len(batch.tokens), n_gen))
         if sent:  # the draft drafts the next blocks while the target verifies these
             self.speculator.draft_ahead(self, sent)
-
-    def _ring_ready(self) -> bool:
-        """The ring has the next tokens: it is on, the one slot has a sampled token to feed and, with a
-        draft model, the speculator's Pace gives this stretch to the ring."""
-        slot = self.slots[0]
-        return self.ring is not None and slot.job is not None and slot.generating and \
-            slot.n_cached == len(slot.tokens) - 1 and (self.speculator is None or self.speculator.wants_ring())
-
-    def _run_ring(self, slot: Slot) -> None:
-        """The slot's greedy tokens from the ring (or, for a drafting stretch of Pace's, the speculative
-        ring), each taken as a sampled one is, until the job ends or the ring breaks (then the engine goes
-        on stepwise, or drafting in blocks, from the last token the ring gave)."""
-        job, start = slot.job, slot.n_cached
-        room = self.n_ctx_slot - start  # tokens it can feed before the slot is full
-        limit = room if job.n_predict < 0 else min(job.n_predict - slot.n_generated, room)
-        speculator = self.speculator
-        pace = speculator.pace if speculator is not None else None
-        if pace is not None:  # the ring's stretch, then drafting's (pacing.Pace)
-            limit = min(limit, pace.left)
-        spec = pace is not None and pace.mode == "draft" and speculator.spec_ring is not None  # drafting's stretch
-        if spec:
-            counted = speculator.spec_ring.n_drafted, speculator.spec_ring.n_accepted
-        began, n, mark = time.perf_counter(), 0, Mark(clients(self.pipe))
-        if spec:
-            tokens = speculator.spec_run(slot.tokens, start, limit)
-        else:
-            tokens = self.ring.run(slot.tokens[-1], start, limit)
-        try:
-            for token in tokens:
-                n += 1
-                slot.n_cached += 1  # the ring fed the token before this one
-                slot.paths.append(self.planner.path(1, slot.n_cached))
-                self._take(slot, token)
-                self._tell()
-                if slot.job is not job:
-                    break
-        finally:
-            tokens.close()
-            self.metrics.eval_runs += n
-            self.metrics.tokens_predicted_seconds += time.perf_counter() - began
-            self.telemetry.whole("ring", mark, n)  # the orchestrator sees the run's tokens, not its steps
-            if pace is not None:
-                catch_up = speculator.drafter.catch_up_s if spec else 0.0
-                pace.record("draft" if spec else "ring", n, time.perf_counter() - began - catch_up)
-            if spec:
-                self.metrics.n_drafted += speculator.spec_ring.n_drafted - counted[0]
-                self.metrics.n_drafted_accepted += speculator.spec_ring.n_accepted - counted[1]
-        if spec and speculator.spec_ring.broken is not None:  # drafting goes on through the orchestrator
-            why, speculator.spec_ring = speculator.spec_ring.broken, None
-            if self.on_ring_off is not None:
-                self.on_ring_off(why)
-        elif not spec and self.ring.broken is not None:
-            why, self.ring = self.ring.broken, None
-            if self.on_ring_off is not None:
-                self.on_ring_off(why)
 
     def _sample(self, slot: Slot, logits: np.ndarray) -> None:
         job = slot.job

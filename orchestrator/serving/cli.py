@@ -88,7 +88,8 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
-    from orchestrator.serving.server import Service, serve as serve_http  # noqa: PLC0415
+    from orchestrator.serving.server import serve as serve_http  # noqa: PLC0415
+    from orchestrator.serving.service import Service  # noqa: PLC0415
     from orchestrator.engine.startup import PipelineOptions, StartupError, open_model, start_pipeline  # noqa: PLC0415
 
     loaded = open_model(model_path)

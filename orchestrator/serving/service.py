@@ -1,0 +1,144 @@
+"""What the HTTP handlers share (orchestrator/serving/server.py): the Service (the model, its vocabulary
+and, once loaded, the engine), a request's JSON body and token ids checked; and llama-server's endpoints
+that answer from them without generating: /health, /models, /props, /metrics, /tokenize, /detokenize.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+from orchestrator import chat
+from orchestrator.chat import ChatTemplateError
+from orchestrator.engine.loop import Engine
+from orchestrator.engine.startup import chat_template
+from orchestrator.sampling import SamplingParams
+from orchestrator.serving import openai_api as api
+
+
+class Service:
+    """The model, its vocabulary and (once loaded) the engine, as the handlers see them."""
+
+    def __init__(self, model, vocab, *, api_key: str | None, metrics: bool, defaults: SamplingParams | None = None,
+                 n_predict: int = -1, n_ctx: int = 0):
+        self.model, self.vocab = model, vocab
+        # what a request leaves out: the server's sampling flags, -n, and -c for repeat_last_n -1
+        self.defaults, self.n_predict, self.n_ctx = defaults or SamplingParams(), n_predict, n_ctx
+        self.name = model.path.name
+        self.api_key, self.metrics_enabled = api_key, metrics
+        self.engine: Engine | None = None
+        self.template = chat_template(model)  # the start-up's: the file's or ChatML
+        self.reasoning_format = "deepseek"  # llama-server's default (common_params.reasoning_format)
+        self._chat: tuple | None = None
+
+    def chat(self) -> tuple[chat.ChatTemplate, chat.Family]:
+        """The compiled template with its probed capabilities and its chat family, made once."""
+        if self._chat is None:
+            try:
+                tmpl = chat.ChatTemplate(self.template, bos_token=self.piece(self.vocab.bos),
+                                         eos_token=self.piece(self.vocab.eos), vocab_adds_bos=self.vocab.add_bos,
+                                         vocab_adds_eos=self.vocab.add_eos)
+            except ChatTemplateError as exc:
+                raise api.ApiError(500, str(exc), "server_error") from None
+            self._chat = (tmpl, chat.detect(tmpl.source))
+        return self._chat
+
+    def ready(self) -> Engine:
+        if self.engine is None:
+            raise api.ApiError(503, "Loading model", "unavailable_error")
+        if (failed := self.engine.failed) is not None:
+            self.engine.retry()  # a worker may be back: the engine re-plans while this request is refused
+            raise api.ApiError(503, f"a worker failed: {failed}", "unavailable_error")
+        return self.engine
+
+    def piece(self, token) -> str:
+        return "" if token is None else self.vocab.token_to_piece(token, special=True).decode("utf-8", "replace")
+
+
+async def json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise api.ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise api.ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def checked_tokens(s: Service, tokens) -> list[int]:
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise api.ApiError(400, "tokens must be a list of integers")
+    bad = [t for t in tokens if not 0 <= t < s.vocab.n_tokens]
+    if bad:
+        raise api.ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{s.vocab.n_tokens - 1})")
+    return tokens
+
+
+async def health(request: web.Request) -> web.Response:
+    request.app["service"].ready()
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    hp = s.model.hparams
+    meta = {"n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd, "size": s.model.path.stat().st_size}
+    return web.json_response({"object": "list", "data": [{"id": s.name, "object": "model", "created": int(time.time()),
+                                                          "owned_by": "llamacpp", "meta": meta}]})
+
+
+async def props(request: web.Request) -> web.Response:
+    """llama-server's GET /props: what clients read to set themselves up (context, slots, template)."""
+    s: Service = request.app["service"]
+    engine = s.ready()
+    defaults = api.generation_settings(api.completion({}, [], s, chat=False))
+    return web.json_response({
+        "default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": defaults},  # a slot's, as -np N there
+        "total_slots": len(engine.slots), "model_alias": s.name, "model_path": str(s.model.path),
+        "modalities": {"vision": False, "video": False, "audio": False}, "chat_template": s.template,
+        "bos_token": s.piece(s.vocab.bos), "eos_token": s.piece(s.vocab.eos), "build_info": "orchestrator"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    if not s.metrics_enabled:
+        raise api.ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`",
+                           "not_supported_error")
+    engine = s.ready()
+    m = engine.metrics
+    rows = [("prompt_tokens_total", "counter", "Number of prompt tokens processed.", m.prompt_tokens),
+            ("prompt_seconds_total", "counter", "Prompt process time", m.prompt_seconds),
+            ("tokens_predicted_total", "counter", "Number of generation tokens processed.", m.tokens_predicted),
+            ("tokens_predicted_seconds_total", "counter", "Predict process time", m.tokens_predicted_seconds),
+            ("n_decode_total", "counter", "Total number of llama_decode() calls", m.n_decode),
+            ("n_drafted_total", "counter", "Tokens a draft model proposed.", m.n_drafted),
+            ("n_drafted_accepted_total", "counter", "Drafted tokens the model accepted.", m.n_drafted_accepted),
+            ("requests_processing", "gauge", "Number of requests processing.", engine.processing),
+            ("requests_deferred", "gauge", "Number of requests deferred.", engine.deferred)]
+    text = "".join(f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+                   for name, kind, doc, value in rows)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    body = await json_body(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise api.ApiError(400, "'content' must be a string")
+    tokens = s.vocab.tokenize(content, add_special=bool(body.get("add_special", False)),
+                              parse_special=bool(body.get("parse_special", True)))
+    if body.get("with_pieces"):
+        pieces = [{"id": t, "piece": s.vocab.token_to_piece(t, special=True).decode("utf-8", "replace")} for t in tokens]
+        return web.json_response({"tokens": pieces})
+    return web.json_response({"tokens": tokens})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    s: Service = request.app["service"]
+    tokens = (await json_body(request)).get("tokens", [])
+    checked_tokens(s, tokens)
+    text = b"".join(s.vocab.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+    return web.json_response({"content": text})
