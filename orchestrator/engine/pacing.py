@@ -67,11 +67,21 @@ class DraftLength:
 # ring wrongly kept costs little, while drafting where it does not pay costs a good deal (0.4x-0.5x the
 # ring's rate with workers together). "other": the target's ring, or the server's plain steps.
 PROBE_TOKENS = {"draft": 4, "other": 8}
-# The server's probes, per generating slot (LoadPace): longer, since a load's first probes may decide it for
-# good and a block's time varies (the next block drafted ahead or not); measured with one client at 10 ms,
-# drafting's 4 tokens read 32.7 tok/s where its stretch then made 21.6. A server pays them once per load.
+# The server's probes, per generating slot (LoadPace): longer, since a block's time varies (the next block
+# drafted ahead or not, the drafts kept or not); measured with one client at 10 ms, drafting's 4 tokens read
+# 32.7 tok/s where its stretch then made 21.6.
 LOAD_PROBE_TOKENS = {"draft": 16, "other": 16}
-LEAD_GROWTH, LEAD_MAX = 8, 64  # drafting's stretches between the other way's probes, in probes: x8 a win
+# The winner's stretch between the loser's probes is long enough that the loser's next probe costs at most
+# PROBE_SHARE of its time (what the probe takes beyond what the winner would take for its tokens), and
+# between STRETCH_MIN and STRETCH_MAX probes of the other way: ways measured close probe each other often,
+# where a wrong choice costs little and one probe's text may have decided it; a way far behind, seldom.
+PROBE_SHARE = 0.02
+STRETCH_MIN, STRETCH_MAX = 8, 64
+# A way's rate is measured over about the last RATE_MEMORY of its tokens (per slot): drafting's price
+# follows how predictable the text is (at one client and 10 ms apart, the same first 17 tokens drafted at
+# 14.8-17.9 tok/s over six starts, the 128 after them at 18.6-21.3, where plain steps made 17.5), so one
+# probe alone misjudges it; its later probes add to the first.
+RATE_MEMORY = 64
 
 
 class Pace:
@@ -85,19 +95,21 @@ class Pace:
 
     Drafting makes its PROBE_TOKENS first (the draft has read the prompt beside the target:
     Drafter.read_ahead), then the other way its own (both times `scale`: the server's probes are per
-    generating slot). If the other way was faster it keeps the tokens for good: the draft never reads what
-    it made (catching up would cost it a prompt's worth of compute; with the ring's probe first, that
-    catch-up cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms).
-    If drafting was faster it makes a stretch of LEAD_GROWTH probes' worth (LEAD_GROWTH times longer
-    each time it wins again, at most LEAD_MAX), the other way a probe between stretches (cheap: the
-    target's cells are always current), and so on. A way's rate is its tokens over its steps' seconds; the
+    generating slot). The faster then makes a stretch (stretch()), the slower a probe after it, and they
+    are compared again, and so on. Without `retry` (the CLI), an other way that wins keeps the tokens for
+    good instead: the draft never reads what it made (catching up would cost it a prompt's worth of
+    compute; with the ring's probe first, that catch-up cost the CLI 0.23 s of a 2 s, 64-token run at
+    0 ms). A way's rate is its tokens over its steps' seconds, over about its last RATE_MEMORY tokens; the
     draft's catch-up is not counted in it (it is the price of switching)."""
 
-    def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1, probes: dict = PROBE_TOKENS):
-        self.other, self.probe = other, {"draft": probes["draft"] * scale, other: probes["other"] * scale}
+    def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1, probes: dict = PROBE_TOKENS,
+                 retry: bool = False):
+        self.other, self.retry = other, retry
+        self.probe = {"draft": probes["draft"] * scale, other: probes["other"] * scale}
+        self.memory = RATE_MEMORY * scale
         self.rates: dict[str, float] = {}
+        self._measured = {"draft": (0.0, 0.0), other: (0.0, 0.0)}  # decayed (tokens, seconds) of each way
         self.plan = [("draft", math.inf)] if always_draft else [("draft", self.probe["draft"]), (other, self.probe[other])]
-        self.lead = 1
         self.made = {"draft": 0, other: 0}  # tokens made each way (the CLI's summary)
         self._next()
 
@@ -120,14 +132,26 @@ class Pace:
         self.left -= n_tokens
         if self.left > 0:
             return
-        self.rates[mode] = self._tokens / max(self._seconds, 1e-9)
+        kept = 0.5 ** (self._tokens / self.memory)  # what the way's earlier tokens still weigh
+        tokens, seconds = self._measured[mode]
+        tokens, seconds = kept * tokens + self._tokens, kept * seconds + self._seconds
+        self._measured[mode] = tokens, seconds
+        self.rates[mode] = tokens / max(seconds, 1e-9)
         if not self.plan:
-            if self.rates[self.other] >= self.rates["draft"]:
+            winner = self.other if self.rates[self.other] >= self.rates["draft"] else "draft"
+            loser = self.other if winner == "draft" else "draft"
+            if winner == self.other and not self.retry:
                 self.plan = [(self.other, math.inf)]  # for good
             else:
-                self.lead = min(self.lead * LEAD_GROWTH, LEAD_MAX)
-                self.plan = [("draft", self.probe[self.other] * self.lead), (self.other, self.probe[self.other])]
+                self.plan = [(winner, self.stretch(winner, loser)), (loser, self.probe[loser])]
         self._next()
+
+    def stretch(self, winner: str, loser: str) -> int:
+        """The winner's tokens before the loser's next probe: that probe costs at most PROBE_SHARE of their
+        time, within STRETCH_MIN..STRETCH_MAX of the other way's probes."""
+        unit = self.probe[self.other]
+        wanted = self.probe[loser] * (self.rates[winner] / self.rates[loser] - 1) / PROBE_SHARE
+        return round(min(max(wanted, STRETCH_MIN * unit), STRETCH_MAX * unit))
 
 
 class LoadPace:
@@ -136,29 +160,32 @@ class LoadPace:
     drafting costs the draft a step per slot, so which pays changes with it). Without it a draft that costs
     what the target does (the benchmark's Q4_0 of the same model) made `orchestrator serve -md` 0.33x-0.34x
     its plain rate with four clients, workers together (0.68x-0.81x with one; docs/speculative.md).
+    Plain steps that win a load do not keep it for good: drafting is probed again after each of their
+    stretches (a server runs long, and drafting's rate follows the text, so a first probe may misjudge it);
+    the draft reads every prompt beside the target for it (Speculator.admitted), so a probe's catch-up is
+    the tokens made since.
 
     Tokens count toward the load's stretch from one observation to the next while the load holds and no
     prompt is being read (a prompt's pieces take a step's time for tokens that are not generated); any
     other interval is not counted, nor are those in which the batches in flight when the load's way
     changed came back (they were built the other way: counted, a drafting block ending the drafting stretch
-    made the plain probe after it read 26.6 tok/s where plain steps made 17)."""
+    made the plain probe after it read 26.6 tok/s where plain steps made 17), nor the one after them: it
+    carries the switch (the draft's block drafted ahead is dropped, but its step under way still computes
+    beside the target's: at one client and 10 ms the first plain step after drafting took 0.09-0.17 s where
+    the next ones took 0.058, which made plain's 16-token probe read 4-12% slow)."""
 
     def __init__(self):
         self.paces: dict[int, Pace] = {}
         self._last: tuple[int, int, float] | None = None  # (load, tokens made, when) at the last observation
-        self._stale = 0  # intervals still to come back from batches built before the way changed
+        self._stale = 0  # intervals not to count since the way changed (its batches in flight, and one)
 
     def pace(self, load: int) -> Pace:
         if load not in self.paces:
-            self.paces[load] = Pace(other="plain", scale=max(load, 1), probes=LOAD_PROBE_TOKENS)
+            self.paces[load] = Pace(other="plain", scale=max(load, 1), probes=LOAD_PROBE_TOKENS, retry=True)
         return self.paces[load]
 
     def drafting(self, load: int) -> bool:
         return self.pace(load).mode == "draft"
-
-    def settled(self, load: int) -> bool:
-        """Plain steps were measured faster at this load: they make its tokens for good."""
-        return load in self.paces and self.paces[load].settled
 
     def observe(self, load: int, made: int, clean: bool, now: float, in_flight: int = 0) -> None:
         """After a step: `made` tokens generated so far, `load` slots generating, `clean` if none reads a
@@ -178,7 +205,7 @@ class LoadPace:
         mode = pace.mode
         pace.record(mode, made - last[1], now - last[2])
         if pace.mode != mode:
-            self._stale = in_flight
+            self._stale = in_flight + 1
 
 
 def running(mean: float | None, value: float | None) -> float | None:

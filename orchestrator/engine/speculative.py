@@ -204,11 +204,8 @@ class Speculator:
         return self.pace if paced is None else paced.paces.get(1)
 
     def admitted(self, engine, slot) -> None:
-        """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead);
-        not where plain steps were measured faster at the load it makes (the draft would read for nothing)."""
-        paced = self._paced
-        if paced is not None and paced.settled(generating(engine) + 1):
-            return
+        """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead),
+        also where plain steps make the tokens at present (LoadPace probes drafting again later)."""
         if slot.job.n_keep is None:
             self.drafter.read_ahead(slot.index, slot.job.prompt)
 

@@ -3,9 +3,11 @@ many slots generate), from observations fed in by hand (no clock): which interva
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from orchestrator.engine.pacing import LOAD_PROBE_TOKENS as PROBE_TOKENS, LoadPace
+from orchestrator.engine.pacing import LOAD_PROBE_TOKENS as PROBE_TOKENS, PROBE_SHARE, STRETCH_MAX, STRETCH_MIN, LoadPace
 
 
 class Feed:
@@ -26,6 +28,14 @@ class Feed:
         return drafted
 
 
+def runs(drafted: list[bool]) -> list[tuple[bool, int]]:
+    """Steps that drafted or not, as runs: [(drafted, steps), ...]."""
+    out: list[tuple[bool, int]] = []
+    for d in drafted:
+        out[-1:] = [(d, out[-1][1] + 1)] if out and out[-1][0] == d else out[-1:] + [(d, 1)]
+    return out
+
+
 def test_each_load_probes_both_ways_and_keeps_the_faster():
     pace = LoadPace()
     feed = Feed(pace)
@@ -33,15 +43,36 @@ def test_each_load_probes_both_ways_and_keeps_the_faster():
     one = feed.steps(1, 400, {"draft": 0.01, "plain": 0.03})  # one slot: drafting pays
     d, p = PROBE_TOKENS["draft"], PROBE_TOKENS["other"]
     assert one[:d + p] == [True] * d + [False] * p and sum(one) > 300
-    assert not pace.settled(1)
     # four slots: plain steps make 4 tokens a step at the same price, drafting's steps cost more: plain wins,
-    # and its probes are per slot
+    # with a stretch after which drafting's probe (4 slots' tokens) costs 2% of its time, then drafting's
+    # probe (all in steps of 4 tokens; the step after each change of way is not counted: it carries the switch)
     feed.steps(4, 1, {"draft": 0.0, "plain": 0.0})  # (a new load: a new interval)
-    four = feed.steps(4, 200, {"draft": 0.05, "plain": 0.03}, per_step=4)
-    assert four[:d + p] == [True] * d + [False] * p and not any(four[d + p:])
-    assert pace.settled(4) and not pace.drafting(4)
+    four = feed.steps(4, 700, {"draft": 0.05, "plain": 0.03}, per_step=4)
+    stretch = math.ceil(4 * d * (0.05 / 0.03 - 1) / PROBE_SHARE / 4)
+    assert p * STRETCH_MIN < stretch < p * STRETCH_MAX
+    assert runs(four) == [(True, d), (False, 1 + p + stretch), (True, 1 + d), (False, 700 - 2 * d - 2 - p - stretch)]
+    assert not pace.drafting(4)
     assert pace.paces[4].rates == pytest.approx({"draft": 4 / 0.05, "plain": 4 / 0.03})
-    assert not pace.settled(1) and pace.paces[1].rates["draft"] == pytest.approx(100.0)
+    assert pace.drafting(1) and pace.paces[1].rates["draft"] == pytest.approx(100.0)
+
+
+def test_drafting_probed_again_after_plain_steps_won_weighs_its_earlier_probes():
+    """Drafting's first probe misjudged it (its text was hard): plain steps win, but drafting's next probes
+    add to what it measured, and once it is measured faster it takes the load back."""
+    pace = LoadPace()
+    feed = Feed(pace)
+    feed.steps(1, 1, {"draft": 0.0, "plain": 0.0})
+    d, p = PROBE_TOKENS["draft"], PROBE_TOKENS["other"]
+    seen = feed.steps(1, d, {"draft": 0.03, "plain": 0.02})  # 33 tokens/s against plain's 50
+    # 67 tokens/s from now on: its second probe alone would beat plain's 50, with the first still weighing it
+    # does not; with the third it does (the step after each change of way not counted). Plain's first lead
+    # (1.5x) sets its stretch; the later ones are close, the stretches the shortest
+    first = round(d * (0.03 / 0.02 - 1) / PROBE_SHARE)
+    expected = [(True, d), (False, 1 + p + first), (True, 1 + d), (False, 1 + STRETCH_MIN * p),
+                (True, 1 + d + STRETCH_MIN * p), (False, 1 + p)]
+    seen += feed.steps(1, sum(n for _, n in expected) - d, {"draft": 0.015, "plain": 0.02})
+    assert runs(seen) == expected
+    assert 50 < pace.paces[1].rates["draft"] < 67
 
 
 def test_intervals_with_a_prompt_being_read_or_a_load_change_are_not_counted():

@@ -1,12 +1,12 @@
 """pacing.Pace: which of drafting and the target's ring makes the CLI's greedy tokens, from rates fed
 in by hand (no clock): drafting's probe, the ring's, then the ring for good if it was faster, else
-drafting's stretches growing while it keeps winning with the ring's probes between."""
+drafting's stretches, as long as its lead makes the ring's probes between them cheap."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.pacing import LEAD_GROWTH, LEAD_MAX, PROBE_TOKENS, Pace
+from orchestrator.engine.pacing import PROBE_SHARE, PROBE_TOKENS, STRETCH_MAX, STRETCH_MIN, Pace
 
 
 def run(pace: Pace, seconds_per_token: dict[str, float], n_tokens: int) -> list[tuple[str, int]]:
@@ -19,17 +19,20 @@ def run(pace: Pace, seconds_per_token: dict[str, float], n_tokens: int) -> list[
     return seen
 
 
-def test_drafting_that_is_faster_runs_ever_longer_stretches_between_the_rings_probes():
+@pytest.mark.parametrize("draft_s, ring_s, stretch", [
+    (0.02, 0.04, 400),  # drafting twice as fast: a ring probe costs 8 tokens' time, 2% of 400 drafted ones
+    (0.02, 0.022, 8 * STRETCH_MIN),  # close: the ring probed as often as allowed
+    (0.01, 0.1, 8 * STRETCH_MAX),  # far apart: as seldom as allowed
+])
+def test_drafting_that_is_faster_runs_stretches_as_long_as_its_lead_makes_the_rings_probes_cheap(draft_s, ring_s, stretch):
     pace = Pace()
-    seen = run(pace, {"draft": 0.02, "ring": 0.04}, 3000)
+    seen = run(pace, {"draft": draft_s, "ring": ring_s}, 3000)
     p, d = PROBE_TOKENS["other"], PROBE_TOKENS["draft"]
-    stretches = [p * min(LEAD_GROWTH ** i, LEAD_MAX) for i in (1, 2, 3)]
-    expected = [("draft", d)]
-    for n in stretches:
-        expected += [("ring", p), ("draft", n)]
+    assert p == 8 and PROBE_SHARE == 0.02  # (the stretches above)
+    expected = [("draft", d)] + [("ring", p), ("draft", stretch)] * 3
     assert seen[:len(expected)] == expected
     assert all(n == p for mode, n in seen if mode == "ring")
-    assert pace.rates == pytest.approx({"ring": 25.0, "draft": 50.0})
+    assert pace.rates == pytest.approx({"ring": 1 / ring_s, "draft": 1 / draft_s})
     by_ring = sum(n for mode, n in seen if mode == "ring")
     assert pace.made == {"draft": 3000 - by_ring, "ring": by_ring}
 
@@ -46,7 +49,8 @@ def test_a_ring_probe_that_beats_drafting_later_takes_over_for_good():
     run(pace, {"draft": 0.02, "ring": 0.04}, 200)
     assert pace.mode == "draft"
     seen = run(pace, {"draft": 0.05, "ring": 0.04}, 2000)  # drafting slows down (its stretch goes on)
-    assert seen[-1][0] == "ring" and seen[-1][1] > 1000 and [m for m, _ in seen].count("ring") == 1
+    assert seen[-1][0] == "ring" and seen[-1][1] > 1000
+    assert all(n == PROBE_TOKENS["other"] for mode, n in seen[:-1] if mode == "ring")  # probes before it
 
 
 def test_tokens_made_the_other_way_count_but_do_not_end_a_stretch():
