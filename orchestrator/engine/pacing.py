@@ -95,21 +95,24 @@ class Pace:
 
     Drafting makes its PROBE_TOKENS first (the draft has read the prompt beside the target:
     Drafter.read_ahead), then the other way its own (both times `scale`: the server's probes are per
-    generating slot). The faster then makes a stretch (stretch()), the slower a probe after it, and they
-    are compared again, and so on. Without `retry` (the CLI), an other way that wins keeps the tokens for
-    good instead: the draft never reads what it made (catching up would cost it a prompt's worth of
-    compute; with the ring's probe first, that catch-up cost the CLI 0.23 s of a 2 s, 64-token run at
-    0 ms). A way's rate is its tokens over its steps' seconds, over about its last RATE_MEMORY tokens; the
+    generating slot), or with `other_first` the other way first. The faster then makes a stretch
+    (stretch()), the slower a probe after it, and they are compared again, and so on. A probe that can no
+    longer win ends at once (_hopeless): with the other way first, drafting's first probe too, which where
+    it does not pay then costs the time the other way takes for its tokens, not its own. Without `retry`
+    (the CLI), an other way that wins keeps the tokens for good instead: the draft never reads what it
+    made (catching up would cost it a prompt's worth of compute; with the ring's probe first, that catch-up
+    cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms). A way's rate is its tokens over its steps' seconds, over about its last RATE_MEMORY tokens; the
     draft's catch-up is not counted in it (it is the price of switching)."""
 
     def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1, probes: dict = PROBE_TOKENS,
-                 retry: bool = False):
+                 retry: bool = False, other_first: bool = False):
         self.other, self.retry = other, retry
         self.probe = {"draft": probes["draft"] * scale, other: probes["other"] * scale}
         self.memory = RATE_MEMORY * scale
         self.rates: dict[str, float] = {}
         self._measured = {"draft": (0.0, 0.0), other: (0.0, 0.0)}  # decayed (tokens, seconds) of each way
-        self.plan = [("draft", math.inf)] if always_draft else [("draft", self.probe["draft"]), (other, self.probe[other])]
+        order = [other, "draft"] if other_first else ["draft", other]
+        self.plan = [("draft", math.inf)] if always_draft else [(way, self.probe[way]) for way in order]
         self.made = {"draft": 0, other: 0}  # tokens made each way (the CLI's summary)
         self._next()
 
@@ -130,12 +133,11 @@ class Pace:
         self._tokens += n_tokens
         self._seconds += seconds
         self.left -= n_tokens
+        if 0 < self.left < math.inf and self._hopeless(mode):
+            self.left = 0
         if self.left > 0:
             return
-        kept = 0.5 ** (self._tokens / self.memory)  # what the way's earlier tokens still weigh
-        tokens, seconds = self._measured[mode]
-        tokens, seconds = kept * tokens + self._tokens, kept * seconds + self._seconds
-        self._measured[mode] = tokens, seconds
+        self._measured[mode] = tokens, seconds = self._remembered(mode, self._tokens, self._seconds)
         self.rates[mode] = tokens / max(seconds, 1e-9)
         if not self.plan:
             winner = self.other if self.rates[self.other] >= self.rates["draft"] else "draft"
@@ -145,6 +147,22 @@ class Pace:
             else:
                 self.plan = [(winner, self.stretch(winner, loser)), (loser, self.probe[loser])]
         self._next()
+
+    def _remembered(self, mode: str, n_tokens: float, seconds: float) -> tuple[float, float]:
+        """The way's (tokens, seconds) with a stretch of n_tokens in `seconds` added, its earlier ones
+        weighing half as much for every RATE_MEMORY tokens of it."""
+        kept = 0.5 ** (n_tokens / self.memory)
+        tokens, earlier_s = self._measured[mode]
+        return kept * tokens + n_tokens, kept * earlier_s + seconds
+
+    def _hopeless(self, mode: str) -> bool:
+        """The stretch under way ends a comparison (a probe) that it can no longer win: even its tokens
+        left made at once would leave the way's rate below the other's. It ends there (early cancellation)."""
+        rival = self.other if mode == "draft" else "draft"
+        if self.plan or rival not in self.rates:
+            return False
+        tokens, seconds = self._remembered(mode, self._tokens + self.left, self._seconds)
+        return tokens < self.rates[rival] * seconds
 
     def stretch(self, winner: str, loser: str) -> int:
         """The winner's tokens before the loser's next probe: that probe costs at most PROBE_SHARE of their
@@ -160,6 +178,7 @@ class LoadPace:
     drafting costs the draft a step per slot, so which pays changes with it). Without it a draft that costs
     what the target does (the benchmark's Q4_0 of the same model) made `orchestrator serve -md` 0.33x-0.34x
     its plain rate with four clients, workers together (0.68x-0.81x with one; docs/speculative.md).
+    Plain steps are probed first, so that drafting's probe, where it does not pay, ends once it cannot win.
     Plain steps that win a load do not keep it for good: drafting is probed again after each of their
     stretches (a server runs long, and drafting's rate follows the text, so a first probe may misjudge it);
     the draft reads every prompt beside the target for it (Speculator.admitted), so a probe's catch-up is
@@ -181,7 +200,8 @@ class LoadPace:
 
     def pace(self, load: int) -> Pace:
         if load not in self.paces:
-            self.paces[load] = Pace(other="plain", scale=max(load, 1), probes=LOAD_PROBE_TOKENS, retry=True)
+            self.paces[load] = Pace(other="plain", scale=max(load, 1), probes=LOAD_PROBE_TOKENS, retry=True,
+                                    other_first=True)
         return self.paces[load]
 
     def drafting(self, load: int) -> bool:

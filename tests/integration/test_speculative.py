@@ -227,7 +227,7 @@ def test_the_server_drafts_too_and_gives_the_same_text(model, workers, tmp_path)
 
 def test_the_servers_slots_at_once_give_the_same_text_with_a_draft(model, workers, tmp_path):
     """Two requests at once (-np 2): each slot drafts or steps plainly as the server's LoadPace has it at the
-    load (its probes: drafting first), and each answer is the plain server's."""
+    load (its probes: plain steps first, then drafting), and each answer is the plain server's."""
     prompts = [PROMPT, "The capital of France is"]
 
     def answers(*extra) -> list[str]:

@@ -42,15 +42,18 @@ def test_each_load_probes_both_ways_and_keeps_the_faster():
     feed.steps(1, 1, {"draft": 0.0, "plain": 0.0})  # the first observation starts the interval
     one = feed.steps(1, 400, {"draft": 0.01, "plain": 0.03})  # one slot: drafting pays
     d, p = PROBE_TOKENS["draft"], PROBE_TOKENS["other"]
-    assert one[:d + p] == [True] * d + [False] * p and sum(one) > 300
-    # four slots: plain steps make 4 tokens a step at the same price, drafting's steps cost more: plain wins,
-    # with a stretch after which drafting's probe (4 slots' tokens) costs 2% of its time, then drafting's
-    # probe (all in steps of 4 tokens; the step after each change of way is not counted: it carries the switch)
+    assert runs(one) == [(False, p), (True, 400 - p)]  # (its stretch: STRETCH_MAX plain probes, a 3x lead)
+    # four slots: plain steps make 4 tokens a step at the same price, drafting's steps cost more. Plain steps
+    # first, then drafting's probe (4 slots' tokens), which ends once it cannot win: after n steps it has
+    # taken longer than plain steps took for all its tokens. The step after each change of way is not
+    # counted (it carries the switch).
     feed.steps(4, 1, {"draft": 0.0, "plain": 0.0})  # (a new load: a new interval)
-    four = feed.steps(4, 700, {"draft": 0.05, "plain": 0.03}, per_step=4)
-    stretch = math.ceil(4 * d * (0.05 / 0.03 - 1) / PROBE_SHARE / 4)
-    assert p * STRETCH_MIN < stretch < p * STRETCH_MAX
-    assert runs(four) == [(True, d), (False, 1 + p + stretch), (True, 1 + d), (False, 700 - 2 * d - 2 - p - stretch)]
+    four = runs(feed.steps(4, 700, {"draft": 0.05, "plain": 0.03}, per_step=4))
+    cut = math.floor(d * 0.03 / 0.05) + 1
+    stretch = math.ceil(4 * d * (0.05 / 0.03 - 1) / PROBE_SHARE / 4)  # its next probe: 2% of plain's time
+    assert cut < d and p * STRETCH_MIN < stretch < p * STRETCH_MAX
+    assert four[:3] == [(False, p), (True, 1 + cut), (False, 1 + stretch)]
+    assert four[3][0] and four[3][1] <= 1 + cut and not four[4][0]  # drafting probed again, cut short again
     assert not pace.drafting(4)
     assert pace.paces[4].rates == pytest.approx({"draft": 4 / 0.05, "plain": 4 / 0.03})
     assert pace.drafting(1) and pace.paces[1].rates["draft"] == pytest.approx(100.0)
@@ -63,14 +66,17 @@ def test_drafting_probed_again_after_plain_steps_won_weighs_its_earlier_probes()
     feed = Feed(pace)
     feed.steps(1, 1, {"draft": 0.0, "plain": 0.0})
     d, p = PROBE_TOKENS["draft"], PROBE_TOKENS["other"]
-    seen = feed.steps(1, d, {"draft": 0.03, "plain": 0.02})  # 33 tokens/s against plain's 50
+    # plain steps make 50 tokens/s; drafting's first probe 33, cut short once it cannot win (the step after
+    # each change of way is not counted)
+    cut = math.floor(d * 0.02 / 0.03) + 1
+    seen = feed.steps(1, p + 1 + cut, {"draft": 0.03, "plain": 0.02})
     # 67 tokens/s from now on: its second probe alone would beat plain's 50, with the first still weighing it
-    # does not; with the third it does (the step after each change of way not counted). Plain's first lead
-    # (1.5x) sets its stretch; the later ones are close, the stretches the shortest
+    # does not; with the third it does. Plain's first lead (1.5x) sets its stretch; the later ones are close,
+    # the stretches the shortest
     first = round(d * (0.03 / 0.02 - 1) / PROBE_SHARE)
-    expected = [(True, d), (False, 1 + p + first), (True, 1 + d), (False, 1 + STRETCH_MIN * p),
-                (True, 1 + d + STRETCH_MIN * p), (False, 1 + p)]
-    seen += feed.steps(1, sum(n for _, n in expected) - d, {"draft": 0.015, "plain": 0.02})
+    expected = [(False, p), (True, 1 + cut), (False, 1 + first), (True, 1 + d), (False, 1 + STRETCH_MIN * p),
+                (True, 1 + d + STRETCH_MIN * p), (False, 1)]
+    seen += feed.steps(1, sum(n for _, n in expected) - len(seen), {"draft": 0.015, "plain": 0.02})
     assert runs(seen) == expected
     assert 50 < pace.paces[1].rates["draft"] < 67
 
@@ -79,22 +85,22 @@ def test_intervals_with_a_prompt_being_read_or_a_load_change_are_not_counted():
     pace = LoadPace()
     feed = Feed(pace)
     feed.steps(2, 1, {"draft": 0.0, "plain": 0.0})
-    probe = 2 * PROBE_TOKENS["draft"]
-    feed.steps(2, probe // 2 - 1, {"draft": 0.01, "plain": 0.01}, per_step=2)  # all but 2 of drafting's probe tokens
+    probe = 2 * PROBE_TOKENS["other"]
+    feed.steps(2, probe // 2 - 1, {"draft": 0.01, "plain": 0.01}, per_step=2)  # all but 2 of plain's probe tokens
     feed.steps(2, 5, {"draft": 9.0, "plain": 9.0}, clean=False, per_step=2)  # a prompt read: not counted
     feed.steps(3, 5, {"draft": 9.0, "plain": 9.0}, per_step=3)  # another load (its own pace)
     feed.steps(2, 1, {"draft": 9.0, "plain": 9.0}, per_step=2)  # back at 2: this interval starts anew
-    assert pace.paces[2].left == 2 and pace.paces[2].mode == "draft"
+    assert pace.paces[2].left == 2 and pace.paces[2].mode == "plain"
     feed.steps(2, 1, {"draft": 0.01, "plain": 0.01}, per_step=2)
-    assert pace.paces[2].rates == pytest.approx({"draft": probe / (0.01 * probe / 2)})
+    assert pace.paces[2].rates == pytest.approx({"plain": probe / (0.01 * probe / 2)})
 
 
 def test_an_observation_without_a_token_extends_the_interval():
     pace = LoadPace()
     pace.observe(1, 0, True, 0.0)
     pace.observe(1, 0, True, 0.5)  # a step in which no batch came back
-    pace.observe(1, PROBE_TOKENS["draft"], True, 1.0)
-    assert pace.paces[1].rates == pytest.approx({"draft": PROBE_TOKENS["draft"] / 1.0})
+    pace.observe(1, PROBE_TOKENS["other"], True, 1.0)
+    assert pace.paces[1].rates == pytest.approx({"plain": PROBE_TOKENS["other"] / 1.0})
 
 
 def test_the_batches_in_flight_when_the_way_changes_are_not_counted():

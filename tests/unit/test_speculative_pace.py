@@ -4,6 +4,8 @@ drafting's stretches, as long as its lead makes the ring's probes between them c
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from orchestrator.engine.pacing import PROBE_SHARE, PROBE_TOKENS, STRETCH_MAX, STRETCH_MIN, Pace
@@ -29,9 +31,12 @@ def test_drafting_that_is_faster_runs_stretches_as_long_as_its_lead_makes_the_ri
     seen = run(pace, {"draft": draft_s, "ring": ring_s}, 3000)
     p, d = PROBE_TOKENS["other"], PROBE_TOKENS["draft"]
     assert p == 8 and PROBE_SHARE == 0.02  # (the stretches above)
-    expected = [("draft", d)] + [("ring", p), ("draft", stretch)] * 3
-    assert seen[:len(expected)] == expected
-    assert all(n == p for mode, n in seen if mode == "ring")
+    # the ring's first probe ends once it cannot win: when it has taken longer than drafting would for its
+    # p tokens; its later ones (its earlier tokens remembered) no later
+    cut = min(math.floor(p * draft_s / ring_s) + 1, p)
+    assert seen[:3] == [("draft", d), ("ring", cut), ("draft", stretch)]
+    assert all(n == stretch for mode, n in seen[2:-1] if mode == "draft")
+    assert all(1 <= n <= cut for mode, n in seen if mode == "ring")
     assert pace.rates == pytest.approx({"ring": 1 / ring_s, "draft": 1 / draft_s})
     by_ring = sum(n for mode, n in seen if mode == "ring")
     assert pace.made == {"draft": 3000 - by_ring, "ring": by_ring}
@@ -50,7 +55,7 @@ def test_a_ring_probe_that_beats_drafting_later_takes_over_for_good():
     assert pace.mode == "draft"
     seen = run(pace, {"draft": 0.05, "ring": 0.04}, 2000)  # drafting slows down (its stretch goes on)
     assert seen[-1][0] == "ring" and seen[-1][1] > 1000
-    assert all(n == PROBE_TOKENS["other"] for mode, n in seen[:-1] if mode == "ring")  # probes before it
+    assert all(n <= PROBE_TOKENS["other"] for mode, n in seen[:-1] if mode == "ring")  # probes before it
 
 
 def test_tokens_made_the_other_way_count_but_do_not_end_a_stretch():
