@@ -101,8 +101,9 @@ class Pace:
     it does not pay then costs the time the other way takes for its tokens, not its own. Without `retry`
     (the CLI), an other way that wins keeps the tokens for good instead: the draft never reads what it
     made (catching up would cost it a prompt's worth of compute; with the ring's probe first, that catch-up
-    cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms). A way's rate is its tokens over its steps' seconds, over about its last RATE_MEMORY tokens; the
-    draft's catch-up is not counted in it (it is the price of switching)."""
+    cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms). A way's rate is its tokens over its steps'
+    seconds, over about its last RATE_MEMORY tokens; the draft's catch-up is not counted in it (it is the
+    price of switching)."""
 
     def __init__(self, always_draft: bool = False, other: str = "ring", scale: int = 1, probes: dict = PROBE_TOKENS,
                  retry: bool = False, other_first: bool = False):
@@ -115,11 +116,6 @@ class Pace:
         self.plan = [("draft", math.inf)] if always_draft else [(way, self.probe[way]) for way in order]
         self.made = {"draft": 0, other: 0}  # tokens made each way (the CLI's summary)
         self._next()
-
-    @property
-    def settled(self) -> bool:
-        """The other way makes the tokens for good."""
-        return self.mode == self.other and self.left == math.inf
 
     def _next(self) -> None:
         self.mode, self.left = self.plan.pop(0)
