@@ -244,6 +244,24 @@ def test_the_servers_slots_at_once_give_the_same_text_with_a_draft(model, worker
     assert spec == plain and n_drafted > 0
 
 
+def test_seeded_sampling_with_greedy_drafts_gives_the_plain_servers_text(model, workers, tmp_path):
+    """At temperature 0.8 with a seed, --spec-draft-sampling greedy (llama.cpp's default) keeps a draft only
+    where the model's own sample equals it, and samples each position once with the slot's seeded chain:
+    the text is the plain server's, seed for seed, wherever and however much the draft drafted (the
+    default, probabilistic, follows the same distribution but not the same draws: its text is not)."""
+    body = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0.8}
+
+    def texts(*extra) -> tuple[list[str], int]:
+        with served(model, workers[:2], tmp_path, *extra) as url:
+            out = [post(f"{url}/v1/completions", {**body, "seed": seed})["choices"][0]["text"] for seed in (11, 12, 13)]
+            counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", get(f"{url}/metrics"), re.M))
+        return out, int(counts["n_drafted_accepted_total"])
+
+    plain, _ = texts()
+    spec, n_accepted = texts("-md", model, "--spec-draft-sampling", "greedy", "--draft-always")
+    assert spec == plain and n_accepted > 0
+
+
 # Upper 1e-6 quantiles of chi-square by degrees of freedom (scipy.stats.chi2.isf(1e-6, df)).
 CHI2_CRITICAL = {1: 23.928, 2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701,
                  9: 44.811, 10: 46.863, 11: 48.866, 12: 50.825, 13: 52.747, 14: 54.635, 15: 56.493, 16: 58.324,
