@@ -273,8 +273,11 @@ class Worker:
                 f"  log {self.log_path} (tail):\n{self.log_tail()}")
 
     def wait_listening(self, timeout: float) -> None:
-        """Return once a TCP connect succeeds; raise WorkerFailed if the process dies or time runs out."""
-        deadline = time.monotonic() + timeout
+        """Return once a TCP connect succeeds; raise WorkerFailed if the process dies, or if `timeout`
+        seconds pass without a connection or a line of output: a worker that keeps printing its warm-up's
+        progress is compiling, not stuck (a cold numba compile took 439 s of a quiet 2-core machine, more
+        than 600 where other work shared the cores)."""
+        deadline, printed = time.monotonic() + timeout, self._log_size()
         while True:
             if not self.alive():
                 raise WorkerFailed(f"worker died before listening.\n{self.describe()}")
@@ -283,9 +286,18 @@ class Worker:
                     return
             except OSError:
                 pass
+            if (size := self._log_size()) != printed:
+                deadline, printed = time.monotonic() + timeout, size
             if time.monotonic() > deadline:
-                raise WorkerFailed(f"worker did not accept connections within {timeout:.0f}s.\n{self.describe()}")
+                raise WorkerFailed(f"worker did not accept connections, nor print anything, for {timeout:.0f}s.\n"
+                                   f"{self.describe()}")
             time.sleep(0.1)
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds; always closes the log."""
