@@ -339,7 +339,7 @@ class Engine:
                 slot.sampler.accept(t, is_generated=False)
             slot.t_start = time.perf_counter()
             if self.speculator is not None:
-                self.speculator.admitted(self, slot)
+                self.speculator.admitted(slot)
 
     def _step(self) -> None:
         """Starts a batch if the first stage is free and a slot has tokens to feed, then moves every batch

@@ -203,7 +203,7 @@ class Speculator:
         paced = self._paced
         return self.pace if paced is None else paced.paces.get(1)
 
-    def admitted(self, engine, slot) -> None:
+    def admitted(self, slot) -> None:
         """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead),
         also where plain steps make the tokens at present (LoadPace probes drafting again later)."""
         if slot.job.n_keep is None:
