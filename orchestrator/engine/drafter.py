@@ -35,20 +35,24 @@ class Drafter:
     """The draft model's pipeline and, per slot, which tokens its cells hold (cell i: position i of the
     slot's run, as the engine's Planner lays them out).
 
+    A draft with sliding-window layers runs with a full-size cache for them (swa_full: their cells are the
+    global layers', the window a mask), so that a rejected draft's cells are dropped as any others are.
+
     Greedy drafts of slot 0 come from the ring (pipeline/ring.py) when the draft's workers can run one:
     the draft's last stage picks each token and feeds it back to its first, so k drafted tokens cost one
     round trip to the draft's workers instead of k. Slot 0's cells are where the ring's one sequence puts
     them (cell i: position i), and its masks hide every other slot's cells."""
 
     def __init__(self, pipe, n_slots: int):
-        if pipe.n_swa:
-            raise ValueError("a draft model with sliding-window layers is not supported")
+        if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
+            raise ValueError("the draft's sliding-window layers share the global cells: build its Pipeline with swa_full")
         self.pipe = pipe
         self.planner = Planner(n_slots, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
-                               cache_types=pipe.cache_types)
+                               cache_types=pipe.cache_types, n_swa=pipe.n_swa)
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]
         ring = Ring(pipe, [])
-        self.ring = ring if ring.why_not() is None and ring.setup() else None
+        # (not for sliding-window layers: the ring places their cells as llama.cpp's iSWA cache does)
+        self.ring = ring if not pipe.n_swa and ring.why_not() is None and ring.setup() else None
         self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
         self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
         self.ahead: dict[int, list[int]] = {}  # draft_ahead()'s tokens by slot, once wait() has returned

@@ -406,8 +406,6 @@ def open_draft(path: Path, target_vocab, target_n_vocab: int):
         why = f"the draft has {loaded.model.hparams.n_vocab} logits per token, the target {target_n_vocab}"
     if why is not None:
         raise StartupError(f"the draft model {path} cannot draft for this model: {why}")
-    if any(loaded.model.hparams.swa_layers):
-        raise StartupError(f"the draft model {path} has sliding-window layers: not supported as a draft yet")
     return loaded
 
 

@@ -87,6 +87,8 @@ class SpecRing:
         why = Ring(self.target, []).why_not()
         if why is not None:
             return f"the target's ring cannot run: {why}"
+        if self.draft.n_swa:  # its stepwise drafts (the Planner's cells) and the ring's would not agree
+            return "the draft has sliding-window layers"
         if len(self.draft.stages) != 1:
             return f"the draft runs on {len(self.draft.stages)} workers (one only)"
         if not self.draft.features.get(self.draft.stages[0].endpoint, 0) & p.FEATURE_PEER_PUSH:

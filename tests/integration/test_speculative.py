@@ -12,12 +12,14 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
+from gguf import GGUFReader
 
 from orchestrator.engine.pacing import PROBE_TOKENS
 from tools import reference
@@ -173,6 +175,70 @@ def test_a_draft_of_another_vocabulary_is_refused(model, workers):
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "cannot draft for this model" in last, done.stderr[-2000:]
+
+
+def test_a_draft_with_context_shift_is_refused(model, workers):
+    done = orchestrator("--rpc", workers[0], "-m", model, "-p", PROMPT, "-n", 4, "-md", model, "--context-shift")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == \
+        "error: speculative decoding (-md) does not work with --context-shift yet", done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def gemma_windows(tmp_path_factory) -> dict[int, Path]:
+    """Gemma 3 270M (sliding-window layers, a window of 512) by window: 512, and a copy of it whose window
+    is 16 tokens (one header value changed), so that within 48 tokens the two models' texts differ: each
+    drafts for the other with many drafts rejected, and the short window is passed."""
+    try:
+        gemma = reference.gemma3_model_path()
+    except reference.ReferenceMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    short = tmp_path_factory.mktemp("gemma-window") / "gemma3-window16.gguf"
+    shutil.copyfile(gemma, short)
+    header = GGUFReader(short, "r+")
+    field = header.fields["gemma3.attention.sliding_window"]
+    field.parts[field.data[0]][0] = 16
+    del header
+    assert GGUFReader(short).fields["gemma3.attention.sliding_window"].contents() == 16
+    return {512: gemma, 16: short}
+
+
+def test_sliding_window_models_draft_with_the_same_text(gemma_windows, workers):
+    """A target with sliding-window layers (its cache full-size with a draft, as --swa-full) and a draft
+    with them, each model drafting for the other over two workers: the greedy text without the draft,
+    drafts both kept and rejected."""
+    def generate(window, *extra) -> subprocess.CompletedProcess:
+        done = orchestrator("--rpc", ",".join(workers[:2]), "-m", gemma_windows[window], "-p",
+                            "The capital of France is", "-n", 48, "--temp", 0, "--ignore-eos", *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    plain = {window: generate(window).stdout for window in gemma_windows}
+    assert plain[16] != plain[512]  # the short window is passed: the draft is often wrong
+    for target, draft in ((16, 512), (512, 16)):
+        spec = generate(target, "-md", gemma_windows[draft], "--draft-always")
+        assert spec.stdout == plain[target]
+        n_drafted, n_accepted = drafted(spec.stderr)
+        assert 0 < n_accepted < n_drafted, spec.stderr[-1000:]
+
+
+def test_the_server_drafts_with_sliding_window_models(gemma_windows, workers, tmp_path):
+    """`orchestrator serve` with a window-16 target and its window-512 draft, two requests at once: the
+    plain server's answers, drafts made."""
+    prompts = [PROMPT, "The capital of France is"]
+
+    def answers(*extra) -> tuple[list[str], int]:
+        with served(gemma_windows[16], workers[:2], tmp_path, "-np", 2, *extra) as url:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                done = pool.map(lambda p: post(f"{url}/v1/completions", {"prompt": p, "max_tokens": 48,
+                                                                        "temperature": 0}), prompts)
+                texts = [d["choices"][0]["text"] for d in done]
+            counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", get(f"{url}/metrics"), re.M))
+        return texts, int(counts["n_drafted_total"])
+
+    plain, _ = answers()
+    spec, n_drafted = answers("-md", gemma_windows[512], "--draft-always")
+    assert spec == plain and n_drafted > 0
 
 
 @contextlib.contextmanager
