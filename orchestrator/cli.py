@@ -310,8 +310,6 @@ def complete_prompt(endpoints: list[str], *, model_path, prompt, prompt_file, n_
     loaded = open_model(model_path)
     model, vocab = loaded.model, loaded.vocab
     draft = open_draft(loaded, model_draft, rpc_draft, spec_type)
-    if draft is not None and context_shift:
-        raise CliError("speculative decoding (-md) does not work with --context-shift yet")
     if draft is not None and any(model.hparams.swa_layers) and not swa_full:
         # the cells of rejected drafts are dropped; a window-sized cache may have overwritten cells they hid
         log("-md: a full-size cache for the sliding-window layers (as --swa-full)")

@@ -204,10 +204,9 @@ class Speculator:
         return self.pace if paced is None else paced.paces.get(1)
 
     def admitted(self, slot) -> None:
-        """A job took the slot: if it may draft, the draft reads its prompt beside the target (read_ahead),
-        also where plain steps make the tokens at present (LoadPace probes drafting again later)."""
-        if slot.job.n_keep is None:
-            self.drafter.read_ahead(slot.index, slot.job.prompt)
+        """A job took the slot: the draft reads its prompt beside the target (read_ahead), also where plain
+        steps make the tokens at present (LoadPace probes drafting again later)."""
+        self.drafter.read_ahead(slot.index, slot.job.prompt)
 
     def observe(self, engine) -> None:
         """After an engine step: the tokens made since the last one, for the LoadPace."""
@@ -235,7 +234,7 @@ class Speculator:
             if job.n_predict >= 0:
                 k = min(k, job.n_predict - slot.n_generated - 1)
             ready = self._drafted_ahead(slot)[:max(k, 0)]
-            if k <= 0 or k < opts.n_min or job.n_keep is not None:
+            if k <= 0 or k < opts.n_min:
                 continue
             if ready:  # drafted while the last block was verified: no drafting in this one's time
                 self.pending[slot.index] = Pending(ready, [], time.perf_counter(), 0.0)
