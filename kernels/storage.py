@@ -5,6 +5,9 @@ The core every op module uses; it imports no op module.
 
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import numba
 import numpy as np
 from numba import prange, types
@@ -127,11 +130,31 @@ def store_f32(dst, i3, i2, i1, i0, f, kind):
 # tensors, on small ones (decode steps) waking them costs more than the work.
 
 PARALLEL_MIN_WORK = 1 << 18
+# Threads that sleep as soon as a parallel loop ends (OMP_WAIT_POLICY=PASSIVE: local workers sharing the
+# cores, orchestrator.pipeline.local_workers) take a wake-up to start each loop: then MUL_MAT too runs on the
+# calling thread below PARALLEL_MIN_WORK (its decode steps: two such workers at -t 2 decoded SmolLM2 at
+# 48-62 tok/s, 64-70 so, 64-82 at -t 1, while reading a prompt 1.8x as fast as at -t 1). Spinning threads
+# (the default) start at once: one worker at -t 2 decoded at 91-104 tok/s, 74-78 so.
+WAKE_IS_SLOW = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
 
 
 def parallel_worthwhile(n_elements: int, cost: int = 1) -> bool:
     """Whether to use threads; `cost` weighs an element's work (1 = a load and a store)."""
     return n_elements * cost >= PARALLEL_MIN_WORK
+
+
+def on_one_thread(run: Callable[[], None]) -> Callable[[], None]:
+    """run() with numba's threads limited to the calling one, for a kernel compiled only parallel (MUL_MAT)
+    on work too small to wake the other threads for."""
+    def serial() -> None:
+        n = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            run()
+        finally:
+            numba.set_num_threads(n)
+
+    return serial
 
 
 @numba.njit(inline="always", **JIT)

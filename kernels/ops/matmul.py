@@ -35,6 +35,7 @@ from ..node import InvalidNode, Node
 from ..fmath import np_fma
 from ..formats.quants import FLOAT_TYPES, QK, QUANT_TYPES, row_dot1, row_dot2, row_dot4, row_dot8
 from ..registry import OpKernel, nothing, prepared, register
+from ..storage import WAKE_IS_SLOW, on_one_thread, parallel_worthwhile
 from ..tasks import QUANTIZE_PARALLEL_ROWS, ROWS_PER_TASK, task_tile
 
 T = GGMLType
@@ -208,7 +209,18 @@ def _mul_mat_float(kind, tiny, lanes, pairs, w, off, nb01, nb02, nb03, ne01, ne0
                     out[i13, i12, i11, ir] = _dot_float(kind, tiny, w, base + ir * nb01, esize, y, yoff, ne00)
 
 
+# multiply-adds of MUL_MAT worth one element of a row loop (a load and a store) in parallel_worthwhile
+MACS_PER_ELEMENT = 4
+
+
 def prepare(node: Node):
+    run = _prepare(node)
+    src0, src1 = node.src[:2]
+    work = src0.ne[0] * src0.ne[1] * src1.ne[1] * src1.ne[2] * src1.ne[3]  # multiply-adds
+    return on_one_thread(run) if WAKE_IS_SLOW and not parallel_worthwhile(work // MACS_PER_ELEMENT) else run
+
+
+def _prepare(node: Node):
     src0, src1 = node.src[:2]
     dst = node.dst
     if 0 in src0.ne or 0 in dst.ne:

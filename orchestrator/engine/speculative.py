@@ -138,6 +138,7 @@ class Pending:
     dists: list[np.ndarray]
     began: float  # when the drafting started (perf_counter)
     step_s: float | None  # what one more draft cost in it (DraftLength's d), None if not measured
+    sent: float | None = None  # when the batch verifying it was sent
 
 
 class Speculator:
@@ -168,6 +169,7 @@ class Speculator:
         self.ahead: dict[int, tuple[object, list[int]]] = {}  # per slot drafted ahead: its job, the sequence assumed
         self.ahead_started = self.ahead_used = 0  # blocks drafted ahead, and of those the ones used
         self.block_draft_s: float | None = None  # running seconds of a block's drafting (not drafted ahead)
+        self.verify_s: float | None = None  # running seconds from a block's batch sent to its rows back
 
     def close(self) -> None:
         self.drafter.close()
@@ -263,11 +265,15 @@ class Speculator:
     def draft_ahead(self, engine, sent: dict[int, list[int]]) -> None:
         """The batch just sent verifies these drafts (by slot index): the draft drafts each exact job's next
         block meanwhile, as if its drafts were kept, on the draft's background thread (Drafter.draft_ahead).
-        Not while a block's drafting is measured longer than the rest of a block (the verification's pass):
+        Not while a block's drafting is measured longer than its verification (from the batch sent to its
+        rows back; a block's pass_s, the rest of it, also holds the draft's round trip to its ring):
         then a block drafted ahead is waited for even when it holds, and one gone stale is waited for too.
         Nor where a generating slot is not in this batch: it would ask for drafts before the batch is back,
         and the draft, drafting for one batch at a time, would drop these."""
-        if self.pass_s is not None and self.block_draft_s is not None and self.pass_s < self.block_draft_s:
+        now = time.perf_counter()
+        for index in sent:
+            self.pending[index].sent = now
+        if self.verify_s is not None and self.block_draft_s is not None and self.verify_s < self.block_draft_s:
             return
         if any(s.job is not None and s.generating and s.index not in sent for s in engine.slots):
             return
@@ -318,6 +324,8 @@ class Speculator:
         if pending.step_s is not None:  # (not for a block whose drafting also read a prompt)
             block_s = time.perf_counter() - pending.began
             self.pass_s = running(self.pass_s, max(block_s - len(pending.tokens) * pending.step_s, 0.0))
+        if pending.sent is not None:
+            self.verify_s = running(self.verify_s, time.perf_counter() - pending.sent)
         job = slot.job
         made = self._verify(engine, slot, rows, pending)
         if slot.job is job:  # (a job that ended within the block tells nothing of the next)

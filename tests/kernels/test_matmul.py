@@ -198,6 +198,23 @@ def test_decode_and_batch_on_model_shapes():
         np.testing.assert_array_equal(run(matmul.forward, node), run(matmul.reference, node))
 
 
+def test_decode_steps_on_one_thread_where_threads_sleep(monkeypatch):
+    """With OMP_WAIT_POLICY=PASSIVE (storage.WAKE_IS_SLOW) a decode step's MUL_MAT runs on the calling thread
+    (numba's thread count given back after), a prompt's on all: both bit for bit the reference's."""
+    import numba  # noqa: PLC0415
+    monkeypatch.setattr(matmul, "WAKE_IS_SLOW", True)
+    rng = np.random.default_rng(11)
+    threads = numba.get_num_threads()
+    for type_, ne11, alone in [(T.Q8_0, 1, True), (T.F16, 1, True), (T.Q4_1, 1, True), (T.Q8_0, 64, False)]:
+        node = mul_mat(weights(rng, type_, (576, 576)), activations(rng, (576, ne11)))
+        prepared = matmul.prepare(node)
+        assert (getattr(prepared, "__name__", None) == "serial") == alone, (type_, ne11)  # on_one_thread
+        node.dst.mem[:] = 0xFF
+        prepared()
+        assert numba.get_num_threads() == threads
+        np.testing.assert_array_equal(node.dst.array(), run(matmul.reference, node))
+
+
 def test_empty_batch_writes_nothing():
     rng = np.random.default_rng(1)
     node = mul_mat(weights(rng, T.Q8_0, (64, 4)), activations(rng, (64, 0)))
