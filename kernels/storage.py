@@ -129,13 +129,14 @@ def store_f32(dst, i3, i2, i1, i0, f, kind):
 # argument, `parallel`, picks its threaded or its serial compilation: threads pay off only on big
 # tensors, on small ones (decode steps) waking them costs more than the work.
 
-PARALLEL_MIN_WORK = 1 << 18
 # Threads that sleep as soon as a parallel loop ends (OMP_WAIT_POLICY=PASSIVE: local workers sharing the
 # cores, orchestrator.pipeline.local_workers) take a wake-up to start each loop: then MUL_MAT too runs on the
-# calling thread below PARALLEL_MIN_WORK (its decode steps: two such workers at -t 2 decoded SmolLM2 at
-# 48-62 tok/s, 64-70 so, 64-82 at -t 1, while reading a prompt 1.8x as fast as at -t 1). Spinning threads
-# (the default) start at once: one worker at -t 2 decoded at 91-104 tok/s, 74-78 so.
+# calling thread below PARALLEL_MIN_WORK, and that is 4x higher (a decode step's attention too). Two such
+# workers at -t 2 decoded SmolLM2 at 48-62 tok/s before, 63-65 with MUL_MAT gated, 68-75 with the higher
+# threshold, 64-82 at -t 1, while reading a prompt 1.8x as fast as at -t 1 throughout. Spinning threads
+# (the default) start at once: one worker at -t 2 decoded at 91-104 tok/s, 74-78 with MUL_MAT gated.
 WAKE_IS_SLOW = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+PARALLEL_MIN_WORK = 1 << 20 if WAKE_IS_SLOW else 1 << 18
 
 
 def parallel_worthwhile(n_elements: int, cost: int = 1) -> bool:
