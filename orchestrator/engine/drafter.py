@@ -45,7 +45,7 @@ class Drafter:
 
     def __init__(self, pipe, n_slots: int):
         if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
-            raise ValueError("the draft's sliding-window layers share the global cells: build its Pipeline with swa_full")
+            raise ValueError("the draft's sliding-window layers share the global cells: build it with swa_full")
         self.pipe = pipe
         self.planner = Planner(n_slots, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
                                cache_types=pipe.cache_types, n_swa=pipe.n_swa)
