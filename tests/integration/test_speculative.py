@@ -235,19 +235,9 @@ def test_sliding_window_models_draft_with_the_same_text(gemma_windows, workers):
 def test_the_server_drafts_with_sliding_window_models(gemma_windows, workers, tmp_path):
     """`orchestrator serve` with a window-16 target and its window-512 draft, two requests at once: the
     plain server's answers, drafts made."""
-    prompts = [PROMPT, "The capital of France is"]
-
-    def answers(*extra) -> tuple[list[str], int]:
-        with served(gemma_windows[16], workers[:2], tmp_path, "-np", 2, *extra) as url:
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                done = pool.map(lambda p: post(f"{url}/v1/completions", {"prompt": p, "max_tokens": 48,
-                                                                        "temperature": 0}), prompts)
-                texts = [d["choices"][0]["text"] for d in done]
-            counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", get(f"{url}/metrics"), re.M))
-        return texts, int(counts["n_drafted_total"])
-
-    plain, _ = answers()
-    spec, n_drafted = answers("-md", gemma_windows[512], "--draft-always")
+    plain, _ = answers_at_once(gemma_windows[16], workers[:2], tmp_path)
+    spec, n_drafted = answers_at_once(gemma_windows[16], workers[:2], tmp_path, "-md", gemma_windows[512],
+                                      "--draft-always")
     assert spec == plain and n_drafted > 0
 
 
@@ -282,6 +272,18 @@ def get(url: str) -> str:
         return r.read().decode()
 
 
+def answers_at_once(model, rpc, tmp_path, *extra) -> tuple[list[str], int]:
+    """`orchestrator serve -np 2`'s greedy answers to two prompts sent at once, and the tokens it drafted."""
+    prompts = [PROMPT, "The capital of France is"]
+    with served(model, rpc, tmp_path, "-np", 2, *extra) as url:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            done = pool.map(lambda p: post(f"{url}/v1/completions", {"prompt": p, "max_tokens": 48,
+                                                                    "temperature": 0}), prompts)
+            texts = [d["choices"][0]["text"] for d in done]
+        counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", get(f"{url}/metrics"), re.M))
+    return texts, int(counts["n_drafted_total"])
+
+
 def serve_completion(model, rpc, tmp_path, *extra) -> tuple[str, str, dict]:
     """One greedy /v1/completions answer of `orchestrator serve`, its /metrics text and the web page's
     /pipeline/state."""
@@ -304,19 +306,8 @@ def test_the_server_drafts_too_and_gives_the_same_text(model, workers, tmp_path)
 def test_the_servers_slots_at_once_give_the_same_text_with_a_draft(model, workers, tmp_path):
     """Two requests at once (-np 2): each slot drafts or steps plainly as the server's LoadPace has it at the
     load (its probes: plain steps first, then drafting), and each answer is the plain server's."""
-    prompts = [PROMPT, "The capital of France is"]
-
-    def answers(*extra) -> list[str]:
-        with served(model, workers[:2], tmp_path, "-np", 2, *extra) as url:
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                done = pool.map(lambda p: post(f"{url}/v1/completions", {"prompt": p, "max_tokens": 48,
-                                                                        "temperature": 0}), prompts)
-                texts = [d["choices"][0]["text"] for d in done]
-            counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", get(f"{url}/metrics"), re.M))
-        return texts, int(counts["n_drafted_total"])
-
-    plain, _ = answers()
-    spec, n_drafted = answers("-md", model)
+    plain, _ = answers_at_once(model, workers[:2], tmp_path)
+    spec, n_drafted = answers_at_once(model, workers[:2], tmp_path, "-md", model)
     assert spec == plain and n_drafted > 0
 
 
