@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# Install the pi coding agent (npm @mariozechner/pi-coding-agent, pinned) for tests/interop/test_agents.py.
-# Idempotent: a no-op (no network) once that version is in the cache directory. Prints pi's path.
+# Install the coding agents tests/interop/test_agents.py runs, each pinned, from npm: pi
+# (@mariozechner/pi-coding-agent) and opencode (opencode-ai, a prebuilt binary per platform).
+# Idempotent: a no-op (no network) once those versions are in the cache directory.
+# Prints one line per agent: its name and its executable's path.
 set -euo pipefail
 PI_VERSION="${PI_VERSION:-0.73.1}"
-PREFIX="${PI_PREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/pyrpc-agents/pi-$PI_VERSION}"
-PI="$PREFIX/node_modules/.bin/pi"
+OPENCODE_VERSION="${OPENCODE_VERSION:-1.18.33}"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/pyrpc-agents"
 if ! command -v npm >/dev/null; then
-  echo "install_agents.sh: npm is needed (Node.js >= 20.6) to install pi" >&2
+  echo "install_agents.sh: npm is needed (Node.js >= 20.6) to install the agents" >&2
   exit 1
 fi
-installed() { [ -x "$PI" ] && [ "$(node -p "require('$PREFIX/node_modules/@mariozechner/pi-coding-agent/package.json').version" 2>/dev/null)" = "$PI_VERSION" ]; }
-if ! installed; then
-  mkdir -p "$PREFIX"
-  npm install --prefix "$PREFIX" --no-audit --no-fund --loglevel=error "@mariozechner/pi-coding-agent@$PI_VERSION" >&2
-  installed
-fi
-echo "$PI"
+
+# version_of PREFIX PACKAGE: the version npm installed there (empty if none)
+version_of() { node -p "require('$1/node_modules/$2/package.json').version" 2>/dev/null || true; }
+
+# install NAME PACKAGE VERSION BIN: npm-install PACKAGE@VERSION into its own prefix unless it is there
+install() {
+  local name="$1" package="$2" version="$3" bin="$4"
+  local prefix="$CACHE/$name-$version"
+  if ! [ -x "$prefix/node_modules/.bin/$bin" ] || [ "$(version_of "$prefix" "$package")" != "$version" ]; then
+    mkdir -p "$prefix"
+    npm install --prefix "$prefix" --no-audit --no-fund --loglevel=error "$package@$version" >&2
+    [ "$(version_of "$prefix" "$package")" = "$version" ]
+  fi
+  echo "$name $prefix/node_modules/.bin/$bin"
+}
+
+install pi @mariozechner/pi-coding-agent "$PI_VERSION" pi
+install opencode opencode-ai "$OPENCODE_VERSION" opencode

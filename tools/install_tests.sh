@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Command 2's installs, what the tests need beyond the project: the test extras, the pinned llama.cpp
-# reference (tools/install_reference.sh), the pi coding agent (install_agents.sh) and headless Chromium
-# (install_browser.sh). pi's and Chromium's are downloads and run beside the reference's build, which
+# reference (tools/install_reference.sh), the pi and opencode coding agents (install_agents.sh) and headless
+# Chromium (install_browser.sh). The agents' and Chromium's are downloads and run beside the reference's build, which
 # keeps both cores busy for ~9 minutes on a fresh machine; each prints its log if it fails.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"

@@ -1,16 +1,20 @@
-"""The pi coding agent (npm @mariozechner/pi-coding-agent, installed by tools/install_agents.sh) answers a
-prompt through `orchestrator serve` as it does through `llama-server --jinja`, both over llama.cpp's
-workers and the SmolLM2 test model.
+"""Coding agents answer a prompt through `orchestrator serve` as they do through `llama-server --jinja`, both
+over llama.cpp's workers and the SmolLM2 test model: pi (npm @mariozechner/pi-coding-agent) and opencode
+(npm opencode-ai), both installed by tools/install_agents.sh and set up as a user would, each run in an
+empty temporary directory with its default tools and a home of its own.
 
-pi is set up as a user would: a custom provider of its `openai-completions` API in its models.json
-(PI_CODING_AGENT_DIR), run with `-p` and its default tools in an empty temporary directory. Each of its
-requests carries the tools, `stream`, `stream_options.include_usage`, `store: false` and
-`max_completion_tokens` (pi-ai's dist/providers/openai-completions.js, buildParams).
+pi: a custom provider of its `openai-completions` API in its models.json (PI_CODING_AGENT_DIR), run with
+`-p`. Each of its requests carries the tools, `stream`, `stream_options.include_usage`, `store: false` and
+`max_completion_tokens` (pi-ai's dist/providers/openai-completions.js, buildParams). Its settings.json sets
+the compaction reserve to fit the model's window, as a user of an 8k-context model would: pi's default
+reserve (16384 tokens) is larger than the whole window, so pi would summarise the session after every
+answer, a second request asking for 13107 tokens that ran to the end of the context (four minutes per
+server here, for nothing the answer needs).
 
-Its settings.json sets the compaction reserve to fit the model's window, as a user of an 8k-context model
-would: pi's default reserve (16384 tokens) is larger than the whole window, so pi would summarise the
-session after every answer, a second request asking for 13107 tokens that ran to the end of the context
-(four minutes per server here, for nothing the answer needs).
+opencode: a provider of the `@ai-sdk/openai-compatible` kind in its configuration (OPENCODE_CONFIG_CONTENT),
+run with `opencode run`. It sends two streamed chat requests at once: a title for the session (its own
+system prompt, no tools) and the answer (a ~2,400-token system prompt, ten tools, `tool_choice: auto`,
+`max_tokens`, `stream_options.include_usage`); no temperature, so the servers' --temp 0 holds.
 """
 from __future__ import annotations
 
@@ -25,22 +29,23 @@ from .programs import LlamaServer, OrchestratorServer, start_workers, started, s
 
 pytestmark = pytest.mark.interop
 
-N_CTX = 8192  # pi's system prompt and its tools' descriptions take a few thousand tokens
-MAX_TOKENS = 48  # pi's maxTokens for the model: its max_completion_tokens
-GREEDY = ["--temp", 0]  # pi sends no temperature: the servers' default makes its runs repeatable
+N_CTX = 8192  # the agents' system prompts and their tools' descriptions take a few thousand tokens
+MAX_TOKENS = 48  # each agent's output limit for the model: its requests' max_completion_tokens / max_tokens
+GREEDY = ["--temp", 0]  # neither agent sends a temperature: the servers' default makes its runs repeatable
 COMPACTION_RESERVE = 1024  # tokens pi keeps free before it compacts (its settings.json)
-PI_TIMEOUT = 3 * RPC_TIMEOUT  # a run may be several requests (a tool round or two), each a prompt of ~700+ tokens
+AGENT_TIMEOUT = 3 * RPC_TIMEOUT  # a run may be several requests (a tool round or two), each a prompt of ~700+ tokens
 PROMPT = "Reply with one short sentence: what is a sorting algorithm?"
 
 
 @pytest.fixture(scope="module")
-def pi() -> str:
-    """pi's executable: tools/install_agents.sh installs the pinned version once (a no-op afterwards)."""
+def agents() -> dict[str, str]:
+    """Each agent's executable by name: tools/install_agents.sh installs the pinned versions once (a no-op
+    afterwards) and prints a line `NAME PATH` for each."""
     done = subprocess.run(["bash", str(REPO_ROOT / "tools" / "install_agents.sh")], capture_output=True, text=True,
                           timeout=600, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
-        _unavailable(f"pi could not be installed (tools/install_agents.sh):\n{done.stderr[-3000:]}")
-    return done.stdout.strip().splitlines()[-1]
+        _unavailable(f"the agents could not be installed (tools/install_agents.sh):\n{done.stderr[-3000:]}")
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines())
 
 
 @pytest.fixture(scope="module")
@@ -50,60 +55,78 @@ def workers(bin_dir, tmp_path_factory):
     stop_workers(found)
 
 
-@pytest.fixture(scope="module")
-def oracle(bin_dir, model_path, workers, tmp_path_factory):
-    server = started(LlamaServer(bin_dir, model_path, tmp_path_factory.mktemp("agents") / "llama-server.log",
-                                 ["--rpc", workers[0].address, "-ngl", 99, "--jinja", *GREEDY,
-                                  # the pinned llama-server does not read pi's max_completion_tokens: without
-                                  # -n a request ran on for thousands of tokens (10 t/s here)
-                                  "-n", MAX_TOKENS], n_ctx=N_CTX))
-    yield server
-    server.stop()
+@pytest.fixture
+def servers(bin_dir, model_path, workers, tmp_path):
+    """llama-server and `orchestrator serve`, fresh for each test, each on a worker of its own: each is asked
+    by one agent only, since llama-server's greedy text here can change once a prompt is cached (a reused
+    prefix splits the batches differently). Two slots each: opencode's two requests come at once."""
+    logs, found = tmp_path / "logs", {}
+    logs.mkdir()
+    try:
+        found["llama-server"] = started(LlamaServer(
+            bin_dir, model_path, logs / "llama-server.log",
+            ["--rpc", workers[0].address, "-ngl", 99, "--jinja", *GREEDY,
+             # the pinned llama-server does not read pi's max_completion_tokens: without -n a request ran on
+             # for thousands of tokens (10 t/s here)
+             "-n", MAX_TOKENS], n_ctx=2 * N_CTX, n_parallel=2))
+        found["orchestrator serve"] = started(OrchestratorServer(
+            model_path, logs / "ours.log", [workers[1].address], ["-ngl", 99, *GREEDY], n_ctx=2 * N_CTX, n_parallel=2))
+        yield found
+    finally:
+        for server in found.values():
+            server.stop()
 
 
-@pytest.fixture(scope="module")
-def ours(model_path, workers, tmp_path_factory):
-    server = started(OrchestratorServer(model_path, tmp_path_factory.mktemp("agents") / "ours.log",
-                                        [workers[1].address], ["-ngl", 99, *GREEDY], n_ctx=N_CTX))
-    yield server
-    server.stop()
+def run_agent(cmd: list[str], env: dict, server, tmp_path) -> subprocess.CompletedProcess:
+    """An agent's run in tmp_path/work (both servers' runs share it: the agents' system prompts name it)."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    try:
+        done = subprocess.run(cmd, cwd=work, env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=AGENT_TIMEOUT, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{cmd[0]} timed out after {AGENT_TIMEOUT:.0f}s\n{exc.stderr}\n{server.describe()}") from None
+    assert done.returncode == 0 and done.stdout.strip(), (
+        f"{cmd[0]} exited with {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-3000:]}\n"
+        f"{server.describe()}")
+    return done
 
 
 def run_pi(pi: str, server, tmp_path) -> subprocess.CompletedProcess:
-    """`pi -p PROMPT --provider local` with pi's default tools, in an empty directory, its configuration
-    (models.json: the server as an OpenAI-compatible provider; settings.json: the compaction reserve) in a
-    directory of its own."""
-    agent_dir, work = tmp_path / "pi-agent", tmp_path / "work"
+    """`pi -p PROMPT --provider local`, its configuration (models.json: the server as an OpenAI-compatible
+    provider; settings.json: the compaction reserve) in a directory of its own."""
+    agent_dir = tmp_path / "pi-agent"
     agent_dir.mkdir(exist_ok=True)
-    work.mkdir(exist_ok=True)
     models = {"providers": {"local": {
         "baseUrl": server.url + "/v1", "api": "openai-completions", "apiKey": "none",
         "models": [{"id": "smollm2", "contextWindow": N_CTX, "maxTokens": MAX_TOKENS}]}}}
     (agent_dir / "models.json").write_text(json.dumps(models, indent=2))
     (agent_dir / "settings.json").write_text(json.dumps({"compaction": {"reserveTokens": COMPACTION_RESERVE}}))
-    env = {**os.environ, "PI_CODING_AGENT_DIR": str(agent_dir), "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1",
+    env = {"PI_CODING_AGENT_DIR": str(agent_dir), "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1",
            "HOME": str(tmp_path)}
-    cmd = [pi, "-p", PROMPT, "--provider", "local", "--model", "smollm2", "--no-session"]
-    try:
-        return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=PI_TIMEOUT,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"pi timed out after {PI_TIMEOUT:.0f}s\n{exc.stderr}\n{server.describe()}") from None
+    return run_agent([pi, "-p", PROMPT, "--provider", "local", "--model", "smollm2", "--no-session"], env, server,
+                     tmp_path)
 
 
-def check_answer(done: subprocess.CompletedProcess, server) -> None:
-    assert done.returncode == 0 and done.stdout.strip(), (
-        f"pi exited with {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-3000:]}\n"
-        f"{server.describe()}")
+def run_opencode(opencode: str, server, tmp_path) -> subprocess.CompletedProcess:
+    """`opencode run PROMPT` with the server as its model's provider, its state in a home of its own (fresh
+    per run, so that its session database does not carry one run into the next), its update checks, model
+    catalogue download, default plugins and reading of ~/.claude off."""
+    home = tmp_path / f"opencode-home-{server.port}"
+    config = {"model": "local/smollm2", "provider": {"local": {
+        "npm": "@ai-sdk/openai-compatible", "name": "local",
+        "options": {"baseURL": server.url + "/v1", "apiKey": "none"},
+        "models": {"smollm2": {"name": "smollm2", "limit": {"context": N_CTX, "output": MAX_TOKENS}}}}}}
+    env = {"HOME": str(home), **{f"XDG_{kind}_HOME": str(home / kind.lower()) for kind in ("CONFIG", "DATA", "CACHE", "STATE")},
+           "OPENCODE_CONFIG_CONTENT": json.dumps(config),
+           **{f"OPENCODE_DISABLE_{what}": "1" for what in ("AUTOUPDATE", "MODELS_FETCH", "DEFAULT_PLUGINS",
+                                                           "LSP_DOWNLOAD", "SHARE", "CLAUDE_CODE")}}
+    return run_agent([opencode, "run", PROMPT], env, server, tmp_path)
 
 
-def test_pi_answers_through_orchestrator_serve_as_through_llama_server(pi, oracle, ours, tmp_path):
-    """The same pi, setup, model and workers, each server fresh: pi answers through both, the same words.
-    Both runs share one working directory, because pi's system prompt names it (and the date). Each server is
-    asked once: llama-server's greedy text here can change once a prompt is cached (a reused prefix splits
-    the batches differently)."""
-    runs = {}
-    for name, server in (("llama-server", oracle), ("orchestrator serve", ours)):
-        runs[name] = run_pi(pi, server, tmp_path)
-        check_answer(runs[name], server)
-    assert runs["orchestrator serve"].stdout == runs["llama-server"].stdout
+@pytest.mark.parametrize("agent", ["pi", "opencode"])
+def test_an_agent_answers_through_orchestrator_serve_as_through_llama_server(agent, agents, servers, tmp_path):
+    """The same agent, setup, model and workers: it answers through both servers, the same words."""
+    run = {"pi": run_pi, "opencode": run_opencode}[agent]
+    answers = {name: run(agents[agent], server, tmp_path).stdout for name, server in servers.items()}
+    assert answers["orchestrator serve"] == answers["llama-server"]
