@@ -49,7 +49,7 @@ from orchestrator.pipeline.ring import Ring
 from orchestrator.pipeline.telemetry import PROBE_PERIOD_S, Telemetry, clients
 from orchestrator.sampling import Sampler
 from orchestrator.sampling.gbnf import GrammarError
-from orchestrator.engine.slots import Finish, Job, Metrics, Slot, common_prefix, log_probs
+from orchestrator.engine.slots import Finish, Job, Metrics, Slot, log_probs, pick_slot
 from orchestrator.pipeline.waves import Solo, Stepwise
 
 __all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
@@ -68,7 +68,7 @@ class Engine:
     in Waves. Engine.one_sequence(pipe, eog): the CLI's."""
 
     def __init__(self, pipe, eog_ids, *, n_parallel: int, max_queue: int, planner=None, runner=None,
-                 vocab=None):
+                 vocab=None, slot_prompt_similarity: float = 0.1):
         if planner is None:
             if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
                 raise ValueError("the engine's sliding-window layers share the global cells: build the Pipeline "
@@ -87,6 +87,7 @@ class Engine:
         self.on_ring_off: Callable[[str], None] | None = None  # told why, when a ring breaks
         self.speculator = None  # drafts for generating slots (orchestrator/engine/speculative.py)
         self.slots = [Slot(i) for i in range(n_parallel)]
+        self.slot_prompt_similarity = slot_prompt_similarity  # llama-server's -sps (pick_slot)
         self.n_ctx_slot = self.planner.size
         self.max_queue = max_queue
         self.waiting: deque[Job] = deque()
@@ -313,15 +314,15 @@ class Engine:
                 self.on_ring_off(why)
 
     def _admit(self) -> None:
-        """Gives each idle slot a waiting job: the slot whose cached tokens share the longest prefix with
-        the prompt; of that prefix it keeps what Planner.keep allows (one token is always computed again,
+        """Gives each idle slot a waiting job (the slot pick_slot chooses); of the prefix its cached tokens
+        share with the prompt it keeps what Planner.keep allows (one token is always computed again,
         for logits). Cells past it are overwritten as the prompt is read; no mask shows them before."""
         while self.waiting:
             idle = [s for s in self.slots if s.job is None and not s.awaiting]
             if not idle:
                 return
             job = self.waiting.popleft()
-            slot = max(idle, key=lambda s: (common_prefix(s.tokens[:s.n_cached], job.prompt), -s.index))
+            slot = pick_slot(idle, job.prompt, self.slot_prompt_similarity)
             want = self.planner.prompt_paths(len(job.prompt))
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
             try:  # (the server checks this before queueing a job; a job that fails here fails alone)
@@ -512,6 +513,7 @@ class Engine:
                         slot.n_generated, 1e3 * (now - first), slot.index, eog_token, context_full,
                         1e3 * slot.sampling_seconds)
         slot.job, slot.sampler = None, None  # before the client hears: its next /metrics sees the slot free
+        slot.t_last_used = now
         del slot.tokens[slot.n_cached:]  # what was never fed (the last sampled token, an unread prompt tail)
         self._outbox.append((job, "done", finish))
 

@@ -83,6 +83,7 @@ class Slot:
     t_first: float | None = None  # when its first token was sampled
     sampling_seconds: float = 0.0
     awaiting: bool = False  # a batch in flight holds its last fed token, whose logits it waits for
+    t_last_used: float = -1.0  # when its last job ended (time.perf_counter()); -1: never used
 
     @property
     def generating(self) -> bool:
@@ -101,6 +102,21 @@ class Metrics:
     eval_runs: int = 0  # decodes that fed generated tokens (llama-completion's "eval time ... runs")
     n_drafted: int = 0  # tokens a draft model proposed (speculative decoding)
     n_drafted_accepted: int = 0  # of those, the ones the target verified
+
+
+def pick_slot(idle: list[Slot], prompt: list[int], similarity: float) -> Slot:
+    """The idle slot a prompt goes to, as llama-server picks it (get_available_slot): the one whose cached
+    tokens share the largest fraction of the prompt as their prefix, if that fraction is above `similarity`
+    (its -sps; 0: never by prefix), else the least recently used, an empty one first. A prompt unlike every
+    cache thus leaves the others' caches alone: an agent's short request for a session title between two turns
+    took the slot holding the conversation's 2,200 tokens (its few tokens of chat template in common beat
+    an empty slot's none), and the next turn read them all again. Of equals the lowest index (llama-server's
+    LRU takes the last of equals; here the first slot is the one the draft's ring serves)."""
+    if similarity > 0 and prompt:
+        best = max(idle, key=lambda s: (common_prefix(s.tokens[:s.n_cached], prompt), -s.index))
+        if common_prefix(best.tokens[:best.n_cached], prompt) > similarity * len(prompt):
+            return best
+    return min(idle, key=lambda s: (s.t_last_used, s.index))
 
 
 def log_probs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:

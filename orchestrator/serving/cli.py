@@ -33,6 +33,9 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_o
 @click.option("-b", "--batch-size", default=2048, type=click.IntRange(min=1), help="logical batch size")
 @click.option("-ub", "--ubatch-size", default=512, type=click.IntRange(min=1),
               help="physical batch size: the most tokens one step computes")
+@click.option("-sps", "--slot-prompt-similarity", default=0.1, type=click.FloatRange(0.0, 1.0),
+              help="how much of a prompt a slot's cache must share as its prefix for the prompt to go there, "
+                   "else to the least recently used slot (0.0 = always the least recently used)")
 @click.option("--queue", "max_queue", default=16, type=click.IntRange(min=0),
               help="requests that may wait for a slot; beyond them the server answers 503 at once")
 @click.option("-n", "--n-predict", default=-1, type=click.IntRange(min=-1),
@@ -81,10 +84,10 @@ def run(*, rpc, workers, threads, **options) -> None:
         return start(local.endpoints, **options)
 
 
-def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, batch_size, ubatch_size, max_queue,
-          n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k, cache_type_v, no_push,
-          chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft,
-          spec_type, spec_draft_sampling, draft_always, rpc_spare, **sampling) -> None:
+def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt_similarity, ctx_size, batch_size,
+          ubatch_size, max_queue, n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k,
+          cache_type_v, no_push, chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min,
+          draft_fixed, rpc_draft, spec_type, spec_draft_sampling, draft_always, rpc_spare, **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
@@ -117,7 +120,8 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, ctx_size, b
 
     def load() -> Engine:
         pipe = build(endpoints)
-        engine = Engine(pipe, loaded.eog, n_parallel=parallel, max_queue=max_queue, vocab=loaded.vocab)
+        engine = Engine(pipe, loaded.eog, n_parallel=parallel, max_queue=max_queue, vocab=loaded.vocab,
+                        slot_prompt_similarity=slot_prompt_similarity)
         engine.recovery = Recovery(endpoints, endpoint_list(rpc_spare), build, tell=log)
         try:
             engine.speculator = start_draft(pipe, draft, parallel, draft_max=draft_max, draft_min=draft_min,

@@ -25,7 +25,7 @@ import subprocess
 import pytest
 
 from .conftest import REPO_ROOT, RPC_TIMEOUT, _unavailable
-from .programs import LlamaServer, OrchestratorServer, start_workers, started, stop_workers
+from .programs import PROMPTS, LlamaServer, OrchestratorServer, start_workers, started, stop_workers
 
 pytestmark = pytest.mark.interop
 
@@ -130,3 +130,28 @@ def test_an_agent_answers_through_orchestrator_serve_as_through_llama_server(age
     run = {"pi": run_pi, "opencode": run_opencode}[agent]
     answers = {name: run(agents[agent], server, tmp_path).stdout for name, server in servers.items()}
     assert answers["orchestrator serve"] == answers["llama-server"]
+
+
+TITLE_SYSTEM = ("You are a title generator. You output only a thread title, nothing else: a single line of at most "
+                "fifty characters, in the language of the user's message, that would help the user find this "
+                "conversation later. Never answer the question itself and never use tools.")
+
+
+def test_a_title_request_between_two_turns_leaves_the_conversations_cache_alone(servers):
+    """opencode's pattern, in plain requests: a turn of a conversation, then a request unlike it (a title:
+    its few tokens of chat template in common are under -sps 0.1 of it), then the conversation's next turn.
+    With both servers the next turn reuses most of the first one's cells (the title went to the other,
+    least recently used slot), the title none. (How many of them differs: ours keeps only cells computed
+    on the path the new prompt's tokens would take, for llama-server's text, so not the answer's.)"""
+    turn = [{"role": "system", "content": PROMPTS["long"]}, {"role": "user", "content": "Who kept the logbooks?"}]
+    title = [{"role": "system", "content": TITLE_SYSTEM}, {"role": "user", "content": "Who kept the logbooks?"}]
+    cache_n = {}
+    for name, server in servers.items():
+        first = server.chat(turn)
+        answer = first["choices"][0]["message"]["content"]
+        then = server.chat(title), server.chat(turn + [{"role": "assistant", "content": answer},
+                                                       {"role": "user", "content": "And then?"}])
+        cache_n[name] = [reply["timings"]["cache_n"] for reply in (first, *then)]
+    most = first["usage"]["prompt_tokens"] // 2
+    for name, (n_first, n_title, n_next) in cache_n.items():
+        assert n_first == n_title == 0 and n_next > most, (name, cache_n)
