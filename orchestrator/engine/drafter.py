@@ -14,6 +14,7 @@ import numpy as np
 
 from orchestrator.engine.batching import Piece, Planner
 from orchestrator.engine.slots import common_prefix
+from orchestrator.pipeline.kv import Batch
 from orchestrator.pipeline.ring import Ring
 
 DRAFT_TOP_K = 10  # the draft's sampler in common/speculative.cpp: top_k 10, then the target's temperature
@@ -38,10 +39,10 @@ class Drafter:
     A draft with sliding-window layers runs with a full-size cache for them (swa_full: their cells are the
     global layers', the window a mask), so that a rejected draft's cells are dropped as any others are.
 
-    Greedy drafts of slot 0 come from the ring (pipeline/ring.py) when the draft's workers can run one:
-    the draft's last stage picks each token and feeds it back to its first, so k drafted tokens cost one
-    round trip to the draft's workers instead of k. Slot 0's cells are where the ring's one sequence puts
-    them (cell i: position i), and its masks hide every other slot's cells."""
+    Greedy drafts of one slot at a time come from the ring (pipeline/ring.py) when the draft's workers can
+    run one: the draft's last stage picks each token and feeds it back to its first, so k drafted tokens
+    cost one round trip to the draft's workers instead of k. Each step is the slot's row as the Planner
+    places it (its own cells, as a stepwise draft's), so the ring serves whichever slot drafts alone."""
 
     def __init__(self, pipe, n_slots: int):
         if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
@@ -149,9 +150,9 @@ class Drafter:
         draft_distribution; drafting stops before a position whose most likely token has a probability
         below p_min (common_speculative's "only collect very high-confidence draft tokens"). Returns the
         tokens and the distribution each was drawn from (for speculative sampling)."""
-        if rng is None and p_min <= 0 and slot == 0 and self.ring is not None:
+        if rng is None and p_min <= 0 and self.ring is not None:
             self.step_s = None
-            return self._draft_ring(sequence, n_max), []
+            return self._draft_ring(slot, sequence, n_max), []
         return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, rng)], stop)[0]
 
     def draft_many(self, requests: list["DraftRequest"], stop: threading.Event | None = None
@@ -206,31 +207,35 @@ class Drafter:
             self.step_s = (time.perf_counter() - began) / most
         return results
 
-    def catch_up(self, sequence: list[int], start: int) -> None:
-        """Feeds slot 0 the tokens of sequence[:start] its cells lack (the prompt, what the target's ring
+    def catch_up(self, sequence: list[int], start: int, slot: int = 0) -> None:
+        """Feeds the slot the tokens of sequence[:start] its cells lack (the prompt, what the target's ring
         made, or what a ring that broke left unfed); catch_up_s: the seconds it took, a read ahead's wait
         included (the price of switching to drafting, not counted in drafting's rate)."""
         began = time.perf_counter()
         self.wait()
-        keep = min(common_prefix(self.cached[0], sequence), start)
+        keep = min(common_prefix(self.cached[slot], sequence), start)
         if keep < start:
-            self._feed(0, sequence[keep:start], keep)
+            self._feed(slot, sequence[keep:start], keep)
         self.catch_up_s = time.perf_counter() - began
 
-    def _draft_ring(self, sequence: list[int], n_max: int) -> list[int]:
-        """Slot 0's greedy drafts from the ring: one token more than wanted, so that the cells hold every
+    def _draft_ring(self, slot: int, sequence: list[int], n_max: int) -> list[int]:
+        """The slot's greedy drafts from the ring: one token more than wanted, so that the cells hold every
         token drafted (the next call then starts at the last token, after a rejection or none)."""
         start = len(sequence) - 1
-        self.catch_up(sequence, start)
+        self.catch_up(sequence, start, slot)
         tokens, times = [], []
-        for token in self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start)):
+
+        def place(pos: int) -> Batch:
+            return self.planner.batch([Piece(slot, [0], pos, self.planner.path(1, pos + 1), True)])[0]
+
+        for token in self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start), place):
             tokens.append(token)
             times.append(time.perf_counter())
         if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers,
             # which is the block's once (stepwise, each draft costs a round trip and a step: draft())
             self.step_s = (times[-1] - times[0]) / (len(times) - 1)
         # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
-        self.cached[0] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
+        self.cached[slot] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
         if self.ring.broken is not None:  # a push failed: stepwise from now on
             self.ring = None
         return tokens[:n_max]

@@ -111,7 +111,7 @@ def pick_slot(idle: list[Slot], prompt: list[int], similarity: float) -> Slot:
     cache thus leaves the others' caches alone: an agent's short request for a session title between two turns
     took the slot holding the conversation's 2,200 tokens (its few tokens of chat template in common beat
     an empty slot's none), and the next turn read them all again. Of equals the lowest index (llama-server's
-    LRU takes the last of equals; here the first slot is the one the draft's ring serves)."""
+    LRU takes the last of equals)."""
     if similarity > 0 and prompt:
         best = max(idle, key=lambda s: (common_prefix(s.tokens[:s.n_cached], prompt), -s.index))
         if common_prefix(best.tokens[:best.n_cached], prompt) > similarity * len(prompt):

@@ -25,6 +25,7 @@ import numpy as np
 
 from orchestrator.pipeline.client import WorkerError, await_reply, name_the_dead
 from orchestrator.graph.ggml import wire_tensor
+from orchestrator.pipeline.kv import Batch
 from orchestrator.pipeline.push import open_link, peer_write
 from wire import protocol as p
 from wire.protocol import Command
@@ -108,7 +109,7 @@ class Ring:
     def _send(self, step: int, pos: int, first_token: int | None) -> list[list[Command]]:
         """Sends every stage its commands of one step at position `pos`; returns the replies owed."""
         pipe, stages = self.pipe, self.pipe.stages
-        batch = pipe.sequence_batch([0], pos)
+        batch = self._place(pos)
         shape = pipe.shape(batch)
         feed = pipe.inputs(batch)
         for i, stage in enumerate(stages):
@@ -132,7 +133,7 @@ class Ring:
         if i + 1 < len(stages):
             dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
         else:  # the token goes round to the first stage, as its input of the next step
-            stages[0].prepare(pipe.next_shape(pos + 1), **self._ring_options(0))
+            stages[0].prepare(self._next_shape(pos + 1), **self._ring_options(0))
             dst, link, to_step = stages[0].graph.inputs["tokens"], self.link, step + 1
         stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(link, to_step, wire_tensor(out), wire_tensor(dst)))
         replies.append(Command.PUSH_TENSOR)
@@ -163,14 +164,23 @@ class Ring:
             dst = stage.graph.inputs["tokens" if i == 0 else "embd"]
             peer_write(stage.endpoint, token, self.last_sent, wire_tensor(dst), b"")
 
-    def run(self, first_token: int, start: int, limit: int) -> Iterator[int]:
+    def run(self, first_token: int, start: int, limit: int,
+            place: Callable[[int], Batch] | None = None) -> Iterator[int]:
         """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded), which
         goes in at position `start`. Stop early by closing the generator: the steps in flight finish and
         their tokens are dropped. An exception raised inside (an interrupt, a worker's failure) may cut a
         command or a reply in two: the connections are then unusable, to be closed. If the ring breaks,
         the generator ends early with `broken` set; the tokens yielded are then the ones decoded, so the
-        caller decodes the last of them (or first_token) stepwise next."""
+        caller decodes the last of them (or first_token) stepwise next.
+
+        `place(pos)`: the batch of one token at position pos (its token a stand-in: the first stage's input
+        comes round the ring), where the sequence's cells are not the pipeline's one sequence's (a serving
+        engine's slot); by default cell i holds position i."""
         pipe = self.pipe
+        if place is None:
+            self._place, self._next_shape = (lambda pos: pipe.sequence_batch([0], pos)), pipe.next_shape
+        else:
+            self._place, self._next_shape = place, (lambda pos: pipe.shape(place(pos)))
         step0 = pipe.step + 1
         limit = min(limit, pipe.n_ctx - start)
         in_flight: deque = deque()

@@ -408,7 +408,7 @@ def test_a_prompt_read_ahead_drafts_as_one_read_first(model, workers):
         expected = first.draft(0, prompt, 5, 0.0, 1.0, None)[0]
         assert ahead.draft(0, prompt, 5, 0.0, 1.0, None)[0] == expected and len(expected) == 5
         assert ahead.cached[0][:len(prompt)] == prompt
-        ahead.ring = first.ring = None  # stepwise drafts (a slot other than 0 drafts so), after a new prompt
+        ahead.ring = first.ring = None  # stepwise drafts (several slots at once draft so), after a new prompt
         other = prompt[:4] + prompt[2:]
         ahead.read_ahead(0, other)
         assert ahead.draft(0, other, 3, 0.0, 1.0, None)[0] == first.draft(0, other, 3, 0.0, 1.0, None)[0]
@@ -420,3 +420,37 @@ def test_a_prompt_read_ahead_drafts_as_one_read_first(model, workers):
     finally:
         ahead.close()
         first.close()
+
+
+def test_the_drafts_ring_serves_any_slot(model, workers):
+    """Greedy drafts of a slot other than the first come from the draft's ring too, each step its row in the
+    slot's own cells: the tokens a stepwise draft gives that slot, while the first slot's cells hold another
+    text, and again after part of a block was rejected (the ring's cells cut back and caught up)."""
+    from orchestrator.engine.drafter import Drafter  # noqa: PLC0415
+    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
+
+    tokenize = Vocab.from_gguf(ModelFile(model).reader).tokenize
+    prompt, other = tokenize(PROMPT), tokenize("The capital of France is")
+    ring, stepwise = Drafter(draft_pipe(model, workers[0]), 3), Drafter(draft_pipe(model, workers[1]), 3)
+    try:
+        assert ring.ring is not None
+        stepwise.ring = None
+        ring_runs, run = [], ring.ring.run
+        ring.ring.run = lambda *args: ring_runs.append(args) or run(*args)
+
+        def both(slot: int, sequence: list[int], n: int) -> list[int]:
+            expected = stepwise.draft(slot, sequence, n, 0.0, 1.0, None)[0]
+            before = len(ring_runs)
+            assert ring.draft(slot, sequence, n, 0.0, 1.0, None)[0] == expected and len(expected) == n
+            assert len(ring_runs) == before + 1  # from the ring
+            return expected
+
+        both(0, other, 4)
+        for slot in (2, 1):
+            drafts = both(slot, prompt, 6)
+            wrong = (drafts[2] + 1) % 1000  # the target kept two drafts, then made another token
+            both(slot, prompt + drafts[:2] + [wrong], 5)
+    finally:
+        ring.close()
+        stepwise.close()
