@@ -113,8 +113,9 @@ def pick_slot(idle: list[Slot], prompt: list[int], similarity: float) -> Slot:
     an empty slot's none), and the next turn read them all again. Of equals the lowest index (llama-server's
     LRU takes the last of equals)."""
     if similarity > 0 and prompt:
-        best = max(idle, key=lambda s: (common_prefix(s.tokens[:s.n_cached], prompt), -s.index))
-        if common_prefix(best.tokens[:best.n_cached], prompt) > similarity * len(prompt):
+        shared = {s.index: common_prefix(s.tokens[:s.n_cached], prompt) for s in idle}
+        best = max(idle, key=lambda s: (shared[s.index], -s.index))
+        if shared[best.index] > similarity * len(prompt):
             return best
     return min(idle, key=lambda s: (s.t_last_used, s.index))
 

@@ -9,16 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.engine.slots import Slot, pick_slot
+from orchestrator.engine.slots import Slot, common_prefix, pick_slot
 
 pytestmark = pytest.mark.unit
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def llama_servers_choice(idle: list[Slot], prompt: list[int], similarity: float) -> Slot:
@@ -28,7 +21,7 @@ def llama_servers_choice(idle: list[Slot], prompt: list[int], similarity: float)
             tokens = slot.tokens[:slot.n_cached]
             if not tokens:
                 continue
-            f_sim_cur = np.float32(lcp(tokens, prompt)) / np.float32(len(prompt))
+            f_sim_cur = np.float32(common_prefix(tokens, prompt)) / np.float32(len(prompt))
             if f_sim_cur > f_sim_best and f_sim_cur > np.float32(similarity):
                 f_sim_best, ret = f_sim_cur, slot
     if ret is None:
