@@ -316,13 +316,17 @@ class Engine:
     def _admit(self) -> None:
         """Gives each idle slot a waiting job (the slot pick_slot chooses); of the prefix its cached tokens
         share with the prompt it keeps what Planner.keep allows (one token is always computed again,
-        for logits). Cells past it are overwritten as the prompt is read; no mask shows them before."""
-        while self.waiting:
+        for logits). Cells past it are overwritten as the prompt is read; no mask shows them before. A job
+        whose id_slot is busy waits for it, and the jobs behind it go on (llama-server defers it)."""
+        for job in list(self.waiting):
             idle = [s for s in self.slots if s.job is None and not s.awaiting]
             if not idle:
                 return
-            job = self.waiting.popleft()
-            slot = pick_slot(idle, job.prompt, self.slot_prompt_similarity)
+            wanted = job.id_slot % len(self.slots) if job.id_slot >= 0 else -1
+            slot = pick_slot(idle, job.prompt, self.slot_prompt_similarity, wanted)
+            if slot is None:
+                continue
+            self.waiting.remove(job)
             want = self.planner.prompt_paths(len(job.prompt))
             keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
             try:  # (the server checks this before queueing a job; a job that fails here fails alone)

@@ -65,6 +65,7 @@ class Job:
     n_keep: int | None = None
     cache_n: int = 0  # set when a slot takes the job: prompt tokens it keeps cached (read before the first token)
     cache_prompt: bool = True  # False: the slot's cached prefix is not reused, the whole prompt is computed
+    id_slot: int = -1  # llama-server's id_slot: n >= 0 runs on slot n % slots (waiting while it is busy); else any
 
 
 @dataclass
@@ -104,14 +105,22 @@ class Metrics:
     n_drafted_accepted: int = 0  # of those, the ones the target verified
 
 
-def pick_slot(idle: list[Slot], prompt: list[int], similarity: float) -> Slot:
-    """The idle slot a prompt goes to, as llama-server picks it (get_available_slot): the one whose cached
+def pick_slot(idle: list[Slot], prompt: list[int], similarity: float, wanted: int = -1) -> Slot | None:
+    """The idle slot a prompt goes to, as llama-server picks it (get_available_slot): slot `wanted` if it is
+    >= 0 (a request's id_slot; None while that slot is busy), else the one whose cached
     tokens share the largest fraction of the prompt as their prefix, if that fraction is above `similarity`
     (its -sps; 0: never by prefix), else the least recently used, an empty one first. A prompt unlike every
     cache thus leaves the others' caches alone: an agent's short request for a session title between two turns
     took the slot holding the conversation's 2,200 tokens (its few tokens of chat template in common beat
     an empty slot's none), and the next turn read them all again. Of equals the lowest index (llama-server's
-    LRU takes the last of equals)."""
+    LRU takes the last of equals).
+
+    Where llama-server's choice takes a slot that keeps less than half of its cached tokens, it first copies
+    that slot's cells to host memory (its --cache-ram prompt cache) and a later prompt like them gets them
+    back; this engine has no such copy, so they are lost (a short prompt sharing a chat template's few
+    tokens can reach -sps: seen with Gemma 3's, 7 of a 40-token title request's tokens)."""
+    if wanted >= 0:
+        return next((s for s in idle if s.index == wanted), None)
     if similarity > 0 and prompt:
         shared = {s.index: common_prefix(s.tokens[:s.n_cached], prompt) for s in idle}
         best = max(idle, key=lambda s: (shared[s.index], -s.index))

@@ -172,7 +172,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             pass
 
     job = Job(c.tokens, c.params, c.n_predict, emit, ignore_eos=c.ignore_eos, n_probs=c.n_probs,
-              cache_prompt=c.cache_prompt)
+              cache_prompt=c.cache_prompt, id_slot=c.id_slot)
     try:
         engine.submit(job)
     except Busy as exc:

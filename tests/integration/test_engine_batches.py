@@ -166,3 +166,29 @@ def test_a_job_whose_sampler_cannot_be_built_fails_alone(engine):
         engine.vocab = None
     assert heard[0][0] == "error" and heard[0][1].startswith("Failed to initialize samplers:"), heard
     assert heard[1][0] == "done", heard
+
+
+def test_a_job_waits_for_its_id_slot_and_the_jobs_behind_it_go_on(engine):
+    """llama-server's id_slot: a job for a busy slot waits for that slot (it is deferred there), and a job
+    sent after it without one is not held up: it starts on another slot at once and, with 4 tokens to the
+    first job's 48, ends before the first job frees slot 1 for the waiting one."""
+    engine, vocab = engine
+    ended: list[tuple[str, int]] = []
+    done = threading.Semaphore(0)
+
+    def job(name: str, n_predict: int, id_slot: int) -> Job:
+        def emit(kind, value):
+            if kind in ("done", "error"):
+                ended.append((name, value.slot if kind == "done" else value))
+                done.release()
+        prompt = vocab.tokenize(f"Tell me about {name}.", add_special=True, parse_special=True)
+        return Job(prompt, SamplingParams(temp=0), n_predict, emit, ignore_eos=True, id_slot=id_slot)
+
+    engine.submit(job("lighthouses", N_PREDICT, 1))
+    engine.submit(job("harbours", 4, 5))  # 5 % 4: slot 1, busy
+    engine.submit(job("rivers", 4, -1))
+    for _ in range(3):
+        assert done.acquire(timeout=300)
+    assert [name for name, _ in ended] == ["rivers", "lighthouses", "harbours"], ended
+    slots = dict(ended)
+    assert slots["lighthouses"] == slots["harbours"] == 1 and slots["rivers"] != 1, ended

@@ -121,6 +121,26 @@ def test_cached_tokens_are_counted_as_llama_server_counts_them(ours, oracle):
         assert got["usage"] == {**expected["usage"]}, (expected["usage"], got["usage"])
 
 
+def test_id_slot_runs_a_request_on_that_slot_as_llama_server_does(ours, oracle):
+    """id_slot n runs on slot n % slots: a prompt read on slot 1 is found there again by a longer one sent
+    to slot 1, not by the same prompt sent to slot 6 % 4 = 2 (whatever that slot holds from other tests)."""
+    prompt = "A lighthouse keeper counts the ships that pass: one, two, three, four, five, six"
+    steps = [(prompt, 1), (prompt, 6), (prompt + ", seven", 1)]
+    for text, id_slot in steps:
+        body = {"prompt": text, "n_predict": 2, "temperature": 0, "id_slot": id_slot}
+        (s1, expected), (s2, got) = (post(server, "/completion", body) for server in (oracle, ours))
+        assert s1 == s2 == 200, (expected, got)
+        assert got["id_slot"] == expected["id_slot"] == id_slot % N_PARALLEL, (expected, got)
+        assert got["content"] == expected["content"]
+        reused = [reply["timings"]["cache_n"] for reply in (expected, got)]
+        if text == prompt:
+            assert max(reused) < 8, reused  # slot 1 before the prompt, slot 2 at the second step
+        else:
+            assert reused[0] > 8 and reused[1] == reused[0], reused
+    status, got = post(ours, "/completion", {"prompt": prompt, "n_predict": 1, "id_slot": "1"})
+    assert status == 400 and "'id_slot' must be an integer" in got["error"]["message"], got
+
+
 def test_n_above_one_is_refused_in_llama_servers_words(ours, oracle):
     """llama-server generates up to -np choices and refuses more; this server generates one and refuses more."""
     body = {"messages": CHAT, "max_tokens": 2, "n": N_PARALLEL + 1}
