@@ -97,7 +97,7 @@ class Pace:
     Drafter.read_ahead), then the other way its own (both times `scale`: the server's probes are per
     generating slot), or with `other_first` the other way first. The faster then makes a stretch
     (stretch()), the slower a probe after it, and they are compared again, and so on. A probe that can no
-    longer win ends at once (_hopeless): with the other way first, drafting's first probe too, which where
+    longer win ends at once (cannot_win; a ring's run asks after each token): with the other way first, drafting's first probe too, which where
     it does not pay then costs the time the other way takes for its tokens, not its own. Without `retry`
     (the CLI), an other way that wins keeps the tokens for good instead: the draft never reads what it
     made (catching up would cost it a prompt's worth of compute; with the ring's probe first, that catch-up
@@ -129,7 +129,7 @@ class Pace:
         self._tokens += n_tokens
         self._seconds += seconds
         self.left -= n_tokens
-        if 0 < self.left < math.inf and self._hopeless(mode):
+        if 0 < self.left < math.inf and self.cannot_win():
             self.left = 0
         if self.left > 0:
             return
@@ -151,13 +151,14 @@ class Pace:
         tokens, earlier_s = self._measured[mode]
         return kept * tokens + n_tokens, kept * earlier_s + seconds
 
-    def _hopeless(self, mode: str) -> bool:
-        """The stretch under way ends a comparison (a probe) that it can no longer win: even its tokens
-        left made at once would leave the way's rate below the other's. It ends there (early cancellation)."""
-        rival = self.other if mode == "draft" else "draft"
-        if self.plan or rival not in self.rates:
+    def cannot_win(self, seconds: float = 0.0) -> bool:
+        """The stretch under way ends a comparison (a probe) that it can no longer win, `seconds` after its
+        last record: even its tokens left made at once would leave the way's rate below the other's. It ends
+        there (early cancellation); a ring's run asks after each token."""
+        rival = self.other if self.mode == "draft" else "draft"
+        if self.plan or rival not in self.rates or self.left == math.inf:
             return False
-        tokens, seconds = self._remembered(mode, self._tokens + self.left, self._seconds)
+        tokens, seconds = self._remembered(self.mode, self._tokens + self.left, self._seconds + seconds)
         return tokens < self.rates[rival] * seconds
 
     def stretch(self, winner: str, loser: str) -> int:

@@ -49,6 +49,9 @@ def run_ring(engine, slot) -> None:
             engine._tell()
             if slot.job is not job:
                 break
+            if pace is not None and pace.cannot_win(time.perf_counter() - began - (
+                    speculator.drafter.catch_up_s if spec else 0.0)):
+                break  # a probe that has lost: the other way makes the next tokens
     finally:
         tokens.close()
         metrics.eval_runs += n

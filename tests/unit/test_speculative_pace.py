@@ -62,3 +62,15 @@ def test_tokens_made_the_other_way_count_but_do_not_end_a_stretch():
     pace = Pace()
     pace.record("ring", 5, 0.1)  # e.g. tokens a ring that was already under way made
     assert (pace.mode, pace.left) == ("draft", PROBE_TOKENS["draft"]) and pace.made == {"draft": 0, "ring": 5}
+
+
+def test_a_rings_run_is_told_when_its_probe_has_lost():
+    """cannot_win(seconds since the last record): the ring's run asks after each token (ring_steps.run_ring)
+    and stops once even its probe's tokens left made at once would not beat drafting's rate."""
+    pace = Pace()
+    pace.record("draft", PROBE_TOKENS["draft"], PROBE_TOKENS["draft"] * 0.02)  # drafting: 50 tokens/s
+    assert pace.mode == "ring" and not pace.cannot_win(0.0)
+    p = PROBE_TOKENS["other"]
+    assert not pace.cannot_win(p * 0.02 - 1e-6) and pace.cannot_win(p * 0.02 + 1e-6)
+    pace.record("ring", 3, p * 0.02 + 1e-6)  # the run stopped there: drafting goes on
+    assert pace.mode == "draft" and pace.rates["ring"] < pace.rates["draft"]
