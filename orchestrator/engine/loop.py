@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.engine.batching import OneSequence, Piece, Planner
-from orchestrator.engine.recovery import Recovery, RecoveryError, reset_slots
+from orchestrator.engine.recovery import Recovery, RecoveryError, recover
 from orchestrator.engine.ring_steps import ring_ready, run_ring
 from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.ring import Ring
@@ -56,7 +56,6 @@ __all__ = ["Busy", "Engine", "Finish", "Job", "Metrics", "Slot", "log_probs"]
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0  # how long stop() waits for the engine's thread before cutting its worker connections
-FRUITLESS_REPLANS = 3  # re-plans in a row with no token made in between: the failure is not the workers'
 
 
 class Busy(Exception):
@@ -146,7 +145,7 @@ class Engine:
             except WorkerError as exc:
                 if self.recovery is None:
                     raise
-                self._recover(str(exc))  # RecoveryError if the workers left cannot hold the model
+                recover(self, str(exc))  # RecoveryError if the workers left cannot hold the model
         return ended[0]
 
     # -- the side other threads call -------------------------------------------------------------
@@ -260,7 +259,7 @@ class Engine:
                     continue
                 if retry:  # a request came while failed: perhaps a worker is back
                     self._fruitless = 0
-                    self._recover("retrying after a failed re-plan")
+                    recover(self, "retrying after a failed re-plan")
                     with self._wake:
                         self.failed = None
                 self._step()
@@ -271,7 +270,7 @@ class Engine:
                     self._fail(str(exc))
                     return
                 try:
-                    self._recover(str(exc))
+                    recover(self, str(exc))
                 except RecoveryError as why:
                     self._fail(str(why))
             except RecoveryError as why:  # the engine stays: a later request tries again
@@ -280,38 +279,6 @@ class Engine:
                 log.exception("the engine stopped")
                 self._fail(str(exc) or type(exc).__name__)
                 return
-
-    def _recover(self, failure: str) -> None:
-        """A worker failed: the old pipeline closed, a new one over the workers that answer (Recovery),
-        every slot's cells rebuilt from its tokens by the next batches. The draft model is dropped (its
-        worker may be the one lost); the ring is set up again. RecoveryError if no pipeline can be built,
-        or if FRUITLESS_REPLANS re-plans in a row made no token (a failure that every pipeline meets is not
-        a lost worker's: re-planning again would only repeat it)."""
-        self._tell()
-        made = self.metrics.tokens_predicted
-        self._fruitless = self._fruitless + 1 if made == self._made_at_replan else 0
-        self._made_at_replan = made
-        if self._fruitless >= FRUITLESS_REPLANS:
-            raise RecoveryError(f"{failure}; the same step failed after {FRUITLESS_REPLANS} re-plans in a row "
-                                "(no token made in between): giving up")
-        self.pipe.close()
-        self.runner = self._new_runner(self.pipe)  # idle: the batches in flight are lost with the pipeline
-        self.ring = None
-        reset_slots(self.slots)
-        if self.speculator is not None:
-            speculator, self.speculator = self.speculator, None
-            try:
-                speculator.close()
-            except Exception:  # noqa: BLE001 - its connections may be dead already
-                pass
-        pipe = self.recovery.replan(failure)
-        self.pipe, self.runner = pipe, self._new_runner(pipe)
-        if isinstance(self.planner, OneSequence):
-            self.planner = OneSequence(pipe)
-        if self._ring_ignore_eos is not None:
-            why = self.start_ring(self._ring_ignore_eos)
-            if why is not None and self.on_ring_off is not None:
-                self.on_ring_off(why)
 
     def _admit(self) -> None:
         """Gives each idle slot a waiting job (the slot pick_slot chooses); of the prefix its cached tokens

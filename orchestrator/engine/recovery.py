@@ -18,6 +18,7 @@ import logging
 import threading
 from typing import Callable
 
+from orchestrator.engine.batching import OneSequence
 from orchestrator.engine.startup import StartupError
 from orchestrator.graph.model import ModelError
 from orchestrator.pipeline.client import RpcClient, WorkerError
@@ -28,6 +29,7 @@ from orchestrator.pipeline.runner import Pipeline
 log = logging.getLogger(__name__)
 
 UP, REPLANNING, LOST = "up", "re-planning", "lost"
+FRUITLESS_REPLANS = 3  # re-plans in a row with no token made in between: the failure is not the workers'
 
 
 class RecoveryError(StartupError):
@@ -109,3 +111,36 @@ def reset_slots(slots) -> None:
         slot.awaiting = False
         if slot.job is None:
             slot.tokens = []
+
+
+def recover(engine, failure: str) -> None:
+    """A worker failed: the old pipeline closed, a new one over the workers that answer (Recovery),
+    every slot's cells rebuilt from its tokens by the next batches. The draft model is dropped (its
+    worker may be the one lost); the ring is set up again. RecoveryError if no pipeline can be built,
+    or if FRUITLESS_REPLANS re-plans in a row made no token (a failure that every pipeline meets is not
+    a lost worker's: re-planning again would only repeat it)."""
+    engine._tell()
+    made = engine.metrics.tokens_predicted
+    engine._fruitless = engine._fruitless + 1 if made == engine._made_at_replan else 0
+    engine._made_at_replan = made
+    if engine._fruitless >= FRUITLESS_REPLANS:
+        raise RecoveryError(f"{failure}; the same step failed after {FRUITLESS_REPLANS} re-plans in a row "
+                            "(no token made in between): giving up")
+    engine.pipe.close()
+    engine.runner = engine._new_runner(engine.pipe)  # idle: the batches in flight are lost with the pipeline
+    engine.ring = None
+    reset_slots(engine.slots)
+    if engine.speculator is not None:
+        speculator, engine.speculator = engine.speculator, None
+        try:
+            speculator.close()
+        except Exception:  # noqa: BLE001 - its connections may be dead already
+            pass
+    pipe = engine.recovery.replan(failure)
+    engine.pipe, engine.runner = pipe, engine._new_runner(pipe)
+    if isinstance(engine.planner, OneSequence):
+        engine.planner = OneSequence(pipe)
+    if engine._ring_ignore_eos is not None:
+        why = engine.start_ring(engine._ring_ignore_eos)
+        if why is not None and engine.on_ring_off is not None:
+            engine.on_ring_off(why)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.engine.loop import FRUITLESS_REPLANS, Engine, Job
-from orchestrator.engine.recovery import RecoveryError
+from orchestrator.engine.loop import Engine, Job
+from orchestrator.engine.recovery import FRUITLESS_REPLANS, RecoveryError
 from orchestrator.pipeline.client import WorkerError
 from orchestrator.pipeline.kv import Batch
 from orchestrator.sampling import SamplingParams
