@@ -90,6 +90,7 @@ class Engine:
         self.n_ctx_slot = self.planner.size
         self.max_queue = max_queue
         self.waiting: deque[Job] = deque()
+        self._n_tasks = 0  # jobs submitted (their id_task)
         self.metrics = Metrics()
         self.failed: str | None = None  # why the engine stopped serving (a worker went away)
         self.recovery: Recovery | None = None  # re-plans over the workers that answer when one fails
@@ -206,6 +207,7 @@ class Engine:
             idle = sum(s.job is None for s in self.slots)  # about to take a waiting job each
             if len(self.waiting) >= self.max_queue + idle:
                 raise Busy(f"all {len(self.slots)} slots are busy and {self.max_queue} requests are waiting")
+            job.id_task, self._n_tasks = self._n_tasks, self._n_tasks + 1
             self.waiting.append(job)
             self._wake.notify()
         try:
@@ -484,7 +486,7 @@ class Engine:
                         slot.n_generated, 1e3 * (now - first), slot.index, eog_token, context_full,
                         1e3 * slot.sampling_seconds)
         slot.job, slot.sampler = None, None  # before the client hears: its next /metrics sees the slot free
-        slot.t_last_used = now
+        slot.t_last_used, slot.last_job = now, job
         del slot.tokens[slot.n_cached:]  # what was never fed (the last sampled token, an unread prompt tail)
         self._outbox.append((job, "done", finish))
 

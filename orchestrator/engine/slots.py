@@ -66,6 +66,8 @@ class Job:
     cache_n: int = 0  # set when a slot takes the job: prompt tokens it keeps cached (read before the first token)
     cache_prompt: bool = True  # False: the slot's cached prefix is not reused, the whole prompt is computed
     id_slot: int = -1  # llama-server's id_slot: n >= 0 runs on slot n % slots (waiting while it is busy); else any
+    request: object = None  # what the front end made the job from (the server's Completion: GET /slots shows it)
+    id_task: int = -1  # set by Engine.submit: jobs in the order they came
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Slot:
     sampling_seconds: float = 0.0
     awaiting: bool = False  # a batch in flight holds its last fed token, whose logits it waits for
     t_last_used: float = -1.0  # when its last job ended (time.perf_counter()); -1: never used
+    last_job: Job | None = None  # the job it served last (GET /slots shows it once the slot is idle)
 
     @property
     def generating(self) -> bool:

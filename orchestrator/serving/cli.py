@@ -44,6 +44,7 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_o
 @gpu_layers_option
 @click.option("--api-key", default=None, envvar="LLAMA_API_KEY", help="require this key (Authorization: Bearer)")
 @click.option("--metrics", is_flag=True, help="enable the Prometheus /metrics endpoint")
+@click.option("--slots/--no-slots", default=True, show_default=True, help="expose the GET /slots monitoring endpoint")
 @pipeline_options
 @click.option("--no-push", is_flag=True, help="relay every activation through the orchestrator")
 @click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -85,7 +86,7 @@ def run(*, rpc, workers, threads, **options) -> None:
 
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt_similarity, ctx_size, batch_size,
-          ubatch_size, max_queue, n_predict, gpu_layers, api_key, metrics, tensor_split, flash_attn, cache_type_k,
+          ubatch_size, max_queue, n_predict, gpu_layers, api_key, metrics, slots, tensor_split, flash_attn, cache_type_k,
           cache_type_v, no_push, chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min,
           draft_fixed, rpc_draft, spec_type, spec_draft_sampling, draft_always, rpc_spare, **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
@@ -102,7 +103,7 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt
     n_ctx = context_size(ctx_size, model.hparams.n_ctx_train)
     defaults = sampling_params(**sampling, n_ctx=n_ctx)  # llama-server's: for what a request leaves out
     service = Service(model, loaded.vocab, api_key=api_key, metrics=metrics, defaults=defaults, n_predict=n_predict,
-                      n_ctx=n_ctx)
+                      n_ctx=n_ctx, slots=slots)
     if chat_template_file is not None:
         service.template = chat_template_file.read_text(encoding="utf-8")
     service.reasoning_format = reasoning_format

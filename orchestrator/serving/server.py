@@ -22,7 +22,7 @@ from orchestrator.serving import anthropic_api as anthropic
 from orchestrator.serving import openai_api as api
 from orchestrator.serving import pipeline_view
 from orchestrator.serving.service import (Service, checked_tokens, detokenize, health, json_body, metrics, models,
-                                          props, tokenize)
+                                          props, slots, tokenize)
 from orchestrator import chat
 from orchestrator.chat import ChatTemplateError
 from orchestrator.pipeline.client import WorkerError
@@ -172,7 +172,7 @@ async def complete(request: web.Request, c: api.Completion) -> web.StreamRespons
             pass
 
     job = Job(c.tokens, c.params, c.n_predict, emit, ignore_eos=c.ignore_eos, n_probs=c.n_probs,
-              cache_prompt=c.cache_prompt, id_slot=c.id_slot)
+              cache_prompt=c.cache_prompt, id_slot=c.id_slot, request=c)
     try:
         engine.submit(job)
     except Busy as exc:
@@ -320,6 +320,7 @@ def make_app(service: Service) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/props", props)
+    app.router.add_get("/slots", slots)
     app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

@@ -1,6 +1,6 @@
 """What the HTTP handlers share (orchestrator/serving/server.py): the Service (the model, its vocabulary
 and, once loaded, the engine), a request's JSON body and token ids checked; and llama-server's endpoints
-that answer from them without generating: /health, /models, /props, /metrics, /tokenize, /detokenize.
+that answer from them without generating: /health, /models, /props, /slots, /metrics, /tokenize, /detokenize.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ class Service:
     """The model, its vocabulary and (once loaded) the engine, as the handlers see them."""
 
     def __init__(self, model, vocab, *, api_key: str | None, metrics: bool, defaults: SamplingParams | None = None,
-                 n_predict: int = -1, n_ctx: int = 0):
+                 n_predict: int = -1, n_ctx: int = 0, slots: bool = True):
         self.model, self.vocab = model, vocab
         # what a request leaves out: the server's sampling flags, -n, and -c for repeat_last_n -1
         self.defaults, self.n_predict, self.n_ctx = defaults or SamplingParams(), n_predict, n_ctx
         self.name = model.path.name
-        self.api_key, self.metrics_enabled = api_key, metrics
+        self.api_key, self.metrics_enabled, self.slots_enabled = api_key, metrics, slots
         self.engine: Engine | None = None
         self.template = chat_template(model)  # the start-up's: the file's or ChatML
         self.reasoning_format = "deepseek"  # llama-server's default (common_params.reasoning_format)
@@ -99,6 +99,45 @@ async def props(request: web.Request) -> web.Response:
         "total_slots": len(engine.slots), "model_alias": s.name, "model_path": str(s.model.path),
         "modalities": {"vision": False, "video": False, "audio": False}, "chat_template": s.template,
         "bos_token": s.piece(s.vocab.bos), "eos_token": s.piece(s.vocab.eos), "build_info": "orchestrator"})
+
+
+async def slots(request: web.Request) -> web.Response:
+    """llama-server's GET /slots: each slot, and the job it runs or last ran (its request's settings; the
+    counts of a job that has ended read 0, as there); `?fail_on_no_slot=1`: 503 if none is idle."""
+    s: Service = request.app["service"]
+    if not s.slots_enabled:
+        raise api.ApiError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                           "not_supported_error")
+    engine = s.ready()
+    out = [slot_state(s, slot, engine.n_ctx_slot, engine.speculator is not None) for slot in engine.slots]
+    if request.query.get("fail_on_no_slot") and all(state["is_processing"] for state in out):
+        raise api.ApiError(503, "no slot available", "unavailable_error")
+    return web.json_response(out)
+
+
+def slot_state(s: Service, slot, n_ctx: int, speculative: bool) -> dict:
+    """One slot as llama-server's server_slot::to_json(only_metrics) shows it. Read from the HTTP thread
+    while the engine's runs: each field is read once, so the state is of about one moment."""
+    job = slot.job
+    shown = job if job is not None else slot.last_job
+    out = {"id": slot.index, "n_ctx": n_ctx, "speculative": speculative, "is_processing": job is not None}
+    if shown is None:
+        return out
+    n_cached, cache_n, n_decoded = slot.n_cached, slot.cache_n, slot.n_generated
+    new_line = False
+    if job is not None:
+        generated = slot.tokens[len(job.prompt):len(job.prompt) + n_decoded]
+        new_line = any(b"\n" in s.vocab.token_to_piece(t) for t in generated)
+    out |= {"id_task": shown.id_task, "n_prompt_tokens": n_cached,
+            "n_prompt_tokens_processed": max(min(n_cached, len(job.prompt)) - cache_n, 0) if job is not None else 0,
+            "n_prompt_tokens_cache": cache_n if job is not None else 0}
+    if shown.request is not None:
+        settings = api.generation_settings(shown.request)  # as there, without the lists of to_json(only_metrics)
+        out["params"] = {k: v for k, v in settings.items() if k not in ("stop", "logit_bias")}
+    n_remain = job.n_predict - n_decoded if job is not None and job.n_predict >= 0 else -1
+    out["next_token"] = [{"has_next_token": job is not None, "has_new_line": new_line, "n_remain": n_remain,
+                          "n_decoded": n_decoded if job is not None else 0}]
+    return out
 
 
 async def metrics(request: web.Request) -> web.Response:

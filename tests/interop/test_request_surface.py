@@ -63,6 +63,18 @@ def post(server, path: str, body=None, raw: bytes | None = None, content_type="a
         return status, payload.decode("utf-8", "replace")
 
 
+def get(server, path: str):
+    """(status, decoded JSON) of one GET."""
+    url = urllib.parse.urlsplit(server.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=RPC_TIMEOUT)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
 def events(payload: str) -> list[tuple[str | None, dict]]:
     """A server-sent event stream as (event name or None, data) pairs ([DONE] left out)."""
     out = []
@@ -139,6 +151,27 @@ def test_id_slot_runs_a_request_on_that_slot_as_llama_server_does(ours, oracle):
             assert reused[0] > 8 and reused[1] == reused[0], reused
     status, got = post(ours, "/completion", {"prompt": prompt, "n_predict": 1, "id_slot": "1"})
     assert status == 400 and "'id_slot' must be an integer" in got["error"]["message"], got
+
+
+def test_slots_are_shown_as_llama_server_shows_them(ours, oracle):
+    """GET /slots after a request on slot 2: every slot's fields, and slot 2's counts, next_token and
+    sampling settings as llama-server gives them (its task ids are its own); ?fail_on_no_slot=1 answers
+    200 while a slot is idle."""
+    body = {"prompt": "Seven ravens sat on the old mill's roof", "n_predict": 3, "temperature": 0, "id_slot": 2}
+    for server in (oracle, ours):
+        assert post(server, "/completion", body)[0] == 200
+    (s1, expected), (s2, got) = (get(server, "/slots") for server in (oracle, ours))
+    assert s1 == s2 == 200 and len(got) == len(expected) == N_PARALLEL, (expected, got)
+    head = ("id", "n_ctx", "speculative", "is_processing")
+    assert [{k: x[k] for k in head} for x in got] == [{k: x[k] for k in head} for x in expected]
+    e, g = expected[2], got[2]
+    assert set(g) == set(e), (e, g)
+    for key in ("n_prompt_tokens", "n_prompt_tokens_processed", "n_prompt_tokens_cache", "next_token"):
+        assert g[key] == e[key], key
+    # (of the samplers ours names those that act; llama-server's chain also has its no-op ones at these settings)
+    mine = {k: v for k, v in g["params"].items() if k != "samplers"}
+    assert set(mine) <= set(e["params"]) and {k: e["params"][k] for k in mine} == mine, (e["params"], mine)
+    assert get(ours, "/slots?fail_on_no_slot=1")[0] == get(oracle, "/slots?fail_on_no_slot=1")[0] == 200
 
 
 def test_n_above_one_is_refused_in_llama_servers_words(ours, oracle):

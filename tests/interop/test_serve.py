@@ -412,6 +412,13 @@ def test_a_full_server_says_503_and_a_hang_up_frees_the_slot(one_slot):
     status, headers, reply = call(one_slot, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
     assert status == 503 and headers["Retry-After"] and reply["error"]["type"] == "unavailable_error", reply
     assert metric(one_slot, "requests_processing") == 1
+    status, _, reply = call(one_slot, "/slots?fail_on_no_slot=1")  # llama-server's check for a free slot
+    assert status == 503 and reply["error"]["type"] == "unavailable_error", reply
+    status, _, (state,) = call(one_slot, "/slots")
+    running = state["next_token"][0]
+    assert status == 200 and state["is_processing"] and running["has_next_token"], state
+    assert running["n_decoded"] >= 1 and running["n_remain"] == 3000 - running["n_decoded"], state
+    assert state["params"]["n_predict"] == 3000 and state["n_prompt_tokens_cache"] <= state["n_prompt_tokens"]
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.monotonic() + RPC_TIMEOUT
@@ -419,6 +426,9 @@ def test_a_full_server_says_503_and_a_hang_up_frees_the_slot(one_slot):
         assert time.monotonic() < deadline, one_slot.describe()
         time.sleep(0.1)
     assert metric(one_slot, "tokens_predicted_total") < 1000
+    ended = call(one_slot, "/slots")[2][0]
+    assert not ended["is_processing"] and ended["id_task"] == state["id_task"], ended
+    assert call(one_slot, "/slots?fail_on_no_slot=1")[0] == 200
     assert completion_text(one_slot, PROMPTS["fact"])  # the slot serves the next request
 
 
