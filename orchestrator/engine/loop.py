@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.engine.batching import OneSequence, Piece, Planner
+from orchestrator.engine.prompt_cache import PromptCache
 from orchestrator.engine.recovery import Recovery, RecoveryError, recover
 from orchestrator.engine.ring_steps import ring_ready, run_ring
 from orchestrator.pipeline.client import WorkerError
@@ -106,6 +107,8 @@ class Engine:
         self._stopping = False
         self._outbox: list[tuple[Job, str, object]] = []  # what the jobs' clients hear once the step is done
         self._deferred = False  # a prompt piece waited for room: the next batch reads prompts first
+        self.prompt_cache: PromptCache | None = None  # llama-server's --cache-ram (the server's engine)
+        self._draining = False  # a job waits for the batches in flight to come back (a prompt cache swap)
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -286,7 +289,10 @@ class Engine:
         """Gives each idle slot a waiting job (the slot pick_slot chooses); of the prefix its cached tokens
         share with the prompt it keeps what Planner.keep allows (one token is always computed again,
         for logits). Cells past it are overwritten as the prompt is read; no mask shows them before. A job
-        whose id_slot is busy waits for it, and the jobs behind it go on (llama-server defers it)."""
+        whose id_slot is busy waits for it, and the jobs behind it go on (llama-server defers it). With a
+        prompt cache the slot's cells may be saved and another prompt's loaded first (prompt_cache.py):
+        then no batch starts until those in flight are back."""
+        self._draining = False
         for job in list(self.waiting):
             idle = [s for s in self.slots if s.job is None and not s.awaiting]
             if not idle:
@@ -295,9 +301,16 @@ class Engine:
             slot = pick_slot(idle, job.prompt, self.slot_prompt_similarity, wanted)
             if slot is None:
                 continue
-            self.waiting.remove(job)
             want = self.planner.prompt_paths(len(job.prompt))
-            keep = self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
+            keep = self._kept(slot, job, want)
+            cache = self.prompt_cache
+            if cache is not None and cache.wanted(slot, job.prompt, keep, load=job.cache_prompt):
+                if self.runner.busy:  # reading cells needs the workers' replies in order
+                    self._draining = True
+                    return
+                if cache.swap(self.pipe, self.planner.base(slot.index), slot, job.prompt, keep, load=job.cache_prompt):
+                    keep = self._kept(slot, job, want)
+            self.waiting.remove(job)
             try:  # (the server checks this before queueing a job; a job that fails here fails alone)
                 sampler = Sampler(job.params, self.n_vocab, self.vocab)
             except Exception as exc:  # noqa: BLE001 - GrammarError or another: the job is out of the queue, so
@@ -315,6 +328,9 @@ class Engine:
             if self.speculator is not None:
                 self.speculator.admitted(slot)
 
+    def _kept(self, slot: Slot, job: Job, want: list[str]) -> int:
+        return self.planner.keep(slot.tokens[:slot.n_cached], slot.paths, job.prompt, want) if job.cache_prompt else 0
+
     def _step(self) -> None:
         """Starts a batch if the first stage is free and a slot has tokens to feed, then moves every batch
         in flight one stage on and samples from those that left the last."""
@@ -323,7 +339,7 @@ class Engine:
                 self._finish(slot, "cancelled")
         if ring_ready(self) and not self.runner.busy:
             run_ring(self, self.slots[0])
-        if self.runner.ready:
+        if self.runner.ready and not self._draining:
             self._start_batch()
         if self.runner.busy:
             self._advance()
@@ -352,7 +368,8 @@ class Engine:
         if self._outbox and self.runner.ready:
             with self._wake:
                 self._admit()
-            self._start_batch()
+            if not self._draining:
+                self._start_batch()
 
     def _tell(self) -> None:
         """Hands the step's tokens and endings to the jobs' emit callbacks."""

@@ -130,6 +130,8 @@ def recover(engine, failure: str) -> None:
     engine.runner = engine._new_runner(engine.pipe)  # idle: the batches in flight are lost with the pipeline
     engine.ring = None
     reset_slots(engine.slots)
+    if engine.prompt_cache is not None:
+        engine.prompt_cache.clear()
     if engine.speculator is not None:
         speculator, engine.speculator = engine.speculator, None
         try:

@@ -118,10 +118,9 @@ def pick_slot(idle: list[Slot], prompt: list[int], similarity: float, wanted: in
     an empty slot's none), and the next turn read them all again. Of equals the lowest index (llama-server's
     LRU takes the last of equals).
 
-    Where llama-server's choice takes a slot that keeps less than half of its cached tokens, it first copies
-    that slot's cells to host memory (its --cache-ram prompt cache) and a later prompt like them gets them
-    back; this engine has no such copy, so they are lost (a short prompt sharing a chat template's few
-    tokens can reach -sps: seen with Gemma 3's, 7 of a 40-token title request's tokens)."""
+    Where the slot chosen keeps less than half of its cached tokens, the engine's prompt cache (as
+    llama-server's --cache-ram) first copies them away (engine/prompt_cache.py): a short prompt sharing a
+    chat template's few tokens can reach -sps (seen with Gemma 3's: 7 of a 40-token title request's)."""
     if wanted >= 0:
         return next((s for s in idle if s.index == wanted), None)
     if similarity > 0 and prompt:

@@ -36,6 +36,9 @@ from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_o
 @click.option("-sps", "--slot-prompt-similarity", default=0.1, type=click.FloatRange(0.0, 1.0),
               help="how much of a prompt a slot's cache must share as its prefix for the prompt to go there, "
                    "else to the least recently used slot (0.0 = always the least recently used)")
+@click.option("-cram", "--cache-ram", default=8192, type=click.IntRange(min=-1), show_default=True,
+              help="MiB of the orchestrator's memory for copies of slots' cells that a request is about to "
+                   "overwrite, so that a later prompt like them gets them back (-1 = no limit, 0 = off)")
 @click.option("--queue", "max_queue", default=16, type=click.IntRange(min=0),
               help="requests that may wait for a slot; beyond them the server answers 503 at once")
 @click.option("-n", "--n-predict", default=-1, type=click.IntRange(min=-1),
@@ -85,11 +88,12 @@ def run(*, rpc, workers, threads, **options) -> None:
         return start(local.endpoints, **options)
 
 
-def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt_similarity, ctx_size, batch_size,
-          ubatch_size, max_queue, n_predict, gpu_layers, api_key, metrics, slots, tensor_split, flash_attn, cache_type_k,
-          cache_type_v, no_push, chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min,
+def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt_similarity, cache_ram, ctx_size,
+          batch_size, ubatch_size, max_queue, n_predict, gpu_layers, api_key, metrics, slots, tensor_split, flash_attn,
+          cache_type_k, cache_type_v, no_push, chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min,
           draft_fixed, rpc_draft, spec_type, spec_draft_sampling, draft_always, rpc_spare, **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
+    from orchestrator.engine.prompt_cache import PromptCache  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
     from orchestrator.pipeline.runner import context_size  # noqa: PLC0415
     from orchestrator.serving.server import serve as serve_http  # noqa: PLC0415
@@ -123,6 +127,8 @@ def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt
         pipe = build(endpoints)
         engine = Engine(pipe, loaded.eog, n_parallel=parallel, max_queue=max_queue, vocab=loaded.vocab,
                         slot_prompt_similarity=slot_prompt_similarity)
+        if cache_ram != 0 and pipe.flash_attn:  # (without it V is stored transposed: prompt_cache.py)
+            engine.prompt_cache = PromptCache(None if cache_ram < 0 else cache_ram << 20)
         engine.recovery = Recovery(endpoints, endpoint_list(rpc_spare), build, tell=log)
         try:
             engine.speculator = start_draft(pipe, draft, parallel, draft_max=draft_max, draft_min=draft_min,

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from orchestrator.engine.loop import Engine, Job
+from orchestrator.engine.prompt_cache import PromptCache
 from orchestrator.graph.model import ModelFile
 from orchestrator.pipeline.runner import Pipeline
 from orchestrator.sampling import SamplingParams
@@ -192,3 +193,50 @@ def test_a_job_waits_for_its_id_slot_and_the_jobs_behind_it_go_on(engine):
     assert [name for name, _ in ended] == ["rivers", "lighthouses", "harbours"], ended
     slots = dict(ended)
     assert slots["lighthouses"] == slots["harbours"] == 1 and slots["rivers"] != 1, ended
+
+
+def test_a_prompt_cache_swap_waits_for_the_batches_in_flight_and_gives_the_cells_back(engine):
+    """With a prompt cache, an aside sent to the slot of a finished conversation while another slot
+    generates: the engine lets the batches in flight come back (reading cells needs the workers' replies
+    in order), saves the conversation's cells, runs the aside; the conversation's next request on that slot
+    gets its cells back (cache_n) and the generating job is not disturbed (its tokens as without any of it)."""
+    engine, vocab = engine
+    done: dict[str, object] = {}
+    tokens: dict[str, list[int]] = {}
+    events = {name: threading.Event() for name in ("first token", "conversation", "aside", "next", "long", "alone")}
+
+    def job(name: str, text: str, n_predict: int, id_slot: int) -> Job:
+        def emit(kind, value):
+            if kind == "token":
+                tokens.setdefault(name, []).append(value[0])
+                events["first token"].set()
+            elif kind in ("done", "error"):
+                done[name] = value
+                events[name].set()
+        prompt = vocab.tokenize(text, add_special=True, parse_special=True)
+        return Job(prompt, SamplingParams(temp=0), n_predict, emit, ignore_eos=True, id_slot=id_slot)
+
+    # long enough that the cells kept leave 64 of the next prompt's tokens to read on the tiled path its chunk
+    # takes (batching.Planner.keep): more than half of the story
+    story = "The lighthouse keeper wrote in the logbook every night: the wind, the ships, the lamp. " * 8
+    long_text = "Count slowly from one to one hundred:"
+    engine.submit(job("alone", long_text, N_PREDICT, 1))  # the generating job's tokens with no swap about
+    assert events["alone"].wait(300)
+    engine.prompt_cache = PromptCache(None)
+    try:
+        engine.submit(job("conversation", story, 4, 0))
+        assert events["conversation"].wait(300)
+        events["first token"].clear()
+        engine.submit(job("long", long_text, N_PREDICT, 1))
+        assert events["first token"].wait(300)
+        engine.submit(job("aside", "Title:", 4, 0))
+        assert events["aside"].wait(300)
+        engine.submit(job("next", story + " And on the last night", 4, 0))
+        assert events["next"].wait(300) and events["long"].wait(300)
+        cache = engine.prompt_cache
+    finally:
+        engine.prompt_cache = None
+    assert all(not isinstance(value, str) for value in done.values()), done
+    assert cache.saved >= 1 and cache.loaded == 1
+    assert done["next"].cache_n > len(vocab.tokenize(story, add_special=True, parse_special=True)) // 2, done["next"]
+    assert tokens["long"] == tokens["alone"]

@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 
 import pytest
 
-from .conftest import REPO_ROOT, RPC_TIMEOUT, _unavailable
+from .conftest import REPO_ROOT, RPC_TIMEOUT, _unavailable, text_diff
 from .programs import PROMPTS, LlamaServer, OrchestratorServer, start_workers, started, stop_workers
 
 pytestmark = pytest.mark.interop
@@ -56,10 +57,12 @@ def workers(bin_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def servers(bin_dir, model_path, workers, tmp_path):
+def servers(bin_dir, model_path, workers, tmp_path, request):
     """llama-server and `orchestrator serve`, fresh for each test, each on a worker of its own: each is asked
     by one agent only, since llama-server's greedy text here can change once a prompt is cached (a reused
-    prefix splits the batches differently). Two slots each: opencode's two requests come at once."""
+    prefix splits the batches differently). Two slots each (opencode's two requests come at once), or as
+    many as the test's indirect parameter says."""
+    n_parallel = getattr(request, "param", 2)
     logs, found = tmp_path / "logs", {}
     logs.mkdir()
     try:
@@ -68,9 +71,10 @@ def servers(bin_dir, model_path, workers, tmp_path):
             ["--rpc", workers[0].address, "-ngl", 99, "--jinja", *GREEDY,
              # the pinned llama-server does not read pi's max_completion_tokens: without -n a request ran on
              # for thousands of tokens (10 t/s here)
-             "-n", MAX_TOKENS], n_ctx=2 * N_CTX, n_parallel=2))
+             "-n", MAX_TOKENS], n_ctx=n_parallel * N_CTX, n_parallel=n_parallel))
         found["orchestrator serve"] = started(OrchestratorServer(
-            model_path, logs / "ours.log", [workers[1].address], ["-ngl", 99, *GREEDY], n_ctx=2 * N_CTX, n_parallel=2))
+            model_path, logs / "ours.log", [workers[1].address], ["-ngl", 99, *GREEDY], n_ctx=n_parallel * N_CTX,
+            n_parallel=n_parallel))
         yield found
     finally:
         for server in found.values():
@@ -155,3 +159,33 @@ def test_a_title_request_between_two_turns_leaves_the_conversations_cache_alone(
     most = first["usage"]["prompt_tokens"] // 2
     for name, (n_first, n_title, n_next) in cache_n.items():
         assert n_first == n_title == 0 and n_next > most, (name, cache_n)
+
+
+@pytest.mark.parametrize("servers", [1], indirect=True)
+def test_with_one_slot_the_conversation_comes_back_from_the_prompt_cache(servers):
+    """The same three requests with one slot: the title overwrites the conversation's cells, and both servers
+    give them back to the next turn from their prompt cache (llama-server's --cache-ram, on by default in
+    both): it reuses most of the first turn again. Ours' next answer is the one a fresh read of the whole
+    prompt gives (cache_prompt false): the cells came back byte for byte, where they were computed."""
+    turn = [{"role": "system", "content": PROMPTS["long"]}, {"role": "user", "content": "Who kept the logbooks?"}]
+    title = [{"role": "system", "content": TITLE_SYSTEM}, {"role": "user", "content": "Who kept the logbooks?"}]
+    cache_n, asked, replies = {}, {}, {}
+    for name, server in servers.items():
+        first = server.chat(turn)
+        asked[name] = turn + [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+        then = server.chat(title), server.chat(asked[name])
+        cache_n[name] = [reply["timings"]["cache_n"] for reply in (first, *then)]
+        replies[name] = then[1]
+    most = first["usage"]["prompt_tokens"] // 2
+    for name, (n_first, n_title, n_next) in cache_n.items():
+        assert n_first == 0 and n_title < most < n_next, (name, cache_n)
+    ours = servers["orchestrator serve"]
+    body = {"messages": asked["orchestrator serve"], "temperature": 0, "max_tokens": 16, "seed": 1, "cache_prompt": False}
+    request = urllib.request.Request(f"{ours.url}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=RPC_TIMEOUT) as response:
+        fresh = json.loads(response.read())
+    assert fresh["timings"]["cache_n"] == 0
+    restored = replies["orchestrator serve"]["choices"][0]["message"]["content"]
+    expected = fresh["choices"][0]["message"]["content"]
+    assert restored == expected, text_diff(expected, restored)
