@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wire import protocol as p
 from wire.ggml import row_size
+from wire.protocol import Command
 from orchestrator.engine.slots import Slot, common_prefix
 from orchestrator.graph.ggml import wire_tensor
 
@@ -54,13 +56,18 @@ def bytes_per_token(pipe) -> int:
 
 
 def read_cells(pipe, first: int, n: int) -> list[list[bytes]]:
+    """The cells' bytes of every cache tensor: every stage's GET_TENSORs sent at once, then their replies
+    read, so the copy costs about one round trip, not one per tensor (two per layer)."""
     if not pipe.flash_attn:
         raise ValueError("a slot's cells are one run of bytes only with flash attention (V is stored transposed)")
-    out = []
+    asked = []
     for stage in pipe.stages:
         rows = [(t, row_size(t.type, t.ne[0])) for t in caches(stage)]
-        out.append([stage.client.get_tensor(wire_tensor(t), n * rs, first * rs) for t, rs in rows])
-    return out
+        with stage.client.corked():
+            for t, rs in rows:
+                stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(t), first * rs, n * rs))
+        asked.append(len(rows))
+    return [[stage.client.receive(Command.GET_TENSOR) for _ in range(k)] for stage, k in zip(pipe.stages, asked)]
 
 
 def write_cells(pipe, first: int, cells: list[list[bytes]]) -> None:
