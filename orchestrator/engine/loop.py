@@ -304,12 +304,13 @@ class Engine:
             want = self.planner.prompt_paths(len(job.prompt))
             keep = self._kept(slot, job, want)
             cache = self.prompt_cache
-            if cache is not None and cache.wanted(slot, job.prompt, keep, load=job.cache_prompt):
-                if self.runner.busy:  # reading cells needs the workers' replies in order
-                    self._draining = True
+            if cache is not None and self.runner.busy:
+                if cache.wanted(slot, job.prompt, keep, job.cache_prompt):
+                    self._draining = True  # reading cells needs the workers' replies in order
                     return
-                if cache.swap(self.pipe, self.planner.base(slot.index), slot, job.prompt, keep, load=job.cache_prompt):
-                    keep = self._kept(slot, job, want)
+            elif cache is not None and cache.swap(self.pipe, self.planner.base(slot.index), slot, job.prompt, keep,
+                                                  job.cache_prompt):
+                keep = self._kept(slot, job, want)
             self.waiting.remove(job)
             try:  # (the server checks this before queueing a job; a job that fails here fails alone)
                 sampler = Sampler(job.params, self.n_vocab, self.vocab)

@@ -97,11 +97,11 @@ class Pace:
     Drafter.read_ahead), then the other way its own (both times `scale`: the server's probes are per
     generating slot), or with `other_first` the other way first. The faster then makes a stretch
     (stretch()), the slower a probe after it, and they are compared again, and so on. A probe that can no
-    longer win ends at once (cannot_win; a ring's run asks after each token): with the other way first, drafting's first probe too, which where
-    it does not pay then costs the time the other way takes for its tokens, not its own. Without `retry`
-    (the CLI), an other way that wins keeps the tokens for good instead: the draft never reads what it
-    made (catching up would cost it a prompt's worth of compute; with the ring's probe first, that catch-up
-    cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms). A way's rate is its tokens over its steps'
+    longer win ends at once (cannot_win; a ring's run asks after each token): with the other way first,
+    drafting's first probe too, which where it does not pay then costs the time the other way takes for its
+    tokens, not its own. Without `retry` (the CLI), an other way that wins keeps the tokens for good
+    instead: the draft never reads what it made (catching up would cost it a prompt's worth of compute; with
+    the ring's probe first, that catch-up cost the CLI 0.23 s of a 2 s, 64-token run at 0 ms). A way's rate is its tokens over its steps'
     seconds, over about its last RATE_MEMORY tokens; the draft's catch-up is not counted in it (it is the
     price of switching)."""
 

@@ -47,12 +47,8 @@ class Entry:
         return sum(len(b) for stage in self.cells for b in stage)
 
 
-def caches(stage) -> list:
-    return [t for pair in stage.kv.values() for t in pair if t is not None]
-
-
 def bytes_per_token(pipe) -> int:
-    return sum(row_size(t.type, t.ne[0]) for stage in pipe.stages for t in caches(stage))
+    return sum(row_size(t.type, t.ne[0]) for stage in pipe.stages for t in stage.caches())
 
 
 def read_cells(pipe, first: int, n: int) -> list[list[bytes]]:
@@ -62,7 +58,7 @@ def read_cells(pipe, first: int, n: int) -> list[list[bytes]]:
         raise ValueError("a slot's cells are one run of bytes only with flash attention (V is stored transposed)")
     asked = []
     for stage in pipe.stages:
-        rows = [(t, row_size(t.type, t.ne[0])) for t in caches(stage)]
+        rows = [(t, row_size(t.type, t.ne[0])) for t in stage.caches()]
         with stage.client.corked():
             for t, rs in rows:
                 stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(t), first * rs, n * rs))
@@ -72,7 +68,7 @@ def read_cells(pipe, first: int, n: int) -> list[list[bytes]]:
 
 def write_cells(pipe, first: int, cells: list[list[bytes]]) -> None:
     for stage, blobs in zip(pipe.stages, cells, strict=True):
-        for t, blob in zip(caches(stage), blobs, strict=True):
+        for t, blob in zip(stage.caches(), blobs, strict=True):
             stage.client.set_tensor(wire_tensor(t), blob, first * row_size(t.type, t.ne[0]))
 
 

@@ -35,6 +35,10 @@ def run_ring(engine, slot) -> None:
     if spec:
         counted = speculator.spec_ring.n_drafted, speculator.spec_ring.n_accepted
     began, n, mark = time.perf_counter(), 0, Mark(clients(engine.pipe))
+
+    def measured() -> float:  # the run's seconds for Pace: the draft's catch-up is the price of switching
+        return time.perf_counter() - began - (speculator.drafter.catch_up_s if spec else 0.0)
+
     if spec:
         tokens = speculator.spec_run(slot.tokens, start, limit)
     else:
@@ -49,8 +53,7 @@ def run_ring(engine, slot) -> None:
             engine._tell()
             if slot.job is not job:
                 break
-            if pace is not None and pace.cannot_win(time.perf_counter() - began - (
-                    speculator.drafter.catch_up_s if spec else 0.0)):
+            if pace is not None and pace.cannot_win(measured()):
                 break  # a probe that has lost: the other way makes the next tokens
     finally:
         tokens.close()
@@ -58,8 +61,7 @@ def run_ring(engine, slot) -> None:
         metrics.tokens_predicted_seconds += time.perf_counter() - began
         engine.telemetry.whole("ring", mark, n)  # the orchestrator sees the run's tokens, not its steps
         if pace is not None:
-            catch_up = speculator.drafter.catch_up_s if spec else 0.0
-            pace.record("draft" if spec else "ring", n, time.perf_counter() - began - catch_up)
+            pace.record("draft" if spec else "ring", n, measured())
         if spec:
             metrics.n_drafted += speculator.spec_ring.n_drafted - counted[0]
             metrics.n_drafted_accepted += speculator.spec_ring.n_accepted - counted[1]

@@ -61,7 +61,7 @@ class Stage:
         }
         self.builder = BUILDERS.get(hp.arch, LayerBuilder)(hp, self.weights, self.kv, flash_attn)
         self.weight_bytes = self._layout(self.weights.values(), RemoteBuffer(0, 0, 0))
-        self.kv_bytes = self._layout(self._caches(), RemoteBuffer(0, 0, 0))
+        self.kv_bytes = self._layout(self.caches(), RemoteBuffer(0, 0, 0))
         self.compute: RemoteBuffer | None = None
         self.graph: StageGraph | None = None
         self.key = None  # what the worker's last graph was built for: (shape, ring options)
@@ -70,7 +70,8 @@ class Stage:
         # (sequences joining and leaving a batch) send them again without building them again
         self.graphs: OrderedDict[tuple, list] = OrderedDict()
 
-    def _caches(self) -> list[Tensor]:
+    def caches(self) -> list[Tensor]:
+        """The stage's KV cache tensors, K and V of each layer (K alone for MLA)."""
         return [t for pair in self.kv.values() for t in pair if t is not None]
 
     def _layout(self, tensors, buffer: RemoteBuffer) -> int:
@@ -94,7 +95,7 @@ class Stage:
     def allocate(self, compute_bytes: int) -> None:
         self._layout(self.weights.values(), self._allocate(self.weight_bytes, "weights"))
         kv = self._allocate(self.kv_bytes, "KV cache")
-        self._layout(self._caches(), kv)
+        self._layout(self.caches(), kv)
         self.client.buffer_clear(kv.handle, 0)  # empty cells must hold finite values (llama.cpp clears too)
         self.compute = self._allocate(compute_bytes, "compute buffer")
 

@@ -90,8 +90,8 @@ def run(*, rpc, workers, threads, **options) -> None:
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt_similarity, cache_ram, ctx_size,
           batch_size, ubatch_size, max_queue, n_predict, gpu_layers, api_key, metrics, slots, tensor_split, flash_attn,
-          cache_type_k, cache_type_v, no_push, chat_template_file, reasoning_format, model_draft, draft_max, draft_min, draft_p_min,
-          draft_fixed, rpc_draft, spec_type, spec_draft_sampling, draft_always, rpc_spare, **sampling) -> None:
+          cache_type_k, cache_type_v, no_push, chat_template_file, reasoning_format, model_draft, draft_max, draft_min,
+          draft_p_min, draft_fixed, rpc_draft, spec_type, spec_draft_sampling, draft_always, rpc_spare, **sampling) -> None:
     from orchestrator.engine.loop import Engine  # noqa: PLC0415
     from orchestrator.engine.prompt_cache import PromptCache  # noqa: PLC0415
     from orchestrator.engine.recovery import Recovery  # noqa: PLC0415
