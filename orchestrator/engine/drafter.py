@@ -20,16 +20,46 @@ from orchestrator.pipeline.ring import Ring
 DRAFT_TOP_K = 10  # the draft's sampler in common/speculative.cpp: top_k 10, then the target's temperature
 
 
+def ranked_top(logits: np.ndarray, k: int = DRAFT_TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """The draft's candidates: the ids of the k highest logits, highest first, and those logits (float32),
+    as the sampled ring's graph ranks them (graph/llama.py's sample_tail; exact ties aside)."""
+    x = np.asarray(logits, dtype=np.float32)
+    top = np.argpartition(-x, k - 1)[:k] if len(x) > k else np.arange(len(x))
+    ids = top[np.argsort(-x[top], kind="stable")].astype(np.int32)
+    return ids, x[ids]
+
+
+def candidates_distribution(n_vocab: int, ids: np.ndarray, logits: np.ndarray, temp: float) -> np.ndarray:
+    """q over the whole vocabulary (float64): the softmax of the candidates' logits over the temperature
+    (1 for a greedy job), nothing elsewhere."""
+    z = np.asarray(logits, dtype=np.float64) / (temp if temp > 0 else 1.0)
+    e = np.exp(z - z.max())
+    q = np.zeros(n_vocab)
+    q[ids] = e / e.sum()
+    return q
+
+
 def draft_distribution(logits: np.ndarray, temp: float) -> np.ndarray:
     """q: what the pinned llama.cpp's draft sampler draws from (spec_retune: top-k 10, then the target's
     temperature; temperature 1 for a greedy job), as float64 over the whole vocabulary."""
-    x = np.asarray(logits, dtype=np.float64)
-    top = np.argpartition(-x, DRAFT_TOP_K - 1)[:DRAFT_TOP_K] if len(x) > DRAFT_TOP_K else np.arange(len(x))
-    z = x[top] / (temp if temp > 0 else 1.0)
-    e = np.exp(z - z.max())
-    q = np.zeros(len(x))
-    q[top] = e / e.sum()
-    return q
+    return candidates_distribution(len(logits), *ranked_top(logits), temp)
+
+
+def draw_noise(seed: int, key: int, temp: float, k: int = DRAFT_TOP_K) -> np.ndarray:
+    """The temperature times Gumbel noise for the draft's draw of a job's token number `key`: a function of
+    the job's seed and that number alone, so that a drafted token is the same whenever, however (stepwise,
+    from the draft's ring, ahead of its block) and however often it is drafted: a job's drafts do not
+    depend on timing. Independent draws: a number's noise is used again only after a rejection before it,
+    when its earlier draw was never verified."""
+    return (temp * np.random.default_rng((seed, key)).gumbel(size=k)).astype(np.float32)
+
+
+def draw(ids: np.ndarray, logits: np.ndarray, noise: np.ndarray) -> int:
+    """The Gumbel-max draw from the ranked candidates: the one whose logit plus noise is the largest (the
+    last of equal ones, as ggml's ARGMAX in sample_tail), which is distributed as
+    candidates_distribution(..., temp) when noise is temp times independent Gumbel noise."""
+    scores = np.asarray(logits, np.float32) + noise[:len(ids)]
+    return int(ids[len(scores) - 1 - int(np.argmax(scores[::-1]))])
 
 
 class Drafter:
@@ -39,10 +69,11 @@ class Drafter:
     A draft with sliding-window layers runs with a full-size cache for them (swa_full: their cells are the
     global layers', the window a mask), so that a rejected draft's cells are dropped as any others are.
 
-    Greedy drafts of one slot at a time come from the ring (pipeline/ring.py) when the draft's workers can
-    run one: the draft's last stage picks each token and feeds it back to its first, so k drafted tokens
-    cost one round trip to the draft's workers instead of k. Each step is the slot's row as the Planner
-    places it (its own cells, as a stepwise draft's), so the ring serves whichever slot drafts alone."""
+    The drafts of one slot at a time come from the ring (pipeline/ring.py) when the draft's workers can
+    run one: the draft's last stage picks each token (its most likely, or a job's draw with draw_noise)
+    and feeds it back to its first, so k drafted tokens cost one round trip to the draft's workers instead
+    of k. Each step is the slot's row as the Planner places it (its own cells, as a stepwise draft's), so
+    the ring serves whichever slot drafts alone."""
 
     def __init__(self, pipe, n_slots: int):
         if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
@@ -56,7 +87,7 @@ class Drafter:
         self.ring = ring if not pipe.n_swa and ring.why_not() is None and ring.setup() else None
         self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
         self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
-        self.ahead: dict[int, list[int]] = {}  # draft_ahead()'s tokens by slot, once wait() has returned
+        self.ahead: dict[int, tuple[list[int], list[np.ndarray]]] = {}  # draft_ahead()'s by slot, once wait() returned
         self._thread: threading.Thread | None = None  # read_ahead()'s or draft_ahead()'s, until wait() joins it
         self._thread_error: BaseException | None = None
         self._stop = threading.Event()  # asks draft_ahead()'s drafting to end after its current step
@@ -100,8 +131,8 @@ class Drafter:
         self.ahead = {}
 
         def draft() -> None:
-            for r, (tokens, _) in zip(requests, self.draft_each(requests, self._stop)):
-                self.ahead[r.slot] = tokens
+            for r, drafted in zip(requests, self.draft_each(requests, self._stop)):
+                self.ahead[r.slot] = drafted
 
         self._background("draft-ahead", draft)
 
@@ -140,20 +171,20 @@ class Drafter:
         """draft() for one request (from the draft's ring where it can), draft_many() for several."""
         if len(requests) == 1:
             r = requests[0]
-            return [self.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.rng, stop)]
+            return [self.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.seed, stop, r.key)]
         return self.draft_many(requests, stop)
 
-    def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float,
-              rng: np.random.Generator | None, stop: threading.Event | None = None
-              ) -> tuple[list[int], list[np.ndarray]]:
-        """Up to n_max tokens after `sequence`: the draft's most likely token (rng None) or draws from
-        draft_distribution; drafting stops before a position whose most likely token has a probability
-        below p_min (common_speculative's "only collect very high-confidence draft tokens"). Returns the
-        tokens and the distribution each was drawn from (for speculative sampling)."""
-        if rng is None and p_min <= 0 and self.ring is not None:
+    def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float, seed: int | None,
+              stop: threading.Event | None = None, key: int = 0) -> tuple[list[int], list[np.ndarray]]:
+        """Up to n_max tokens after `sequence`: the draft's most likely token (seed None) or draws from
+        draft_distribution, the i-th with draw_noise(seed, key + i, temp); drafting stops before a position
+        whose most likely token has a probability below p_min (common_speculative's "only collect very
+        high-confidence draft tokens"). Returns the tokens and the distribution each was drawn from (for
+        speculative sampling; none for the most likely tokens from the ring)."""
+        if p_min <= 0 and self.ring is not None:
             self.step_s = None
-            return self._draft_ring(slot, sequence, n_max), []
-        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, rng)], stop)[0]
+            return self._draft_ring(slot, sequence, n_max, temp, seed, key)
+        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, seed, key)], stop)[0]
 
     def draft_many(self, requests: list["DraftRequest"], stop: threading.Event | None = None
                    ) -> list[tuple[list[int], list[np.ndarray]]]:
@@ -185,11 +216,16 @@ class Drafter:
             for i in list(feeds):
                 r = requests[i]
                 tokens, dists = results[i]
-                q = draft_distribution(rows[r.slot], r.temp if r.rng is not None else 1.0)
+                row = rows[r.slot]
+                ids, logits = ranked_top(row)
+                q = candidates_distribution(len(row), ids, logits, r.temp if r.seed is not None else 1.0)
                 del feeds[i]
                 if q.max() < r.p_min:
                     continue
-                token = int(np.argmax(q)) if r.rng is None else int(r.rng.choice(len(q), p=q))
+                if r.seed is None:
+                    token = int(np.argmax(q))
+                else:
+                    token = draw(ids, logits, draw_noise(r.seed, r.key + len(tokens), r.temp, len(ids)))
                 tokens.append(token)
                 dists.append(q)
                 if len(tokens) < r.n_max:
@@ -218,18 +254,29 @@ class Drafter:
             self._feed(slot, sequence[keep:start], keep)
         self.catch_up_s = time.perf_counter() - began
 
-    def _draft_ring(self, slot: int, sequence: list[int], n_max: int) -> list[int]:
-        """The slot's greedy drafts from the ring: one token more than wanted, so that the cells hold every
-        token drafted (the next call then starts at the last token, after a rejection or none)."""
+    def _draft_ring(self, slot: int, sequence: list[int], n_max: int, temp: float, seed: int | None, key: int
+                    ) -> tuple[list[int], list[np.ndarray]]:
+        """The slot's drafts from the ring (draft()'s): one token more than wanted, so that the cells hold
+        every token drafted (the next call then starts at the last token, after a rejection or none)."""
         start = len(sequence) - 1
         self.catch_up(sequence, start, slot)
-        tokens, times = [], []
+        tokens, dists, times = [], [], []
+        n_vocab = self.pipe.model.hparams.n_vocab
+        k = min(DRAFT_TOP_K, n_vocab)
 
         def place(pos: int) -> Batch:
             return self.planner.batch([Piece(slot, [0], pos, self.planner.path(1, pos + 1), True)])[0]
 
-        for token in self.ring.run(sequence[-1], start, min(n_max + 1, self.planner.size - start), place):
-            tokens.append(token)
+        def noise(pos: int) -> np.ndarray:
+            return draw_noise(seed, key + pos - start, temp, k)
+
+        limit = min(n_max + 1, self.planner.size - start)
+        for got in self.ring.run(sequence[-1], start, limit, place, *((noise, k) if seed is not None else ())):
+            if seed is None:
+                tokens.append(got)
+            else:
+                tokens.append(got.token)
+                dists.append(candidates_distribution(n_vocab, got.ids, got.logits, temp))
             times.append(time.perf_counter())
         if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers,
             # which is the block's once (stepwise, each draft costs a round trip and a step: draft())
@@ -238,7 +285,7 @@ class Drafter:
         self.cached[slot] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
         if self.ring.broken is not None:  # a push failed: stepwise from now on
             self.ring = None
-        return tokens[:n_max]
+        return tokens[:n_max], dists[:n_max]
 
     def close(self) -> None:
         self.pipe.close()  # (a read still running meets the closed connections and ends)
@@ -257,4 +304,5 @@ class DraftRequest:
     n_max: int
     p_min: float
     temp: float
-    rng: np.random.Generator | None  # None: the draft's most likely tokens
+    seed: int | None  # the job's seed for draw_noise; None: the draft's most likely tokens
+    key: int = 0  # the job's number of the first token drafted (draw_noise's key; the i-th: key + i)

@@ -151,9 +151,10 @@ class Speculator:
     next token is that guess, the next block's drafts are ready when the block is verified; otherwise they
     are dropped (the draft stops after the step under way) and the block is drafted as usual. Only where
     the verification's pass takes longer than drafting a block (slow links; at 0 ms on two vCPUs the
-    drafts ahead made blocks 0.8x as fast, the draft computing beside the target's stages), and only for jobs
-    whose drafts are the draft's most likely tokens (exact(), --spec-draft-sampling greedy): sampled drafts
-    ahead would draw from the job's seeded RNG a number of times that depends on timing."""
+    drafts ahead made blocks 0.8x as fast, the draft computing beside the target's stages). A sampled job's
+    drafts are draws keyed by the job's seed and the token's number (drafter.draw_noise), so that the ones
+    drafted ahead are those its next block would draw: its guess of the target's next token is such a draw
+    too, and where the target's own sample equals it the drafts after it are used as they are."""
 
     def __init__(self, drafter: Drafter, options: DraftOptions):
         self.drafter, self.options = drafter, options
@@ -188,6 +189,10 @@ class Speculator:
 
     def _length(self, slot) -> DraftLength:
         return self._per_job(self.lengths, slot, lambda: DraftLength(self.options.n_min, self.options.n_max))
+
+    def _seed(self, slot) -> int | None:
+        """The seed of the slot's job's draft draws (Drafter.draft); None: it drafts the most likely tokens."""
+        return None if self._exact(slot.job) else slot.sampler.seed
 
     def _exact(self, job) -> bool:
         """The job's drafts are the draft's most likely tokens, kept where the target's own choice equals
@@ -235,16 +240,17 @@ class Speculator:
             k = min(n_max, budget, engine.n_ctx_slot - len(slot.tokens), self.drafter.room(len(slot.tokens)))
             if job.n_predict >= 0:
                 k = min(k, job.n_predict - slot.n_generated - 1)
-            ready = self._drafted_ahead(slot)[:max(k, 0)]
+            ready, dists = self._drafted_ahead(slot)
+            ready, dists = ready[:max(k, 0)], dists[:max(k, 0)]
             if k <= 0 or k < opts.n_min:
                 continue
             if ready:  # drafted while the last block was verified: no drafting in this one's time
-                self.pending[slot.index] = Pending(ready, [], time.perf_counter(), 0.0)
+                self.pending[slot.index] = Pending(ready, dists, time.perf_counter(), 0.0)
                 engine.metrics.n_drafted += len(ready)
                 drafts[slot.index] = ready
             else:
-                rng = None if self._exact(job) else self._rng(slot)
-                requests.append(DraftRequest(slot.index, slot.tokens, k, opts.p_min, job.params.temp, rng))
+                requests.append(DraftRequest(slot.index, slot.tokens, k, opts.p_min, job.params.temp,
+                                             self._seed(slot), slot.n_generated))
         self._drop_ahead()
         if not requests:
             return drafts
@@ -263,7 +269,7 @@ class Speculator:
         return drafts
 
     def draft_ahead(self, engine, sent: dict[int, list[int]]) -> None:
-        """The batch just sent verifies these drafts (by slot index): the draft drafts each exact job's next
+        """The batch just sent verifies these drafts (by slot index): the draft drafts each job's next
         block meanwhile, as if its drafts were kept, on the draft's background thread (Drafter.draft_ahead).
         Not while a block's drafting is measured longer than its verification (from the batch sent to its
         rows back; a block's pass_s, the rest of it, also holds the draft's round trip to its ring):
@@ -282,31 +288,32 @@ class Speculator:
             slot = engine.slots[index]
             job = slot.job
             rate = self._length(slot).rate if job is not None else None
-            if job is None or not self._exact(job) or (rate is not None and rate ** (len(drafts) + 1) < AHEAD_MIN_HIT):
+            if job is None or (rate is not None and rate ** (len(drafts) + 1) < AHEAD_MIN_HIT):
                 continue
             sequence = slot.tokens + drafts
             n = min(self.options.n_max + 1, engine.n_ctx_slot - len(sequence), self.drafter.room(len(sequence)))
             if job.n_predict >= 0:
                 n = min(n, job.n_predict - slot.n_generated - len(drafts) - 1)
             if n >= 2:  # the guess of the target's next token, and a draft after it at least
-                requests.append(DraftRequest(index, sequence, n, self.options.p_min, job.params.temp, None))
+                requests.append(DraftRequest(index, sequence, n, self.options.p_min, job.params.temp,
+                                             self._seed(slot), slot.n_generated + len(drafts)))
                 self.ahead[index] = (job, sequence)
         if requests:
             self.ahead_started += len(requests)
             self.drafter.draft_ahead(requests)
 
-    def _drafted_ahead(self, slot) -> list[int]:
-        """The drafts made ahead for the slot's next block, if they hold: its last block was kept whole and
-        the target's next token is the draft's guess; else none."""
+    def _drafted_ahead(self, slot) -> tuple[list[int], list[np.ndarray]]:
+        """The drafts made ahead for the slot's next block and their distributions, if they hold: its last
+        block was kept whole and the target's next token is the draft's guess; else none."""
         job, sequence = self.ahead.pop(slot.index, (None, None))
         if job is not slot.job or len(slot.tokens) != len(sequence) + 1 or slot.tokens[:-1] != sequence:
-            return []
+            return [], []
         self.drafter.wait()
-        tokens = self.drafter.ahead.get(slot.index, [])
+        tokens, dists = self.drafter.ahead.get(slot.index, ([], []))
         if len(tokens) < 2 or tokens[0] != slot.tokens[-1]:
-            return []
+            return [], []
         self.ahead_used += 1
-        return tokens[1:]
+        return tokens[1:], dists[1:]
 
     def _drop_ahead(self) -> None:
         """What was drafted ahead for slots not asked for drafts now is stale: the draft stops drafting it."""

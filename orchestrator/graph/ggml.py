@@ -252,6 +252,12 @@ class Graph:
         """ggml_argsort: each row's element indices in sorted order (GGML_SORT_ORDER_DESC = 1)."""
         return self._node(GGMLType.I32, a.ne, GGMLOp.ARGSORT, (a,), op_params.encode(GGMLOp.ARGSORT, order=int(descending)), name)
 
+    def top_k(self, a: Tensor, k: int, name: str = "") -> Tensor:
+        """ggml_top_k: each row's k largest elements' indices (in no promised order)."""
+        if a.ne[0] < k:
+            raise ValueError(f"top-k: '{a.name}' has rows of {a.ne[0]}, fewer than {k}")
+        return self._node(GGMLType.I32, (k, *a.ne[1:]), GGMLOp.TOP_K, (a,), name=name)
+
     def argsort_top_k(self, a: Tensor, k: int, name: str = "", argsort_name: str = "") -> Tensor:
         """ggml_argsort_top_k: a descending ARGSORT and a view of each row's first k indices."""
         if a.ne[0] < k:

@@ -49,6 +49,31 @@ class StageGraph:
     inputs: dict[str, Tensor]  # name -> input tensor the runner fills before each compute
     output: Tensor  # the activation handed to the next stage, or the logits
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # inputs whose values never change
+    extra: dict[str, Tensor] = field(default_factory=dict)  # more results to read back (a sampled draw's candidates)
+
+    def outputs(self) -> list[Tensor]:
+        """Every result read after the compute: what memory planning keeps (the output, then `extra`)."""
+        return [self.output, *self.extra.values()]
+
+
+def sample_tail(g: Graph, logits: Tensor, inputs: dict[str, Tensor], k: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """Each row's token drawn on the worker, by the Gumbel-max trick over its k most likely: the k highest
+    logits, ranked highest first, plus the input `draw_noise` (k values a row: the temperature times
+    Gumbel noise, which the caller draws), and the token whose sum is the largest. The token is then a
+    draw from the softmax of those k logits over the temperature (the draft's sampler,
+    engine/drafter.py, which does the same from logits it reads: the same token for the same noise).
+    Also returns the ranked candidates ("ids", "logits") for the caller to read: they give the
+    distribution the token was drawn from."""
+    n_vocab, n_rows = logits.ne[0], logits.ne[1]
+    ids = g.top_k(logits, k, "draw_top_ids")  # (k, rows), in no set order
+    values = g.get_rows(g.reshape(logits, 1, n_vocab, n_rows), ids, "draw_top_logits")  # (1, k, rows)
+    order = g.argsort(g.reshape(values, k, n_rows), True, "draw_order")
+    ranked_ids = g.get_rows(g.reshape(ids, 1, k, n_rows), order, "draw_ids")  # (1, k, rows) I32
+    ranked = g.get_rows(values, order, "draw_logits")  # (1, k, rows)
+    inputs["draw_noise"] = new_tensor(GGMLType.F32, (k, n_rows), "draw_noise")
+    pick = g.argmax(g.add(g.reshape(ranked, k, n_rows), inputs["draw_noise"], "draw_scores"), "draw_pick")
+    token = g.get_rows(ranked_ids, g.reshape(pick, 1, n_rows), "result_token")  # (1, 1, rows)
+    return g.reshape(token, n_rows), {"ids": ranked_ids, "logits": ranked}
 
 
 def rotation_sizes(head_dim_k: int, head_dim_v: int, type_k: GGMLType, type_v: GGMLType) -> tuple[int, int]:
@@ -91,10 +116,12 @@ class LayerBuilder:
         self.rotations = rotation_sizes(hp.head_dim_k, hp.head_dim_v, *kv_types)
 
     def build(self, blocks: range, shape: Shape, *, token_ids: bool = False, greedy: bool = False,
-              logit_bias: bool = False) -> StageGraph:
+              logit_bias: bool = False, sample: int = 0) -> StageGraph:
         """The stage's graph; token_ids: its input is token ids, looked up in token_embd here; greedy: its
-        output is each row's ARGMAX of the logits (plus the input `logit_bias` if asked)."""
+        output is each row's ARGMAX of the logits (plus the input `logit_bias` if asked); sample (k > 0):
+        each row's token drawn from its k most likely (sample_tail)."""
         hp, g = self.hp, Graph()
+        extra: dict[str, Tensor] = {}
         n_tokens = shape.n_tokens
         inputs: dict[str, Tensor] = {}
         constants: dict[str, np.ndarray] = {}
@@ -153,10 +180,13 @@ class LayerBuilder:
                 cur = g.add(cur, inputs["logit_bias"], "result_biased")
             if greedy:
                 cur = g.argmax(cur, "result_token")
+            elif sample:
+                cur, extra = sample_tail(g, cur, inputs, sample)
         for t in inputs.values():
             t.flags |= FLAG_INPUT
-        cur.flags |= FLAG_OUTPUT
-        return StageGraph(g, inputs, cur, constants)
+        for t in (cur, *extra.values()):
+            t.flags |= FLAG_OUTPUT
+        return StageGraph(g, inputs, cur, constants, extra)
 
     def _output(self, g: Graph, x: Tensor) -> Tensor:
         """The logits of x's rows; with output_rows_apart, one product per row, joined."""

@@ -19,6 +19,7 @@ sampler the first in its sorted candidates (float logits of a real model practic
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -48,18 +49,18 @@ def ring_options(i: int, last: int, bias: np.ndarray | None) -> dict:
     return {"token_ids": i == 0, "greedy": i == last, "logit_bias": i == last and bias is not None}
 
 
-def read_step(stages: list, owed: list[list[Command]], failed_push: Callable[[int], None]) -> list[int]:
-    """Reads one step's replies, owed[i] from stages[i]: the tokens its GET_TENSORs bring, in order. A push
-    that did not land calls failed_push(i) (the caller ends its ring); any other failure raises
-    WorkerError, naming a worker that died."""
-    tokens = []
+def read_step(stages: list, owed: list[list[Command]], failed_push: Callable[[int], None]) -> list[bytes]:
+    """Reads one step's replies, owed[i] from stages[i]: what its GET_TENSORs bring, in order. A push that
+    did not land calls failed_push(i) (the caller ends its ring); any other failure raises WorkerError,
+    naming a worker that died."""
+    got = []
     clients = [s.client for s in stages]
     for i, (stage, replies) in enumerate(zip(stages, owed)):
         for command in replies:
             await_reply(stage.client, clients)
             payload = stage.client.receive(command)
             if command == Command.GET_TENSOR:
-                tokens.append(int(np.frombuffer(payload, np.int32)[0]))
+                got.append(payload)
             elif p.U8Response.decode(payload).result == 1:
                 continue
             elif command == Command.PUSH_TENSOR:
@@ -68,12 +69,29 @@ def read_step(stages: list, owed: list[list[Command]], failed_push: Callable[[in
                 name_the_dead(clients)
                 what = "the ring's input never came" if command == Command.WAIT_PUSH else "a ring's step failed"
                 raise WorkerError(f"worker {stage.endpoint}: {what} ({command.name} failed)", stage.endpoint)
-    return tokens
+    return got
+
+
+def token_of(payload: bytes) -> int:
+    """The token a GET_TENSOR of a ring's one-row result brought."""
+    return int(np.frombuffer(payload, np.int32)[0])
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A token the sampled ring drew, and the ranked candidates it was drawn from (graph/llama.py's
+    sample_tail): their ids, highest logit first, and those logits."""
+
+    token: int
+    ids: np.ndarray
+    logits: np.ndarray
 
 
 class Ring:
     def __init__(self, pipe, banned: list[int], window: int = WINDOW):
         self.pipe, self.window = pipe, window
+        self.noise: Callable[[int], np.ndarray] | None = None  # a sampled run's draw_noise by position
+        self.k = 0  # and its candidates a row
         self.bias = banned_bias(pipe.model.hparams.n_vocab, banned)
         self.link = len(pipe.stages) - 1  # the ring's link number on the last stage: after the boundaries
         self.token: bytes | None = None  # the first stage's token for that link
@@ -104,7 +122,10 @@ class Ring:
         return True
 
     def _ring_options(self, i: int) -> dict:
-        return ring_options(i, len(self.pipe.stages) - 1, self.bias)
+        options = ring_options(i, len(self.pipe.stages) - 1, self.bias)
+        if self.noise is not None and options["greedy"]:
+            options["greedy"], options["sample"] = False, self.k
+        return options
 
     def _send(self, step: int, pos: int, first_token: int | None) -> list[list[Command]]:
         """Sends every stage its commands of one step at position `pos`; returns the replies owed."""
@@ -112,6 +133,8 @@ class Ring:
         batch = self._place(pos)
         shape = pipe.shape(batch)
         feed = pipe.inputs(batch)
+        if self.noise is not None:
+            feed["draw_noise"] = self.noise(pos)
         for i, stage in enumerate(stages):
             stage.prepare(shape, **self._ring_options(i))
         owed = []
@@ -130,6 +153,7 @@ class Ring:
             stage.launch(feed, sticky, wait_step=step)
             replies.append(Command.WAIT_PUSH)
         out = stage.graph.output  # this step's: in a one-stage ring, the prepare below moves the stage to the next graph
+        extra = stage.graph.extra
         if i + 1 < len(stages):
             dst, link, to_step = stages[i + 1].graph.inputs["embd"], i, step
         else:  # the token goes round to the first stage, as its input of the next step
@@ -138,14 +162,20 @@ class Ring:
         stage.client.send(Command.PUSH_TENSOR, p.PushTensorRequest(link, to_step, wire_tensor(out), wire_tensor(dst)))
         replies.append(Command.PUSH_TENSOR)
         if i == len(stages) - 1:
-            stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(out), 0, out.nbytes))
-            replies.append(Command.GET_TENSOR)
+            for t in (out, extra.get("ids"), extra.get("logits")) if self.noise is not None else (out,):
+                stage.client.send(Command.GET_TENSOR, p.GetTensorRequest(wire_tensor(t), 0, t.nbytes))
+                replies.append(Command.GET_TENSOR)
         return replies
 
-    def _receive(self, owed: list[list[Command]]) -> int | None:
-        """Reads one step's replies; its token, or None once the ring is broken (a push failed)."""
-        tokens = read_step(self.pipe.stages, owed, self._break)
-        return None if self.broken else tokens[0]
+    def _receive(self, owed: list[list[Command]]) -> int | Draw | None:
+        """Reads one step's replies; its token (a sampled run's Draw), or None once the ring is broken (a
+        push failed)."""
+        got = read_step(self.pipe.stages, owed, self._break)
+        if self.broken:
+            return None
+        if self.noise is None:
+            return token_of(got[0])
+        return Draw(token_of(got[0]), np.frombuffer(got[1], np.int32), np.frombuffer(got[2], np.float32))
 
     def _break(self, failed: int) -> None:
         """A push from stage `failed` did not land: says why, turns that boundary to relay, and releases
@@ -164,8 +194,8 @@ class Ring:
             dst = stage.graph.inputs["tokens" if i == 0 else "embd"]
             peer_write(stage.endpoint, token, self.last_sent, wire_tensor(dst), b"")
 
-    def run(self, first_token: int, start: int, limit: int,
-            place: Callable[[int], Batch] | None = None) -> Iterator[int]:
+    def run(self, first_token: int, start: int, limit: int, place: Callable[[int], Batch] | None = None,
+            noise: Callable[[int], np.ndarray] | None = None, k: int = 0) -> Iterator:
         """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded), which
         goes in at position `start`. Stop early by closing the generator: the steps in flight finish and
         their tokens are dropped. An exception raised inside (an interrupt, a worker's failure) may cut a
@@ -175,8 +205,12 @@ class Ring:
 
         `place(pos)`: the batch of one token at position pos (its token a stand-in: the first stage's input
         comes round the ring), where the sequence's cells are not the pipeline's one sequence's (a serving
-        engine's slot); by default cell i holds position i."""
+        engine's slot); by default cell i holds position i.
+
+        `noise(pos)` and k: the tokens are drawn instead, each from its row's k most likely (graph/llama.py's
+        sample_tail), the row at position pos with this draw_noise, and each comes as a Draw."""
         pipe = self.pipe
+        self.noise, self.k = noise, k
         if place is None:
             self._place, self._next_shape = (lambda pos: pipe.sequence_batch([0], pos)), pipe.next_shape
         else:

@@ -34,7 +34,7 @@ import numpy as np
 
 from orchestrator.graph.ggml import wire_tensor
 from orchestrator.pipeline.push import open_link, peer_write
-from orchestrator.pipeline.ring import Ring, banned_bias, read_step, ring_options
+from orchestrator.pipeline.ring import Ring, banned_bias, read_step, ring_options, token_of
 from wire import protocol as p
 from wire.ggml import GGMLType
 from wire.protocol import Command
@@ -170,8 +170,8 @@ class SpecRing:
         """Reads one step's replies (the draft's first); its (draft token, target token), or None once a
         push failed."""
         stages = [self.draft.stages[0], *self.target.stages]
-        tokens = read_step(stages, owed, lambda i: self._break(stages[i].endpoint))
-        return None if self.broken else (tokens[0], tokens[1])
+        got = read_step(stages, owed, lambda i: self._break(stages[i].endpoint))
+        return None if self.broken else (token_of(got[0]), token_of(got[1]))
 
     def _break(self, endpoint: str) -> None:
         """A push from `endpoint` did not land: releases every wait up to the last step sent, so that the

@@ -90,7 +90,7 @@ class Stage:
 
     def compute_bytes(self, shape: Shape) -> int:
         sg = self.builder.build(self.blocks, shape)
-        return plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment).size
+        return plan_memory(sg.graph, list(sg.inputs.values()), sg.outputs(), self.alignment).size
 
     def allocate(self, compute_bytes: int) -> None:
         self._layout(self.weights.values(), self._allocate(self.weight_bytes, "weights"))
@@ -120,7 +120,7 @@ class Stage:
         entry = self.graphs.pop(key, None)
         if entry is None:
             sg = self.builder.build(self.blocks, shape, **ring)
-            plan = plan_memory(sg.graph, list(sg.inputs.values()), [sg.output], self.alignment)
+            plan = plan_memory(sg.graph, list(sg.inputs.values()), sg.outputs(), self.alignment)
             if plan.size > self.compute.size:  # the graphs bound to the old buffer go with it
                 self.client.free_buffer(self.compute.handle)
                 self.compute = self._allocate(plan.size, "compute buffer")

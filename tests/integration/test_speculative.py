@@ -18,6 +18,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gguf import GGUFReader
 
@@ -451,6 +452,45 @@ def test_the_drafts_ring_serves_any_slot(model, workers):
             drafts = both(slot, prompt, 6)
             wrong = (drafts[2] + 1) % 1000  # the target kept two drafts, then made another token
             both(slot, prompt + drafts[:2] + [wrong], 5)
+    finally:
+        ring.close()
+        stepwise.close()
+
+
+def test_sampled_drafts_are_the_same_from_the_ring_and_stepwise(model, workers):
+    """A sampled job's drafts are draws keyed by its seed and the token's number (drafter.draw_noise): the
+    draft's ring (which draws on the worker, graph/llama.py's sample_tail) gives the tokens and
+    distributions stepwise drafting gives, for one slot and for two at once, and the same again when
+    asked later with the same keys (as a block drafted ahead and the block it stands for); another seed
+    draws other tokens."""
+    from orchestrator.engine.drafter import DraftRequest, Drafter  # noqa: PLC0415
+    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
+
+    prompt = Vocab.from_gguf(ModelFile(model).reader).tokenize(PROMPT)
+    ring, stepwise = Drafter(draft_pipe(model, workers[0]), 2), Drafter(draft_pipe(model, workers[1]), 2)
+    try:
+        assert ring.ring is not None
+        stepwise.ring = None
+        ring_runs, run = [], ring.ring.run
+        ring.ring.run = lambda *args: ring_runs.append(args) or run(*args)
+        drafts = {}
+        for seed in (5, 6):
+            tokens, dists = ring.draft(0, prompt, 6, 0.0, 1.5, seed, key=40)
+            assert len(ring_runs) == 1 + (seed == 6) and len(tokens) == len(dists) == 6
+            expected, expected_dists = stepwise.draft(0, prompt, 6, 0.0, 1.5, seed, key=40)
+            assert tokens == expected
+            for q, q_stepwise, token in zip(dists, expected_dists, tokens):
+                assert q[token] > 0 and abs(q.sum() - 1) < 1e-9 and (q > 0).sum() == 10
+                np.testing.assert_allclose(q, q_stepwise, rtol=1e-6, atol=1e-12)
+            drafts[seed] = tokens
+        assert drafts[5] != drafts[6]
+        # the last three again, from the keys they were drawn with (a block after three drafts were kept)
+        again = ring.draft(1, prompt + drafts[6][:3], 3, 0.0, 1.5, 6, key=43)[0]
+        assert again == drafts[6][3:]
+        both = stepwise.draft_many([DraftRequest(0, prompt + drafts[6][:3], 3, 0.0, 1.5, 6, 43),
+                                    DraftRequest(1, prompt, 2, 0.0, 1.5, 5, 40)])
+        assert [tokens for tokens, _ in both] == [drafts[6][3:], drafts[5][:2]]
     finally:
         ring.close()
         stepwise.close()

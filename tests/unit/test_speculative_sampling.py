@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.engine.drafter import DRAFT_TOP_K, draft_distribution
+from orchestrator.engine.drafter import DRAFT_TOP_K, draft_distribution, draw, draw_noise, ranked_top
 from orchestrator.engine.speculative import accept_or_resample
 
 # Upper 1e-6 quantiles of chi-square by degrees of freedom (scipy.stats.chi2.isf(1e-6, df)).
-CHI2_CRITICAL = {1: 23.928, 2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522}
+CHI2_CRITICAL = {1: 23.928, 2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701,
+                 9: 44.811}
 Z_CRITICAL = 4.892  # two-sided 1e-6 for a normal approximation of the acceptance count
 N_DRAWS = 20000
 
@@ -81,6 +82,25 @@ def test_the_draft_distribution_is_llama_cpps_top_10_then_temperature():
         np.testing.assert_allclose(q, expected, rtol=1e-12, atol=1e-15)
     q = draft_distribution(np.array([0.0, 1.0, 2.0]), 0.0)  # a greedy job: temperature 1, as llama.cpp's sampler
     np.testing.assert_allclose(q, np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum())
+
+
+@pytest.mark.parametrize("temp", [0.6, 1.0, 1.8])
+def test_keyed_draws_follow_the_draft_distribution(temp):
+    """The draft's draws (Gumbel-max over its ranked top 10 with draw_noise keyed by seed and token number)
+    follow draft_distribution at the job's temperature: one chi-square over draws with consecutive keys
+    (as a job's drafts are drawn) and over seeds, at 1e-6. The same key draws the same token again."""
+    logits = np.random.default_rng(11).normal(scale=1.5, size=40).astype(np.float32)
+    q = draft_distribution(logits, temp)
+    ids, values = ranked_top(logits)
+    assert list(values) == sorted(values, reverse=True) and set(ids) == set(np.flatnonzero(q))
+    counts = np.zeros(len(logits), dtype=np.int64)
+    for seed in range(4):
+        for key in range(N_DRAWS // 4):
+            counts[draw(ids, values, draw_noise(seed, key, temp))] += 1
+    assert counts[q == 0].sum() == 0
+    statistic, df = chi_square(counts[q > 0], q[q > 0])
+    assert statistic < CHI2_CRITICAL[df], (temp, statistic, df)
+    assert draw(ids, values, draw_noise(3, 77, temp)) == draw(ids, values, draw_noise(3, 77, temp))
 
 
 def test_the_draft_flags_default_to_the_pinned_llama_cpps():
