@@ -31,6 +31,7 @@ from orchestrator.pipeline.client import InProcessClient  # noqa: E402
 from orchestrator.graph.ggml import Graph, RemoteBuffer, new_tensor, wire_tensor  # noqa: E402
 from orchestrator.graph.model import HParams, WeightInfo  # noqa: E402
 from orchestrator.graph.planner import round_up  # noqa: E402
+from orchestrator.engine.drafter import DRAFT_TOP_K  # noqa: E402
 from orchestrator.pipeline.runner import Pipeline  # noqa: E402
 from wire import protocol as p  # noqa: E402
 from rpcserver import warmup  # noqa: E402
@@ -71,6 +72,8 @@ DEMO_LAYER_TYPES = ({"*": GGMLType.Q4_1},)
 class _Model:
     """What the orchestrator's Pipeline reads of a ModelFile, for a small random llama (or, with
     moe=True, a qwen3moe: Q/K norms and N_EXPERT routed experts in place of the dense FFN)."""
+
+    path = None  # no file: the recording client offers no worker-side files (pipeline/disk_weights.py)
 
     def __init__(self, moe: bool = False, n_head_kv: int = N_HEAD_KV, layer_types=None):
         head_dim = N_EMBD // N_HEAD
@@ -180,9 +183,10 @@ def record_input_nodes(client: RecordingClient) -> None:
 
 
 def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False, n_head_kv: int = N_HEAD_KV,
-               layer_types=None) -> None:
+               layer_types=None, draws: bool = False) -> None:
     """A llama (qwen3moe) client's requests: upload, prompts of each length in PROMPTS, then single tokens,
-    the last one deep into the context."""
+    the last one deep into the context; the ring's graph, and with `draws` the draft ring's that draws
+    sampled tokens."""
     pipe = Pipeline(_Model(moe, n_head_kv, layer_types), n_ctx=N_CTX, n_batch=max(PROMPTS), n_ubatch=max(PROMPTS), flash_attn=flash_attn)
     pipe.connect([client])
     pipe.place()
@@ -201,6 +205,10 @@ def _run_llama(client: RecordingClient, flash_attn: bool, moe: bool = False, n_h
         stage.prepare(pipe.shape(batch), token_ids=True, greedy=True, logit_bias=True)
         stage.launch({**pipe.inputs(batch), "tokens": np.ones(1, np.int32)},
                      {"logit_bias": np.zeros(N_VOCAB, np.float32)})
+        if draws:  # graph/llama.py's sample_tail: TOP_K, ARGSORT and GET_ROWS of I32 ids (engine/drafter.py)
+            stage.prepare(pipe.shape(batch), token_ids=True, sample=DRAFT_TOP_K)
+            stage.launch({**pipe.inputs(batch), "tokens": np.ones(1, np.int32),
+                          "draw_noise": np.zeros(DRAFT_TOP_K, np.float32)})
 
 
 def _recorded(drive) -> list[tuple[int, bytes, int]]:
@@ -217,7 +225,7 @@ def record() -> bytes:
     """The warm-up frames of the demo's model (first: rpcserver.warmup.TIERS), of both flash-attention
     settings, of one KV head, of a qwen3moe and of the input nodes, encoded for rpcserver.warmup."""
     sessions = [_recorded(lambda c: _run_llama(c, True, layer_types=DEMO_LAYER_TYPES))]  # flash attention auto = on
-    sessions += [_recorded(lambda c, fa=fa: _run_llama(c, fa)) for fa in (True, False)]
+    sessions += [_recorded(lambda c, fa=fa: _run_llama(c, fa, draws=fa)) for fa in (True, False)]
     sessions.append(_recorded(lambda c: _run_llama(c, True, n_head_kv=1)))
     sessions.append(_recorded(lambda c: _run_llama(c, True, moe=True)))
     sessions.append(_recorded(record_input_nodes))
