@@ -122,6 +122,21 @@ def test_blocks_drafted_ahead_give_the_same_text(model, workers):
     assert 0 < used <= started and n_accepted > n_drafted // 2, spec.stderr[-1000:]
 
 
+def test_sampled_blocks_drafted_ahead_are_used(model, workers):
+    """At temperature 0.8 blocks are drafted ahead too (the draft's draws keyed by seed and token number)
+    and used where the target's sample equals the draft's guess; a seeded run's text (blocks of a fixed
+    length) is the same over one worker and over two, whose timings differ. (That the drafts ahead are the
+    draws the block would make is Drafter's property, tested above; this shows the engine uses them.)"""
+    texts = []
+    for rpc in (workers[:1], workers[:2]):
+        done = generate(model, rpc, "-md", model, "--draft-max", 3, "--draft-fixed", "--no-ring", "--temp", 0.8,
+                        "-s", 5)
+        started, used = ahead(done.stderr)
+        assert 0 < used <= started, done.stderr[-1000:]
+        texts.append(done.stdout)
+    assert texts[0] == texts[1]
+
+
 @pytest.mark.parametrize(("arch", "n_workers"), [("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen2", 3),
                                                 ("qwen3", 2), ("qwen3", 4)])
 def test_a_draft_that_is_often_wrong_gives_the_same_text(random_pairs, workers, arch, n_workers):
