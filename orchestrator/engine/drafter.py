@@ -69,11 +69,11 @@ class Drafter:
     A draft with sliding-window layers runs with a full-size cache for them (swa_full: their cells are the
     global layers', the window a mask), so that a rejected draft's cells are dropped as any others are.
 
-    The drafts of one slot at a time come from the ring (pipeline/ring.py) when the draft's workers can
-    run one: the draft's last stage picks each token (its most likely, or a job's draw with draw_noise)
-    and feeds it back to its first, so k drafted tokens cost one round trip to the draft's workers instead
-    of k. Each step is the slot's row as the Planner places it (its own cells, as a stepwise draft's), so
-    the ring serves whichever slot drafts alone."""
+    Drafts come from the ring (pipeline/ring.py) when the draft's workers can run one: the draft's last
+    stage picks each token (its most likely, or a job's draw with draw_noise) and feeds it back to its
+    first, so k drafted tokens cost one round trip to the draft's workers instead of k. Each step holds
+    each drafting slot's row as the Planner places it (its own cells, as a stepwise draft's), so the ring
+    serves any slots at once."""
 
     def __init__(self, pipe, n_slots: int):
         if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
@@ -168,10 +168,10 @@ class Drafter:
 
     def draft_each(self, requests: list["DraftRequest"], stop: threading.Event | None = None
                    ) -> list[tuple[list[int], list[np.ndarray]]]:
-        """draft() for one request (from the draft's ring where it can), draft_many() for several."""
-        if len(requests) == 1:
-            r = requests[0]
-            return [self.draft(r.slot, r.sequence, r.n_max, r.p_min, r.temp, r.seed, stop, r.key)]
+        """draft() for each request: from the draft's ring where it serves them all (_ring_serves), else
+        stepwise (draft_many)."""
+        if self._ring_serves(requests):
+            return self._draft_ring(requests)
         return self.draft_many(requests, stop)
 
     def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float, seed: int | None,
@@ -181,10 +181,7 @@ class Drafter:
         whose most likely token has a probability below p_min (common_speculative's "only collect very
         high-confidence draft tokens"). Returns the tokens and the distribution each was drawn from (for
         speculative sampling; none for the most likely tokens from the ring)."""
-        if p_min <= 0 and self.ring is not None:
-            self.step_s = None
-            return self._draft_ring(slot, sequence, n_max, temp, seed, key)
-        return self.draft_many([DraftRequest(slot, sequence, n_max, p_min, temp, seed, key)], stop)[0]
+        return self.draft_each([DraftRequest(slot, sequence, n_max, p_min, temp, seed, key)], stop)[0]
 
     def draft_many(self, requests: list["DraftRequest"], stop: threading.Event | None = None
                    ) -> list[tuple[list[int], list[np.ndarray]]]:
@@ -254,38 +251,72 @@ class Drafter:
             self._feed(slot, sequence[keep:start], keep)
         self.catch_up_s = time.perf_counter() - began
 
-    def _draft_ring(self, slot: int, sequence: list[int], n_max: int, temp: float, seed: int | None, key: int
-                    ) -> tuple[list[int], list[np.ndarray]]:
-        """The slot's drafts from the ring (draft()'s): one token more than wanted, so that the cells hold
-        every token drafted (the next call then starts at the last token, after a rejection or none)."""
-        start = len(sequence) - 1
-        self.catch_up(sequence, start, slot)
-        tokens, dists, times = [], [], []
+    def _ring_serves(self, requests: list["DraftRequest"]) -> bool:
+        """The draft's ring can draft for these slots at once: it runs, no request stops at a probability
+        (p_min), and each slot's rows keep one attention path over the run (a row changing path would
+        change the rows' order in the batch, which the tokens going round keep)."""
+        if self.ring is None or any(r.p_min > 0 for r in requests):
+            return False
+        if len(requests) == 1:
+            return True
+        limit = self._ring_limit(requests)
+        path = self.planner.path
+        return all(path(1, len(r.sequence)) == path(1, len(r.sequence) - 1 + limit) for r in requests)
+
+    def _ring_limit(self, requests: list["DraftRequest"]) -> int:
+        """Steps of a ring run for the requests: one more than the most any wants, within every slot's cells."""
+        return min(max(r.n_max for r in requests) + 1, *(self.planner.size - len(r.sequence) + 1 for r in requests))
+
+    def _draft_ring(self, requests: list["DraftRequest"]) -> list[tuple[list[int], list[np.ndarray]]]:
+        """The requests' drafts from the ring, one row a slot in each step (its own cells, as stepwise):
+        one token more than the most wanted, so that the cells hold every token drafted (the next call then
+        starts at the last token, after a rejection or none). Sampled rows are drawn on the worker with
+        their draw_noise (greedy rows beside them with none: the most likely token)."""
+        began = time.perf_counter()
+        starts = [len(r.sequence) - 1 for r in requests]
+        for r, start in zip(requests, starts):
+            self.catch_up(r.sequence, start, r.slot)
+        self.catch_up_s = time.perf_counter() - began
+        self.step_s = None
         n_vocab = self.pipe.model.hparams.n_vocab
         k = min(DRAFT_TOP_K, n_vocab)
 
-        def place(pos: int) -> Batch:
-            return self.planner.batch([Piece(slot, [0], pos, self.planner.path(1, pos + 1), True)])[0]
+        def pieces(i: int) -> list[Piece]:
+            return [Piece(r.slot, [0], start + i, self.planner.path(1, start + i + 1), True)
+                    for r, start in zip(requests, starts)]
 
-        def noise(pos: int) -> np.ndarray:
-            return draw_noise(seed, key + pos - start, temp, k)
+        first = pieces(0)
+        rows = [next(j for j, piece in enumerate(first) if piece is q) for q in self.planner.batch(first)[1]]
 
-        limit = min(n_max + 1, self.planner.size - start)
-        for got in self.ring.run(sequence[-1], start, limit, place, *((noise, k) if seed is not None else ())):
-            if seed is None:
-                tokens.append(got)
-            else:
-                tokens.append(got.token)
-                dists.append(candidates_distribution(n_vocab, got.ids, got.logits, temp))
+        def place(i: int) -> Batch:
+            return self.planner.batch(pieces(i))[0]
+
+        def noise(i: int) -> np.ndarray:
+            return np.concatenate([np.zeros(k, np.float32) if requests[j].seed is None else
+                                   draw_noise(requests[j].seed, requests[j].key + i, requests[j].temp, k) for j in rows])
+
+        sampled = any(r.seed is not None for r in requests)
+        made: list[list] = [[] for _ in requests]
+        times = []
+        for got in self.ring.run([requests[j].sequence[-1] for j in rows], 0, self._ring_limit(requests), place,
+                                 *((noise, k) if sampled else ())):
+            for j, row in zip(rows, got):
+                made[j].append(row)
             times.append(time.perf_counter())
         if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers,
-            # which is the block's once (stepwise, each draft costs a round trip and a step: draft())
+            # which is the block's once (stepwise, each draft costs a round trip and a step: draft_many())
             self.step_s = (times[-1] - times[0]) / (len(times) - 1)
-        # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
-        self.cached[slot] = list(sequence) + tokens[:-1] if tokens else list(sequence[:-1])
+        results = []
+        for r, rows_made in zip(requests, made):
+            tokens = [row.token for row in rows_made] if sampled else list(rows_made)
+            dists = [] if r.seed is None else [candidates_distribution(n_vocab, row.ids, row.logits, r.temp)
+                                               for row in rows_made[:r.n_max]]
+            # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
+            self.cached[r.slot] = list(r.sequence) + tokens[:-1] if tokens else list(r.sequence[:-1])
+            results.append((tokens[:r.n_max], dists))
         if self.ring.broken is not None:  # a push failed: stepwise from now on
             self.ring = None
-        return tokens[:n_max], dists[:n_max]
+        return results
 
     def close(self) -> None:
         self.pipe.close()  # (a read still running meets the closed connections and ends)

@@ -225,7 +225,7 @@ class Speculator:
 
     def propose(self, engine, slots: list, budget: int) -> dict[int, list[int]]:
         """Drafts for generating slots whose last token is to be fed, by slot index (none: a plain step),
-        drafted together (Drafter.draft_many; one slot: Drafter.draft, from the draft's ring where it can).
+        drafted together (Drafter.draft_each: one run of the draft's ring where it serves them, else stepwise).
         Each slot's are at most `budget` (its share of the batch's room), the draft's and the slot's room,
         the tokens the job may still make, and the draft length (DraftLength, or --draft-max with
         --draft-fixed); none where LoadPace has plain steps at this load."""

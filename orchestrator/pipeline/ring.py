@@ -127,7 +127,7 @@ class Ring:
             options["greedy"], options["sample"] = False, self.k
         return options
 
-    def _send(self, step: int, pos: int, first_token: int | None) -> list[list[Command]]:
+    def _send(self, step: int, pos: int, first_token: np.ndarray | None) -> list[list[Command]]:
         """Sends every stage its commands of one step at position `pos`; returns the replies owed."""
         pipe, stages = self.pipe, self.pipe.stages
         batch = self._place(pos)
@@ -143,12 +143,12 @@ class Ring:
                 owed.append(self._send_stage(i, step, pos, feed, first_token))
         return owed
 
-    def _send_stage(self, i: int, step: int, pos: int, feed: dict, first_token: int | None) -> list[Command]:
+    def _send_stage(self, i: int, step: int, pos: int, feed: dict, first_token: np.ndarray | None) -> list[Command]:
         pipe, stages, stage = self.pipe, self.pipe.stages, self.pipe.stages[i]
         replies = []
         sticky = {"logit_bias": self.bias} if i == len(stages) - 1 and self.bias is not None else None
         if i == 0 and first_token is not None:
-            stage.launch({**feed, "tokens": np.array([first_token], np.int32)}, sticky)
+            stage.launch({**feed, "tokens": first_token}, sticky)
         else:
             stage.launch(feed, sticky, wait_step=step)
             replies.append(Command.WAIT_PUSH)
@@ -167,15 +167,17 @@ class Ring:
                 replies.append(Command.GET_TENSOR)
         return replies
 
-    def _receive(self, owed: list[list[Command]]) -> int | Draw | None:
-        """Reads one step's replies; its token (a sampled run's Draw), or None once the ring is broken (a
-        push failed)."""
+    def _receive(self, owed: list[list[Command]]) -> list | None:
+        """Reads one step's replies; its tokens, a row each (a sampled run's Draws), or None once the ring
+        is broken (a push failed)."""
         got = read_step(self.pipe.stages, owed, self._break)
         if self.broken:
             return None
+        tokens = np.frombuffer(got[0], np.int32).tolist()
         if self.noise is None:
-            return token_of(got[0])
-        return Draw(token_of(got[0]), np.frombuffer(got[1], np.int32), np.frombuffer(got[2], np.float32))
+            return tokens
+        ids, logits = (np.frombuffer(b, t).reshape(len(tokens), -1) for b, t in zip(got[1:], (np.int32, np.float32)))
+        return [Draw(*row) for row in zip(tokens, ids, logits)]
 
     def _break(self, failed: int) -> None:
         """A push from stage `failed` did not land: says why, turns that boundary to relay, and releases
@@ -194,7 +196,7 @@ class Ring:
             dst = stage.graph.inputs["tokens" if i == 0 else "embd"]
             peer_write(stage.endpoint, token, self.last_sent, wire_tensor(dst), b"")
 
-    def run(self, first_token: int, start: int, limit: int, place: Callable[[int], Batch] | None = None,
+    def run(self, first_token: int | list[int], start: int, limit: int, place: Callable[[int], Batch] | None = None,
             noise: Callable[[int], np.ndarray] | None = None, k: int = 0) -> Iterator:
         """Yields up to `limit` greedy tokens after `first_token` (already sampled, not yet decoded), which
         goes in at position `start`. Stop early by closing the generator: the steps in flight finish and
@@ -208,9 +210,14 @@ class Ring:
         engine's slot); by default cell i holds position i.
 
         `noise(pos)` and k: the tokens are drawn instead, each from its row's k most likely (graph/llama.py's
-        sample_tail), the row at position pos with this draw_noise, and each comes as a Draw."""
+        sample_tail), the row at position pos with this draw_noise, and each comes as a Draw.
+
+        Several rows (a list of first tokens, one per row of place's batches, in their order): each step
+        yields a list, a token (Draw) per row; each row's token goes round to the same row."""
         pipe = self.pipe
         self.noise, self.k = noise, k
+        rows = isinstance(first_token, list)
+        first = np.array(first_token if rows else [first_token], np.int32)
         if place is None:
             self._place, self._next_shape = (lambda pos: pipe.sequence_batch([0], pos)), pipe.next_shape
         else:
@@ -222,14 +229,14 @@ class Ring:
         try:
             while sent < limit or in_flight:
                 while sent < limit and len(in_flight) < self.window:
-                    in_flight.append(self._send(step0 + sent, start + sent, first_token if sent == 0 else None))
+                    in_flight.append(self._send(step0 + sent, start + sent, first if sent == 0 else None))
                     sent += 1
                     self.last_sent = step0 + sent - 1
-                token = self._receive(in_flight.popleft())
-                if token is None:
+                tokens = self._receive(in_flight.popleft())
+                if tokens is None:
                     break
                 try:
-                    yield token
+                    yield tokens if rows else tokens[0]
                 except GeneratorExit:  # closed while it waited at the yield: every exchange is whole
                     break
             while in_flight:  # the replies of the steps sent but not wanted

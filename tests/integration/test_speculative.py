@@ -475,9 +475,9 @@ def test_the_drafts_ring_serves_any_slot(model, workers):
 def test_sampled_drafts_are_the_same_from_the_ring_and_stepwise(model, workers):
     """A sampled job's drafts are draws keyed by its seed and the token's number (drafter.draw_noise): the
     draft's ring (which draws on the worker, graph/llama.py's sample_tail) gives the tokens and
-    distributions stepwise drafting gives, for one slot and for two at once, and the same again when
-    asked later with the same keys (as a block drafted ahead and the block it stands for); another seed
-    draws other tokens."""
+    distributions stepwise drafting gives, and the same again when asked later with the same keys (as a
+    block drafted ahead and the block it stands for); another seed draws other tokens. Two slots at once
+    take one ring run, a row each, with the tokens each would draft alone."""
     from orchestrator.engine.drafter import DraftRequest, Drafter  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
     from orchestrator.graph.model import ModelFile  # noqa: PLC0415
@@ -503,9 +503,16 @@ def test_sampled_drafts_are_the_same_from_the_ring_and_stepwise(model, workers):
         # the last three again, from the keys they were drawn with (a block after three drafts were kept)
         again = ring.draft(1, prompt + drafts[6][:3], 3, 0.0, 1.5, 6, key=43)[0]
         assert again == drafts[6][3:]
-        both = stepwise.draft_many([DraftRequest(0, prompt + drafts[6][:3], 3, 0.0, 1.5, 6, 43),
-                                    DraftRequest(1, prompt, 2, 0.0, 1.5, 5, 40)])
-        assert [tokens for tokens, _ in both] == [drafts[6][3:], drafts[5][:2]]
+        # two slots at once: one ring run, a row each (sampled, or one greedy beside one sampled)
+        greedy = stepwise.draft(0, prompt, 4, 0.0, 1.5, None)[0]
+        for second in (DraftRequest(1, prompt, 2, 0.0, 1.5, 5, 40), DraftRequest(1, prompt, 4, 0.0, 1.5, None)):
+            requests = [DraftRequest(0, prompt + drafts[6][:3], 3, 0.0, 1.5, 6, 43), second]
+            expected = [drafts[6][3:], drafts[5][:2] if second.seed is not None else greedy]
+            runs = len(ring_runs)
+            got = ring.draft_each(requests)
+            assert [tokens for tokens, _ in got] == expected and len(ring_runs) == runs + 1
+            assert [len(dists) for _, dists in got] == [3, 2 if second.seed is not None else 0]
+            assert [tokens for tokens, _ in stepwise.draft_many(requests)] == expected
     finally:
         ring.close()
         stepwise.close()
