@@ -126,7 +126,8 @@ def test_sampled_blocks_drafted_ahead_are_used(model, workers):
     """At temperature 0.8 blocks are drafted ahead too (the draft's draws keyed by seed and token number)
     and used where the target's sample equals the draft's guess; a seeded run's text (blocks of a fixed
     length) is the same over one worker and over two, whose timings differ. (That the drafts ahead are the
-    draws the block would make is Drafter's property, tested above; this shows the engine uses them.)"""
+    draws the block would make: test_sampled_drafts_are_the_same_from_the_ring_and_stepwise and
+    tests/unit/test_draft_keys.py; this shows the engine uses them.)"""
     texts = []
     for rpc in (workers[:1], workers[:2]):
         done = generate(model, rpc, "-md", model, "--draft-max", 3, "--draft-fixed", "--no-ring", "--temp", 0.8,
