@@ -439,22 +439,34 @@ def test_a_prompt_read_ahead_drafts_as_one_read_first(model, workers):
         first.close()
 
 
-def test_the_drafts_ring_serves_any_slot(model, workers):
-    """Greedy drafts of a slot other than the first come from the draft's ring too, each step its row in the
-    slot's own cells: the tokens a stepwise draft gives that slot, while the first slot's cells hold another
-    text, and again after part of a block was rejected (the ring's cells cut back and caught up)."""
+@contextlib.contextmanager
+def ring_and_stepwise(model, workers, n_slots: int):
+    """Two Drafters of the model on two workers: one drafting from its ring, one stepwise (its ring
+    dropped), and the list of the ring's runs (their arguments), to tell that a draft came from it."""
     from orchestrator.engine.drafter import Drafter  # noqa: PLC0415
-    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
-    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
 
-    tokenize = Vocab.from_gguf(ModelFile(model).reader).tokenize
-    prompt, other = tokenize(PROMPT), tokenize("The capital of France is")
-    ring, stepwise = Drafter(draft_pipe(model, workers[0]), 3), Drafter(draft_pipe(model, workers[1]), 3)
+    ring, stepwise = Drafter(draft_pipe(model, workers[0]), n_slots), Drafter(draft_pipe(model, workers[1]), n_slots)
     try:
         assert ring.ring is not None
         stepwise.ring = None
         ring_runs, run = [], ring.ring.run
         ring.ring.run = lambda *args: ring_runs.append(args) or run(*args)
+        yield ring, stepwise, ring_runs
+    finally:
+        ring.close()
+        stepwise.close()
+
+
+def test_the_drafts_ring_serves_any_slot(model, workers):
+    """Greedy drafts of a slot other than the first come from the draft's ring too, each step its row in the
+    slot's own cells: the tokens a stepwise draft gives that slot, while the first slot's cells hold another
+    text, and again after part of a block was rejected (the ring's cells cut back and caught up)."""
+    from orchestrator.tokenizer import Vocab  # noqa: PLC0415
+    from orchestrator.graph.model import ModelFile  # noqa: PLC0415
+
+    tokenize = Vocab.from_gguf(ModelFile(model).reader).tokenize
+    prompt, other = tokenize(PROMPT), tokenize("The capital of France is")
+    with ring_and_stepwise(model, workers, 3) as (ring, stepwise, ring_runs):
 
         def both(slot: int, sequence: list[int], n: int) -> list[int]:
             expected = stepwise.draft(slot, sequence, n, 0.0, 1.0, None)[0]
@@ -468,9 +480,6 @@ def test_the_drafts_ring_serves_any_slot(model, workers):
             drafts = both(slot, prompt, 6)
             wrong = (drafts[2] + 1) % 1000  # the target kept two drafts, then made another token
             both(slot, prompt + drafts[:2] + [wrong], 5)
-    finally:
-        ring.close()
-        stepwise.close()
 
 
 def test_sampled_drafts_are_the_same_from_the_ring_and_stepwise(model, workers):
@@ -479,17 +488,12 @@ def test_sampled_drafts_are_the_same_from_the_ring_and_stepwise(model, workers):
     distributions stepwise drafting gives, and the same again when asked later with the same keys (as a
     block drafted ahead and the block it stands for); another seed draws other tokens. Two slots at once
     take one ring run, a row each, with the tokens each would draft alone."""
-    from orchestrator.engine.drafter import DraftRequest, Drafter  # noqa: PLC0415
+    from orchestrator.engine.drafter import DraftRequest  # noqa: PLC0415
     from orchestrator.tokenizer import Vocab  # noqa: PLC0415
     from orchestrator.graph.model import ModelFile  # noqa: PLC0415
 
     prompt = Vocab.from_gguf(ModelFile(model).reader).tokenize(PROMPT)
-    ring, stepwise = Drafter(draft_pipe(model, workers[0]), 2), Drafter(draft_pipe(model, workers[1]), 2)
-    try:
-        assert ring.ring is not None
-        stepwise.ring = None
-        ring_runs, run = [], ring.ring.run
-        ring.ring.run = lambda *args: ring_runs.append(args) or run(*args)
+    with ring_and_stepwise(model, workers, 2) as (ring, stepwise, ring_runs):
         drafts = {}
         for seed in (5, 6):
             tokens, dists = ring.draft(0, prompt, 6, 0.0, 1.5, seed, key=40)
@@ -514,6 +518,3 @@ def test_sampled_drafts_are_the_same_from_the_ring_and_stepwise(model, workers):
             assert [tokens for tokens, _ in got] == expected and len(ring_runs) == runs + 1
             assert [len(dists) for _, dists in got] == [3, 2 if second.seed is not None else 0]
             assert [tokens for tokens, _ in stepwise.draft_many(requests)] == expected
-    finally:
-        ring.close()
-        stepwise.close()
