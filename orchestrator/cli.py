@@ -162,8 +162,10 @@ def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min,
     options = DraftOptions(draft.model.path, draft_max, draft_min, draft_p_min, endpoints, adaptive=not draft_fixed,
                            greedy_drafts=spec_draft_sampling == "greedy", always=draft_always)
     speculator = start_speculator(pipe, draft, options, n_slots, PrintedReport())
-    how = "from the draft's ring (one round trip per draft)" if speculator.drafter.ring else "a round trip per token"
-    log(f"draft: greedy drafts {how}")
+    drafter = speculator.drafter
+    how = ("from the draft's ring (a round trip a block)" if drafter.ring else
+           "in one graph a block (a round trip a block)" if drafter.chain else "a round trip per token")
+    log(f"draft: drafts {how}")
     return speculator
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from orchestrator.engine.batching import Piece, Planner
 from orchestrator.engine.slots import common_prefix
+from orchestrator.pipeline.chain import Chain, ChainStep
 from orchestrator.pipeline.kv import Batch
 from orchestrator.pipeline.ring import Ring
 
@@ -54,6 +55,11 @@ def draw_noise(seed: int, key: int, temp: float, k: int = DRAFT_TOP_K) -> np.nda
     return (temp * np.random.default_rng((seed, key)).gumbel(size=k)).astype(np.float32)
 
 
+def row_noise(r: "DraftRequest", i: int, k: int) -> np.ndarray:
+    """The draw_noise of a request's i-th draft among k candidates (none for a greedy job's)."""
+    return np.zeros(k, np.float32) if r.seed is None else draw_noise(r.seed, r.key + i, r.temp, k)
+
+
 def draw(ids: np.ndarray, logits: np.ndarray, noise: np.ndarray) -> int:
     """The Gumbel-max draw from the ranked candidates: the one whose logit plus noise is the largest (the
     last of equal ones, as ggml's ARGMAX in sample_tail), which is distributed as
@@ -73,7 +79,8 @@ class Drafter:
     stage picks each token (its most likely, or a job's draw with draw_noise) and feeds it back to its
     first, so k drafted tokens cost one round trip to the draft's workers instead of k. Each step holds
     each drafting slot's row as the Planner places it (its own cells, as a stepwise draft's), so the ring
-    serves any slots at once."""
+    serves any slots at once. Where no ring runs (llama.cpp's rpc-server) and the draft lies on one worker,
+    its chain (pipeline/chain.py) makes a block in one graph, for any slots too."""
 
     def __init__(self, pipe, n_slots: int):
         if pipe.n_swa and pipe.n_ctx_swa != pipe.n_ctx:
@@ -82,9 +89,11 @@ class Drafter:
         self.planner = Planner(n_slots, pipe.n_ctx, pipe.n_ubatch, flash_attn=pipe.flash_attn,
                                cache_types=pipe.cache_types, n_swa=pipe.n_swa)
         self.cached: list[list[int]] = [[] for _ in range(n_slots)]
-        ring = Ring(pipe, [])
-        # (not for sliding-window layers: the ring places their cells as llama.cpp's iSWA cache does)
+        # the ring, or else a chain where the draft lies on one worker (not for sliding-window layers: the
+        # ring places their cells as llama.cpp's iSWA cache does)
+        ring, chain = Ring(pipe, []), Chain(pipe)
         self.ring = ring if not pipe.n_swa and ring.why_not() is None and ring.setup() else None
+        self.chain = chain if not (self.ring or pipe.n_swa) and chain.why_not() is None and chain.setup() else None
         self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
         self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
         self.ahead: dict[int, tuple[list[int], list[np.ndarray]]] = {}  # draft_ahead()'s by slot, once wait() returned
@@ -169,9 +178,11 @@ class Drafter:
     def draft_each(self, requests: list["DraftRequest"], stop: threading.Event | None = None
                    ) -> list[tuple[list[int], list[np.ndarray]]]:
         """draft() for each request: from the draft's ring where it serves them all (_ring_serves), else
-        stepwise (draft_many)."""
+        from its chain where it runs (not to stop at a probability either), else stepwise (draft_many)."""
         if self._ring_serves(requests):
             return self._draft_ring(requests)
+        if self.chain is not None and not any(r.p_min > 0 for r in requests):
+            return self._draft_chain(requests)
         return self.draft_many(requests, stop)
 
     def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float, seed: int | None,
@@ -292,8 +303,7 @@ class Drafter:
             return self.planner.batch(pieces(i))[0]
 
         def noise(i: int) -> np.ndarray:
-            return np.concatenate([np.zeros(k, np.float32) if requests[j].seed is None else
-                                   draw_noise(requests[j].seed, requests[j].key + i, requests[j].temp, k) for j in rows])
+            return np.concatenate([row_noise(requests[j], i, k) for j in rows])
 
         sampled = any(r.seed is not None for r in requests)
         made: list[list] = [[] for _ in requests]
@@ -316,6 +326,47 @@ class Drafter:
             results.append((tokens[:r.n_max], dists))
         if self.ring.broken is not None:  # a push failed: stepwise from now on
             self.ring = None
+        return results
+
+    def _draft_chain(self, requests: list["DraftRequest"]) -> list[tuple[list[int], list[np.ndarray]]]:
+        """The requests' drafts from the chain, in one compute: its first step feeds each slot what its
+        cells lack of its sequence (after a block kept whole: the last draft and the target's token), each
+        step after it the tokens the step before picked for the slots still drafting, so that a slot's k
+        drafts take k steps, as stepwise. A prompt too long for its share of a step is read before."""
+        began = time.perf_counter()
+        keeps = []
+        for r in requests:
+            keep = min(common_prefix(self.cached[r.slot], r.sequence), len(r.sequence) - 1)
+            if len(r.sequence) - keep > self.pipe.n_ubatch // len(requests):
+                self.catch_up(r.sequence, len(r.sequence) - 1, r.slot)
+                keep = len(r.sequence) - 1
+            keeps.append(keep)
+        self.catch_up_s = time.perf_counter() - began
+        n_vocab = self.pipe.model.hparams.n_vocab
+        k = min(DRAFT_TOP_K, n_vocab)
+        sampled = any(r.seed is not None for r in requests)
+        steps = []
+        for i in range(max(r.n_max for r in requests)):
+            pieces = {}
+            for j, (r, keep) in enumerate(zip(requests, keeps)):
+                if i < r.n_max:
+                    tokens, start = (r.sequence[keep:], keep) if i == 0 else ([0], len(r.sequence) - 1 + i)
+                    pieces[j] = Piece(r.slot, tokens, start, self.planner.path(len(tokens), start + len(tokens)), True)
+            batch, order = self.planner.batch(list(pieces.values()))
+            owners = [next(j for j, q in pieces.items() if q is piece) for piece in order]
+            noise = np.stack([row_noise(requests[j], i, k) for j in owners]) if sampled else None
+            steps.append(ChainStep(batch, owners, noise))
+        picks = self.chain.run(steps, k)
+        # what one more draft costs: a step (not for a block whose first step also read part of a prompt)
+        read = any(len(r.sequence) - keep > 2 for r, keep in zip(requests, keeps))
+        self.step_s = None if read else self.chain.step_s
+        results = []
+        for j, r in enumerate(requests):
+            made = [step[j] for step in picks if j in step]
+            tokens = [m.token for m in made] if sampled else made
+            dists = [] if r.seed is None else [candidates_distribution(n_vocab, m.ids, m.logits, r.temp) for m in made]
+            self.cached[r.slot] = list(r.sequence) + tokens[:-1]  # each drafted token but the last was fed
+            results.append((tokens, dists))
         return results
 
     def close(self) -> None:

@@ -76,6 +76,42 @@ def sample_tail(g: Graph, logits: Tensor, inputs: dict[str, Tensor], k: int) -> 
     return g.reshape(token, n_rows), {"ids": ranked_ids, "logits": ranked}
 
 
+@dataclass(frozen=True)
+class ChainShape:
+    """A chain's steps (build_chain), each one's Shape: what makes two chains' graphs identical."""
+
+    steps: tuple[Shape, ...]
+
+
+def build_chain(builder: "LayerBuilder", blocks: range, chain: ChainShape, sample: int = 0) -> StageGraph:
+    """Several decode steps of a whole model in one graph, for a worker that holds all of it (the draft's
+    chain, pipeline/chain.py): each step picks a token for each of its output rows (the most likely, or
+    with `sample` a draw as in sample_tail), and each step after the first looks up, as its tokens, the
+    picks its input `take` names (GET_ROWS of the step before's picks: rows may leave, and change order,
+    from step to step). One GRAPH_COMPUTE thus makes them all; the steps' nodes run in order, so a step's
+    attention reads the K and V the steps before it stored. Step i's inputs and constants are named
+    "name@i"; its picks are extra "token@i" (and "ids@i", "logits@i" when sampled), the last step's also
+    the output."""
+    g = Graph()
+    inputs: dict[str, Tensor] = {}
+    constants: dict[str, np.ndarray] = {}
+    extra: dict[str, Tensor] = {}
+    picks = None
+    for i, shape in enumerate(chain.steps):
+        tokens = None
+        if picks is not None:
+            inputs[f"take@{i}"] = take = new_tensor(GGMLType.I32, (shape.n_tokens,), "inp_take")
+            take.flags |= FLAG_INPUT
+            taken = g.get_rows(g.reshape(picks, 1, picks.ne[0]), take, "inp_taken")
+            tokens = g.reshape(taken, shape.n_tokens)
+        sg = builder.build(blocks, shape, token_ids=True, greedy=not sample, sample=sample, graph=g, tokens=tokens)
+        inputs.update({f"{name}@{i}": t for name, t in sg.inputs.items()})
+        constants.update({f"{name}@{i}": v for name, v in sg.constants.items()})
+        extra.update({f"{name}@{i}": t for name, t in sg.extra.items()})
+        extra[f"token@{i}"] = picks = sg.output
+    return StageGraph(g, inputs, picks, constants, extra)
+
+
 def rotation_sizes(head_dim_k: int, head_dim_v: int, type_k: GGMLType, type_v: GGMLType) -> tuple[int, int]:
     """llama.cpp's attention rotation for a quantized KV cache (llama_kv_cache: n_rot_k, n_rot_v; 0 = none):
     Q and K, V, and the attention output are multiplied by an orthonormal Walsh-Hadamard matrix so that
@@ -116,11 +152,14 @@ class LayerBuilder:
         self.rotations = rotation_sizes(hp.head_dim_k, hp.head_dim_v, *kv_types)
 
     def build(self, blocks: range, shape: Shape, *, token_ids: bool = False, greedy: bool = False,
-              logit_bias: bool = False, sample: int = 0) -> StageGraph:
+              logit_bias: bool = False, sample: int = 0, graph: Graph | None = None,
+              tokens: Tensor | None = None) -> StageGraph:
         """The stage's graph; token_ids: its input is token ids, looked up in token_embd here; greedy: its
         output is each row's ARGMAX of the logits (plus the input `logit_bias` if asked); sample (k > 0):
-        each row's token drawn from its k most likely (sample_tail)."""
-        hp, g = self.hp, Graph()
+        each row's token drawn from its k most likely (sample_tail). `graph`: the nodes go on in it (a
+        chain's next step); `tokens`: the ids looked up are that tensor's (the step before's picks), not
+        an input."""
+        hp, g = self.hp, graph if graph is not None else Graph()
         extra: dict[str, Tensor] = {}
         n_tokens = shape.n_tokens
         inputs: dict[str, Tensor] = {}
@@ -128,9 +167,9 @@ class LayerBuilder:
         layers = [il for il in blocks if il < hp.n_layer]
         # a stage holding only the output head receives the rows already picked by out_ids
         n_rows = n_tokens if layers else shape.n_outputs
-        if token_ids:
-            inputs["tokens"] = new_tensor(GGMLType.I32, (n_tokens,), "inp_tokens")
-        else:
+        if token_ids and tokens is None:
+            inputs["tokens"] = tokens = new_tensor(GGMLType.I32, (n_tokens,), "inp_tokens")
+        elif not token_ids:
             inputs["embd"] = new_tensor(GGMLType.F32, (hp.n_embd, n_rows), "inp_embd")
         if layers:
             inputs["pos"] = new_tensor(GGMLType.I32, (n_tokens,), "inp_pos")
@@ -159,7 +198,7 @@ class LayerBuilder:
             inputs["out_ids"] = new_tensor(GGMLType.I32, (shape.n_outputs,), "out_ids")
 
         if token_ids:
-            cur = g.get_rows(self.w["token_embd.weight"], inputs["tokens"], "inp_embd")
+            cur = g.get_rows(self.w["token_embd.weight"], tokens, "inp_embd")
         else:
             cur = inputs["embd"]
         if 0 in layers and hp.embd_scale != 1.0:  # llama.cpp scales the token rows by a per-row input

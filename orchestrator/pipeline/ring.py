@@ -49,6 +49,14 @@ def ring_options(i: int, last: int, bias: np.ndarray | None) -> dict:
     return {"token_ids": i == 0, "greedy": i == last, "logit_bias": i == last and bias is not None}
 
 
+def no_room_for_embd(pipe) -> str | None:
+    """Why the first stage cannot hold a copy of token_embd to look token ids up itself, or None if it can."""
+    embd, plan = pipe.model.weights["token_embd.weight"], pipe.plans[0]
+    if "token_embd.weight" not in pipe.stages[0].weights and plan.total + embd.nbytes > plan.free:
+        return f"{plan.endpoint} has no room for a copy of token_embd ({embd.nbytes / (1 << 20):.1f} MiB)"
+    return None
+
+
 def read_step(stages: list, owed: list[list[Command]], failed_push: Callable[[int], None]) -> list[bytes]:
     """Reads one step's replies, owed[i] from stages[i]: what its GET_TENSORs bring, in order. A push that
     did not land calls failed_push(i) (the caller ends its ring); any other failure raises WorkerError,
@@ -107,10 +115,7 @@ class Ring:
             return "a boundary relays"
         if not all(pipe.features.get(s.endpoint, 0) & p.FEATURE_PEER_PUSH for s in (pipe.stages[0], pipe.stages[-1])):
             return "not our workers"
-        embd, plan = pipe.model.weights["token_embd.weight"], pipe.plans[0]
-        if "token_embd.weight" not in pipe.stages[0].weights and plan.total + embd.nbytes > plan.free:
-            return f"{plan.endpoint} has no room for a copy of token_embd ({embd.nbytes / (1 << 20):.1f} MiB)"
-        return None
+        return no_room_for_embd(pipe)
 
     def setup(self) -> bool:
         """Gives the first stage the embeddings and the last one a link to it; False if refused."""

@@ -21,7 +21,7 @@ from kernels.hashing import fnv1a64
 from orchestrator.graph.deepseek2 import DeepSeek2Builder
 from orchestrator.graph.gemma3 import Gemma3Builder
 from orchestrator.graph.ggml import RemoteBuffer, Tensor, new_tensor, wire_tensor
-from orchestrator.graph.llama import LayerBuilder, Shape, StageGraph
+from orchestrator.graph.llama import ChainShape, LayerBuilder, Shape, StageGraph, build_chain
 from orchestrator.graph.model import ModelFile
 from orchestrator.graph.moe import Qwen3MoeBuilder
 from orchestrator.graph.planner import plan_memory, round_up
@@ -111,15 +111,18 @@ class Stage:
                 self.client.set_tensor(wire, data)
             progress(data.nbytes)
 
-    def prepare(self, shape: Shape, **ring) -> None:
+    def prepare(self, shape: Shape | ChainShape, **ring) -> None:
         """Builds and binds the graph for `shape` unless the worker already holds it (then it recomputes);
-        `ring`: LayerBuilder.build's ring options (token ids in, greedy token out)."""
+        `ring`: LayerBuilder.build's ring options (token ids in, greedy token out), or a chain's (sample)."""
         key = (shape, tuple(sorted(ring.items())))
         if key == self.key:
             return
         entry = self.graphs.pop(key, None)
         if entry is None:
-            sg = self.builder.build(self.blocks, shape, **ring)
+            if isinstance(shape, ChainShape):
+                sg = build_chain(self.builder, self.blocks, shape, **ring)
+            else:
+                sg = self.builder.build(self.blocks, shape, **ring)
             plan = plan_memory(sg.graph, list(sg.inputs.values()), sg.outputs(), self.alignment)
             if plan.size > self.compute.size:  # the graphs bound to the old buffer go with it
                 self.client.free_buffer(self.compute.handle)
