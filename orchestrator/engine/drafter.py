@@ -1,7 +1,7 @@
 """The draft model's side of speculative decoding: its pipeline, which tokens its cells hold per slot, and
-the drafting itself (stepwise for any number of slots at once, or from the draft's ring), including the
-background thread on which it reads a new prompt and drafts ahead while the target verifies. The
-Speculator (engine/speculative.py) decides what to draft and verifies it.
+the drafting itself (stepwise for any number of slots at once, from the draft's ring, or from its chain on
+a llama.cpp worker), including the background thread on which it reads a new prompt and drafts ahead while
+the target verifies. The Speculator (engine/speculative.py) decides what to draft and verifies it.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ class ChainStep:
 
 
 class Chain:
+    """A one-worker pipeline's blocks in one graph each (run)."""
+
     def __init__(self, pipe):
         self.pipe = pipe
         self.step_s: float | None = None  # what a step of the last run cost on the worker
