@@ -33,6 +33,12 @@ Designs (columns):
                 one pass through the orchestrator (stepwise push), as llama.cpp drafts
   blocks, fixed (spec-blocks-fixed, not run by default)
                 the same with --draft-fixed: --draft-max tokens every block, as llama.cpp drafts
+  ours on llama.cpp's (plain-llama, not run by default)
+                our orchestrator without a draft on llama.cpp's workers (relay: they have no pushes)
+  ours -md on llama.cpp's (spec-llama, not run by default)
+                ours -md there, the draft on a llama.cpp worker of its own (N + 1 workers: one serves one
+                connection at a time, the target's), its blocks from a chain (pipeline/chain.py: a
+                block's drafts in one graph), each verified in one relayed pass
 
 tok/s = (tokens - 1) / the client's eval time (after the first token, prompt excluded), so that a run
 that verifies several tokens per decode counts every token. acc = drafts accepted / drafted. Every run's
@@ -65,7 +71,7 @@ from tools.bench_worker import load_average  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
 DRAFT_RE = re.compile(r"draft: (\d+) tokens drafted, (\d+) accepted")
-SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-own", "spec-blocks", "spec-blocks-fixed")
+SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-own", "spec-blocks", "spec-blocks-fixed", "spec-llama")
 
 
 def quantized(source: Path, wtype: str) -> Path:
@@ -134,17 +140,21 @@ def register(draft: Path, draft_max: int, p_min: float, baseline: Path | None = 
                                    llama_server_command(draft, draft_max, p_min))
     flags = ("-md", str(draft), "--draft-max", str(draft_max), "--draft-p-min", str(p_min))
     ring, push = ("ring", bp.ring_hops), ("push", bp.push_hops)
-    ours = {  # name: label, flags beyond -md, topology and hops, whether the draft gets a worker of its own
-        "spec": ("ours -md", (), ring, False),
-        "spec-only": ("drafting", ("--draft-always",), ring, False),
-        "spec-blocks": ("blocks", ("--no-ring",), push, False),
-        "spec-blocks-fixed": ("blocks, fixed", ("--no-ring", "--draft-fixed"), push, False),
-        "spec-own": ("drafting, own worker", ("--draft-always",), ring, True),
+    relay = ("relay", bp.relay_hops)
+    ours = {  # name: label, flags (-md's and more), topology and hops, whether the draft gets a worker of its
+        # own, the workers' kind
+        "spec": ("ours -md", (*flags,), ring, False, "ours"),
+        "spec-only": ("drafting", (*flags, "--draft-always"), ring, False, "ours"),
+        "spec-blocks": ("blocks", (*flags, "--no-ring"), push, False, "ours"),
+        "spec-blocks-fixed": ("blocks, fixed", (*flags, "--no-ring", "--draft-fixed"), push, False, "ours"),
+        "spec-own": ("drafting, own worker", (*flags, "--draft-always"), ring, True, "ours"),
+        "plain-llama": ("ours on llama.cpp's", (), relay, False, "reference"),
+        "spec-llama": ("ours -md on llama.cpp's", (*flags,), relay, True, "reference"),
     }
     for checkout, suffix, note in ((None, "", ""), *([(baseline, "@base", " (base)")] if baseline else [])):
-        for name, (label, more, (topology, hops), own) in ours.items():
-            command = bp.ours_command(*flags, *more, checkout=checkout)
-            d[name + suffix] = bp.Design(label + note, "ours", topology, hops,
+        for name, (label, more, (topology, hops), own, kind) in ours.items():
+            command = bp.ours_command(*more, checkout=checkout)
+            d[name + suffix] = bp.Design(label + note, kind, topology, hops,
                                          own_draft_worker(command) if own else command, extra=int(own))
 
 
@@ -207,6 +217,7 @@ def parse_args(argv):
     ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of both (default 0, llama.cpp's)")
     ap.add_argument("--designs", default="llamacpp,llamacpp-spec,push,ring,spec,spec-only",
                     help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only, spec-own, spec-blocks, "
+                         "plain-llama, spec-llama, "
                          "spec-blocks-fixed (the first gives the reference text)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per run (default 48)")
     ap.add_argument("--baseline", type=Path, default=None,

@@ -429,7 +429,7 @@ def start_speculator(pipe, draft, options: DraftOptions, n_slots: int, report=No
     from orchestrator.engine.startup import PipelineOptions, StartupError, start_pipeline  # noqa: PLC0415
 
     try:
-        endpoints = list(options.endpoints) or [most_free(pipe)]
+        endpoints = draft_endpoints(pipe, options.endpoints)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     draft_options = PipelineOptions(n_ctx=pipe.n_ctx, n_batch=pipe.n_batch, n_ubatch=pipe.n_ubatch,
@@ -438,14 +438,35 @@ def start_speculator(pipe, draft, options: DraftOptions, n_slots: int, report=No
     return Speculator(Drafter(draft_pipe, n_slots), options)
 
 
-def most_free(pipe) -> str:
-    """The endpoint of the target's worker (placed or idle) with the most free memory now."""
+def draft_endpoints(pipe, given: tuple[str, ...]) -> list[str]:
+    """Where the draft goes: the workers given (--rpc-draft), else the target's worker with the most free
+    memory that takes another connection. ValueError where none can: llama.cpp's rpc-server serves one
+    connection at a time, and the target holds its workers' (llama-server shares that one connection
+    between its model and its draft; we do not)."""
+    single = {endpoint for endpoint, features in pipe.features.items() if features == 0}  # llama.cpp's
+    held = [endpoint for endpoint in given if endpoint in single]
+    if held:
+        raise ValueError(f"the draft cannot use {held[0]}: it is llama.cpp's rpc-server, which serves one "
+                         "connection at a time, and the target holds it; give the draft a worker of its own "
+                         "(--rpc-draft HOST:PORT, ours or llama.cpp's)")
+    return list(given) or [most_free(pipe, single)]
+
+
+def most_free(pipe, skip: set[str] = frozenset()) -> str:
+    """The endpoint of the target's worker (placed or idle) with the most free memory now, but those in
+    `skip` (llama.cpp's workers, which take no second connection)."""
     best, endpoint = -1, None
     for client in pipe.clients:
+        name = getattr(client, "endpoint", None)
+        if not isinstance(name, str) or name in skip:
+            continue
         free, _ = client.device_memory()
-        if free > best and isinstance(getattr(client, "endpoint", None), str):
-            best, endpoint = free, client.endpoint
+        if free > best:
+            best, endpoint = free, name
     if endpoint is None:
-        raise ValueError("no worker reachable by address for the draft: give --rpc-draft")
+        why = "the target's workers are llama.cpp's rpc-server, which serves one connection at a time (the " \
+              "target holds it)" if skip else "no worker is reachable by address"
+        raise ValueError(f"no worker for the draft: {why}; give the draft a worker of its own with --rpc-draft "
+                         "HOST:PORT")
     return endpoint
 
