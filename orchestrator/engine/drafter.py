@@ -15,6 +15,7 @@ import numpy as np
 from orchestrator.engine.batching import Piece, Planner
 from orchestrator.engine.slots import common_prefix
 from orchestrator.pipeline.chain import Chain, ChainStep
+from orchestrator.pipeline.client import Channel
 from orchestrator.pipeline.kv import Batch
 from orchestrator.pipeline.ring import Ring
 
@@ -94,6 +95,10 @@ class Drafter:
         ring, chain = Ring(pipe, []), Chain(pipe)
         self.ring = ring if not pipe.n_swa and ring.why_not() is None and ring.setup() else None
         self.chain = chain if not (self.ring or pipe.n_swa) and chain.why_not() is None and chain.setup() else None
+        # a draft sharing the target's connection to a llama.cpp worker (a Channel) uses it from the engine's
+        # thread only: no reading ahead, no drafting ahead (the worker, computing one graph at a time, would
+        # make them wait for the target's step anyway)
+        self.background = not any(isinstance(s.client, Channel) for s in pipe.stages)
         self.catch_up_s = 0.0  # what the last draft spent catching up (a read ahead's wait, tokens it had not seen)
         self.step_s: float | None = None  # what one more draft cost in the last draft() (None: not measured)
         self.ahead: dict[int, tuple[list[int], list[np.ndarray]]] = {}  # draft_ahead()'s by slot, once wait() returned
@@ -116,7 +121,8 @@ class Drafter:
         """Starts feeding the slot a new prompt (what its cells lack of it) on a thread of its own, so that
         the draft reads it while the target does, not after the first token; the draft's next use waits for
         it (wait()). Nothing is started while an earlier read runs (the slot's first draft reads it then)."""
-        if self._thread is not None and self._thread.is_alive() and self._thread.name == "draft-read-ahead":
+        if not self.background or (self._thread is not None and self._thread.is_alive()
+                                   and self._thread.name == "draft-read-ahead"):
             return
         self.stop_ahead()  # a new request's first token matters more than another slot's drafts ahead
         self.wait()

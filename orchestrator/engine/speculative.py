@@ -37,6 +37,7 @@ import numpy as np
 
 from orchestrator.engine.drafter import DraftRequest, Drafter
 from orchestrator.engine.pacing import DraftLength, LoadPace, Pace, running
+from orchestrator.pipeline.client import Channel
 from orchestrator.pipeline.placement import PlacementError
 from orchestrator.pipeline.spec_ring import SpecRing
 
@@ -279,6 +280,8 @@ class Speculator:
         now = time.perf_counter()
         for index in sent:
             self.pending[index].sent = now
+        if not self.drafter.background:
+            return
         if self.verify_s is not None and self.block_draft_s is not None and self.verify_s < self.block_draft_s:
             return
         if any(s.job is not None and s.generating and s.index not in sent for s in engine.slots):
@@ -434,22 +437,27 @@ def start_speculator(pipe, draft, options: DraftOptions, n_slots: int, report=No
         raise StartupError(str(exc)) from None
     draft_options = PipelineOptions(n_ctx=pipe.n_ctx, n_batch=pipe.n_batch, n_ubatch=pipe.n_ubatch,
                                     flash_attn=pipe.flash_attn, swa_full=True)
-    draft_pipe = start_pipeline(draft.model, endpoints, draft_options, report)
+
+    def llama_cpps(draft_pipe) -> None:  # a channel's worker is llama.cpp's: no extensions
+        draft_pipe.features.update({c.endpoint: 0 for c in endpoints if isinstance(c, Channel)})
+
+    draft_pipe = start_pipeline(draft.model, endpoints, draft_options, report, configure=llama_cpps)
     return Speculator(Drafter(draft_pipe, n_slots), options)
 
 
-def draft_endpoints(pipe, given: tuple[str, ...]) -> list[str]:
+def draft_endpoints(pipe, given: tuple[str, ...]) -> list:
     """Where the draft goes: the workers given (--rpc-draft), else the target's worker with the most free
-    memory that takes another connection. ValueError where none can: llama.cpp's rpc-server serves one
-    connection at a time, and the target holds its workers' (llama-server shares that one connection
-    between its model and its draft; we do not)."""
+    memory, one of ours if there is one (a second connection; on the worker of a stage, the two queue
+    anyway). A worker of the target's that is llama.cpp's (it serves one connection at a time, the
+    target's) is reached through a Channel of the target's connection, as llama-server shares it."""
     single = {endpoint for endpoint, features in pipe.features.items() if features == 0}  # llama.cpp's
-    held = [endpoint for endpoint in given if endpoint in single]
-    if held:
-        raise ValueError(f"the draft cannot use {held[0]}: it is llama.cpp's rpc-server, which serves one "
-                         "connection at a time, and the target holds it; give the draft a worker of its own "
-                         "(--rpc-draft HOST:PORT, ours or llama.cpp's)")
-    return list(given) or [most_free(pipe, single)]
+    if not given:
+        try:
+            given = (most_free(pipe, single),)
+        except ValueError:
+            given = (most_free(pipe),)
+    clients = {getattr(c, "endpoint", None): c for c in pipe.clients}
+    return [Channel(clients[e]) if e in single and e in clients else e for e in given]
 
 
 def most_free(pipe, skip: set[str] = frozenset()) -> str:
@@ -464,9 +472,6 @@ def most_free(pipe, skip: set[str] = frozenset()) -> str:
         if free > best:
             best, endpoint = free, name
     if endpoint is None:
-        why = "the target's workers are llama.cpp's rpc-server, which serves one connection at a time (the " \
-              "target holds it)" if skip else "no worker is reachable by address"
-        raise ValueError(f"no worker for the draft: {why}; give the draft a worker of its own with --rpc-draft "
-                         "HOST:PORT")
+        raise ValueError("no worker reachable by address for the draft: give --rpc-draft")
     return endpoint
 

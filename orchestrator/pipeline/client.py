@@ -43,6 +43,11 @@ class RpcClient:
     # bytes written to and read from the worker so far (frames with their headers), for the engine's telemetry
     sent_bytes: int = 0
     received_bytes: int = 0
+    graphs_sent: int = 0  # GRAPH_COMPUTEs sent on this connection (a Channel's too): the worker keeps the last
+    # once a Channel shares the connection: who owns each reply owed, in order (None: this client's own user),
+    # and replies read for an owner before it asked
+    routes: collections.deque | None = None
+    stashed: dict[object, collections.deque]
 
     def __init__(self, endpoint: str, timeout: float | None = None, key: bytes | None = None):
         host, _, port = endpoint.rpartition(":")
@@ -95,15 +100,21 @@ class RpcClient:
     def __exit__(self, *exc):
         self.close()
 
-    def send(self, command: Command, message=None) -> None:
-        """A request; if it has a reply, receive() reads it later (replies come in request order)."""
+    def send(self, command: Command, message=None, owner=None) -> None:
+        """A request; if it has a reply, receive() reads it later (replies come in request order). `owner`:
+        the Channel sending it (None: this client's own user)."""
         frame = p.encode_request(command, message)
         if self.held is not None:
             self.held.append(frame)
         else:
             self._write(frame, command.name)
+        if command == Command.GRAPH_COMPUTE:
+            self.graphs_sent += 1
         if p.COMMANDS[command].response is not None:
-            self.owed += 1
+            if self.routes is not None:
+                self.routes.append((owner, command))
+            if owner is None:
+                self.owed += 1
 
     @contextlib.contextmanager
     def corked(self):
@@ -141,11 +152,34 @@ class RpcClient:
         self.send(command, message)
         return self.receive(command)
 
-    def receive(self, command: Command) -> bytes:
-        """The reply payload of `command`, the oldest request sent whose reply was not read yet."""
+    def receive(self, command: Command, owner=None) -> bytes:
+        """The reply payload of `command`, the oldest request sent whose reply was not read yet (`owner`'s,
+        where a Channel shares the connection: the replies before it are read and kept for their owners)."""
         if self.held:
             self._release()
-        self.owed -= 1
+        if owner is None:
+            self.owed -= 1
+        if self.routes is None:
+            return self._read(command)
+        if stash := self.stashed.get(owner):
+            return stash.popleft()
+        while True:
+            head, head_command = self.routes.popleft()
+            payload = self._read(head_command)
+            if head is owner:
+                return payload
+            self.stashed.setdefault(head, collections.deque()).append(payload)
+
+    def reply_ready(self) -> bool:
+        """A reply of this client's own user is buffered (whole) or was read and kept for it."""
+        if self.routes is None:
+            return self.reader.complete()
+        if self.stashed.get(None):
+            return True
+        return self.reader.complete() and bool(self.routes) and self.routes[0][0] is None
+
+    def _read(self, command: Command) -> bytes:
+        """The next reply on the connection, as `command`'s."""
         try:
             while (payload := self.reader.next_payload(command)) is None:
                 try:
@@ -228,6 +262,51 @@ class RpcClient:
         self.send(Command.GRAPH_RECOMPUTE, p.DeviceRequest(device))
 
 
+class Channel(RpcClient):
+    """A second user of a client's connection, with requests and replies of its own: the draft beside the
+    target on a llama.cpp worker, which serves one connection at a time (llama-server shares it between
+    its model and its draft too). The worker answers in request order; a receive reads the replies before
+    its own and keeps them for their owners. Used from the connection's owner's thread only, never inside
+    its corked() nor while its graph's stored copy matters (Stage counts graphs_sent for that)."""
+
+    def __init__(self, client: RpcClient):
+        if client.owed or client.held is not None:
+            raise RuntimeError(f"a channel opened on {client.endpoint} while requests are under way")
+        self.base = client
+        self.endpoint, self.version, self.sock, self.reader = client.endpoint, client.version, client.sock, client.reader
+        self.owed = 0
+        if client.routes is None:
+            client.routes, client.stashed = collections.deque(), {}
+
+    @property
+    def graphs_sent(self) -> int:  # (the connection's, the base's and every channel's)
+        return self.base.graphs_sent
+
+    def send(self, command: Command, message=None, owner=None) -> None:
+        self.base.send(command, message, owner=self)
+        if p.COMMANDS[command].response is not None:
+            self.owed += 1
+
+    def receive(self, command: Command, owner=None) -> bytes:
+        self.owed -= 1
+        return self.base.receive(command, owner=self)
+
+    def reply_ready(self) -> bool:
+        return bool(self.base.stashed.get(self)) or (self.reader.complete() and bool(self.base.routes)
+                                                      and self.base.routes[0][0] is self)
+
+    @contextlib.contextmanager
+    def corked(self):
+        with self.base.corked():
+            yield
+
+    def close(self) -> None:
+        pass  # the connection is its owner's to close
+
+    def abort(self) -> None:
+        self.base.abort()
+
+
 class InProcessClient(RpcClient):
     """RpcClient's interface over a worker Session in this process (the worker's warm-up, profiling):
     requests still go through the codec, only the socket and the handshake are left out."""
@@ -276,7 +355,7 @@ def await_reply(client: RpcClient, watched: list[RpcClient], timeout: float | No
     meanwhile watching the other connections: a worker that goes away is named at once, not after the
     replies that depend on it time out."""
     timeout = timeout if timeout is not None else client.sock.gettimeout()
-    while not client.reader.complete():
+    while not client.reply_ready():
         if not _pump_readable(watched, timeout) and not still_working(client.endpoint):
             raise WorkerError(f"worker {client.endpoint}: no reply for {timeout:.0f} s", client.endpoint)
 
@@ -289,7 +368,7 @@ def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None)
         return []
     timeout = max(c.sock.gettimeout() or 0 for c in clients) or None
     extra = (wake,) if wake is not None else ()
-    while not (ready := [i for i, c in enumerate(clients) if c.reader.complete()]):
+    while not (ready := [i for i, c in enumerate(clients) if c.reply_ready()]):
         readable = _pump_readable(clients, timeout, extra)
         if not readable and not any(still_working(c.endpoint) for c in clients):
             # the one worker that owes a reply is the hung one; of several, any may be
@@ -301,5 +380,5 @@ def replies_waiting(clients: list[RpcClient], wake: socket.socket | None = None)
                     wake.recv(4096)
                 except BlockingIOError:
                     break
-            return [i for i, c in enumerate(clients) if c.reader.complete()]
+            return [i for i, c in enumerate(clients) if c.reply_ready()]
     return ready

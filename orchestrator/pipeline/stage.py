@@ -66,6 +66,8 @@ class Stage:
         self.graph: StageGraph | None = None
         self.key = None  # what the worker's last graph was built for: (shape, ring options)
         self.fresh = False  # the graph changed since the worker last computed one
+        self.graph_mark = -1  # the connection's graphs_sent after this stage's last graph went: any other graph
+        # since (another pipeline's on a shared connection, a K shift's) took the worker's stored one's place
         # graphs built before, by key, with their serialized form once sent: steps whose shapes alternate
         # (sequences joining and leaving a batch) send them again without building them again
         self.graphs: OrderedDict[tuple, list] = OrderedDict()
@@ -116,6 +118,7 @@ class Stage:
         `ring`: LayerBuilder.build's ring options (token ids in, greedy token out), or a chain's (sample)."""
         key = (shape, tuple(sorted(ring.items())))
         if key == self.key:
+            self.fresh |= self.client.graphs_sent != self.graph_mark  # (sent again: the worker holds another)
             return
         entry = self.graphs.pop(key, None)
         if entry is None:
@@ -159,6 +162,7 @@ class Stage:
             if entry[1] is None:
                 entry[1] = self.graph.graph.serialize()
             self.client.graph_compute(*entry[1])
+            self.graph_mark = self.client.graphs_sent
             self.fresh = False
         else:
             self.client.graph_recompute()

@@ -3,20 +3,19 @@
 llama.cpp's worker has no pushes, so the draft's ring cannot run there; the chain makes a block's steps in
 one GRAPH_COMPUTE instead. Its drafts are checked against stepwise drafting on another of llama.cpp's
 workers (each token the argmax, or the keyed draw, of logits read back), and the orchestrator's greedy text
-with the draft there against llama-completion's without one. A draft that would need a second connection
-to a llama.cpp worker the target holds is refused at once.
+with the draft there against llama-completion's without one, also where the draft shares the target's
+connection to a llama.cpp worker.
 """
 from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from .conftest import CPU_TIMEOUT, REPO_ROOT, reference, text_diff
-from .programs import PROMPTS, orchestrator_env, run_orchestrator, start_workers, stop_workers
+from .conftest import CPU_TIMEOUT, reference, text_diff
+from .programs import PROMPTS, run_orchestrator, start_workers, stop_workers
 
 pytestmark = pytest.mark.interop
 
@@ -106,16 +105,18 @@ def test_greedy_text_with_the_draft_on_llama_cpps_worker(model_path, llama_worke
 
 
 @pytest.mark.parametrize("rpc_draft", ["", "the target's"])
-def test_a_draft_on_the_targets_llama_cpp_worker_is_refused_at_once(model_path, llama_workers, rpc_draft):
+def test_a_draft_shares_the_targets_connection_to_a_llama_cpp_worker(model_path, llama_workers, cpu_text, rpc_draft):
     """llama.cpp's rpc-server serves one connection at a time, which the target holds: a draft placed
-    there (by default, the target's workers all being llama.cpp's, or by --rpc-draft) would wait for a
-    connection until the timeout. It is refused with one error line naming the way out instead."""
-    target = llama_workers[1].address
-    args = ["--rpc", target, "-m", model_path, "-p", PROMPTS["list"], "-n", 4, "-md", model_path]
-    if rpc_draft:
-        args += ["--rpc-draft", target]
-    done = subprocess.run([sys.executable, "-m", "orchestrator", *map(str, args)], capture_output=True, text=True,
-                          timeout=CPU_TIMEOUT, env=orchestrator_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "one connection at a time" in last and "--rpc-draft" in last, last
+    there (by default, the target's workers all being llama.cpp's, or by --rpc-draft) goes through the
+    target's connection (a Channel), as llama-server's draft does. Drafting every step, over two of
+    llama.cpp's workers: llama-completion's greedy text."""
+    targets = [w.address for w in llama_workers[:2]]
+    args = ["-m", model_path, "-p", PROMPTS["list"], "-n", 40, "--temp", 0, "--ignore-eos"]
+    expected = cpu_text(args)
+    extra = ["--rpc-draft", targets[1]] if rpc_draft else []
+    done = run_orchestrator(["--rpc", ",".join(targets), *args, "-md", model_path, "--draft-always", *extra],
+                            llama_workers)
+    assert done.stdout == expected, text_diff(expected, done.stdout, "llama-completion", "orchestrator -md")
+    assert "draft: drafts in one graph a block" in done.stderr
+    found = re.search(r"draft: (\d+) tokens drafted, (\d+) accepted", done.stderr)
+    assert found and int(found[2]) > 20, done.stderr[-2000:]

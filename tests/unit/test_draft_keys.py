@@ -32,6 +32,7 @@ class KeyedDrafter:
     def __init__(self):
         self.ahead: dict[int, tuple[list[int], list]] = {}
         self.catch_up_s, self.step_s = 0.0, None
+        self.background = True  # drafts ahead on a thread of its own (here: at once)
 
     def draft_each(self, requests: list[DraftRequest], stop=None):
         results = []
