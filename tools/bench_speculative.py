@@ -36,9 +36,10 @@ Designs (columns):
   ours on llama.cpp's (plain-llama, not run by default)
                 our orchestrator without a draft on llama.cpp's workers (relay: they have no pushes)
   ours -md on llama.cpp's (spec-llama, not run by default)
-                ours -md there, the draft on a llama.cpp worker of its own (N + 1 workers: one serves one
-                connection at a time, the target's), its blocks from a chain (pipeline/chain.py: a
-                block's drafts in one graph), each verified in one relayed pass
+                ours -md there, the draft on a llama.cpp worker of its own (N + 1 workers; on one of the
+                target's it would share that worker's one connection and queue behind its stage), its
+                blocks from a chain (pipeline/chain.py: a block's drafts in one graph), each verified in
+                one relayed pass
 
 tok/s = (tokens - 1) / the client's eval time (after the first token, prompt excluded), so that a run
 that verifies several tokens per decode counts every token. acc = drafts accepted / drafted. Every run's
