@@ -185,10 +185,11 @@ class Drafter:
                    ) -> list[tuple[list[int], list[np.ndarray]]]:
         """draft() for each request: from the draft's ring where it serves them all (_ring_serves), else
         from its chain where it runs (not to stop at a probability either), else stepwise (draft_many)."""
-        if self._ring_serves(requests):
-            return self._draft_ring(requests)
-        if self.chain is not None and not any(r.p_min > 0 for r in requests):
-            return self._draft_chain(requests)
+        if not any(r.p_min > 0 for r in requests):  # (the ring's and the chain's picks have no probabilities)
+            if self._ring_serves(requests):
+                return self._draft_ring(requests)
+            if self.chain is not None:
+                return self._draft_chain(requests)
         return self.draft_many(requests, stop)
 
     def draft(self, slot: int, sequence: list[int], n_max: int, p_min: float, temp: float, seed: int | None,
@@ -269,10 +270,10 @@ class Drafter:
         self.catch_up_s = time.perf_counter() - began
 
     def _ring_serves(self, requests: list["DraftRequest"]) -> bool:
-        """The draft's ring can draft for these slots at once: it runs, no request stops at a probability
-        (p_min), and each slot's rows keep one attention path over the run (a row changing path would
-        change the rows' order in the batch, which the tokens going round keep)."""
-        if self.ring is None or any(r.p_min > 0 for r in requests):
+        """The draft's ring can draft for these slots at once: it runs, and each slot's rows keep one
+        attention path over the run (a row changing path would change the rows' order in the batch, which
+        the tokens going round keep)."""
+        if self.ring is None:
             return False
         if len(requests) == 1:
             return True
@@ -295,8 +296,7 @@ class Drafter:
             self.catch_up(r.sequence, start, r.slot)
         self.catch_up_s = time.perf_counter() - began
         self.step_s = None
-        n_vocab = self.pipe.model.hparams.n_vocab
-        k = min(DRAFT_TOP_K, n_vocab)
+        k = min(DRAFT_TOP_K, self.pipe.model.hparams.n_vocab)
 
         def pieces(i: int) -> list[Piece]:
             return [Piece(r.slot, [0], start + i, self.planner.path(1, start + i + 1), True)
@@ -322,14 +322,7 @@ class Drafter:
         if len(times) > 1:  # what one more draft costs: the step, not the round trip to the draft's workers,
             # which is the block's once (stepwise, each draft costs a round trip and a step: draft_many())
             self.step_s = (times[-1] - times[0]) / (len(times) - 1)
-        results = []
-        for r, rows_made in zip(requests, made):
-            tokens = [row.token for row in rows_made] if sampled else list(rows_made)
-            dists = [] if r.seed is None else [candidates_distribution(n_vocab, row.ids, row.logits, r.temp)
-                                               for row in rows_made[:r.n_max]]
-            # the ring fed each token but the last it gave (and, broken before its first, not even sequence[-1])
-            self.cached[r.slot] = list(r.sequence) + tokens[:-1] if tokens else list(r.sequence[:-1])
-            results.append((tokens[:r.n_max], dists))
+        results = [self._made(r, rows_made, sampled) for r, rows_made in zip(requests, made)]
         if self.ring.broken is not None:  # a push failed: stepwise from now on
             self.ring = None
         return results
@@ -348,8 +341,7 @@ class Drafter:
                 keep = len(r.sequence) - 1
             keeps.append(keep)
         self.catch_up_s = time.perf_counter() - began
-        n_vocab = self.pipe.model.hparams.n_vocab
-        k = min(DRAFT_TOP_K, n_vocab)
+        k = min(DRAFT_TOP_K, self.pipe.model.hparams.n_vocab)
         sampled = any(r.seed is not None for r in requests)
         steps = []
         for i in range(max(r.n_max for r in requests)):
@@ -366,14 +358,18 @@ class Drafter:
         # what one more draft costs: a step (not for a block whose first step also read part of a prompt)
         read = any(len(r.sequence) - keep > 2 for r, keep in zip(requests, keeps))
         self.step_s = None if read else self.chain.step_s
-        results = []
-        for j, r in enumerate(requests):
-            made = [step[j] for step in picks if j in step]
-            tokens = [m.token for m in made] if sampled else made
-            dists = [] if r.seed is None else [candidates_distribution(n_vocab, m.ids, m.logits, r.temp) for m in made]
-            self.cached[r.slot] = list(r.sequence) + tokens[:-1]  # each drafted token but the last was fed
-            results.append((tokens, dists))
-        return results
+        return [self._made(r, [step[j] for step in picks if j in step], sampled) for j, r in enumerate(requests)]
+
+    def _made(self, r: "DraftRequest", rows: list, sampled: bool) -> tuple[list[int], list[np.ndarray]]:
+        """A request's drafts from what the ring or the chain made for its row (tokens, or Draws where the
+        run was sampled), each fed but the last (a broken ring's first not even sequence[-1]); a sampled
+        job's with the distribution each was drawn from."""
+        tokens = [row.token for row in rows] if sampled else list(rows)
+        self.cached[r.slot] = list(r.sequence) + tokens[:-1] if tokens else list(r.sequence[:-1])
+        n_vocab = self.pipe.model.hparams.n_vocab
+        dists = [] if r.seed is None else [candidates_distribution(n_vocab, row.ids, row.logits, r.temp)
+                                           for row in rows[:r.n_max]]
+        return tokens[:r.n_max], dists
 
     def close(self) -> None:
         self.pipe.close()  # (a read still running meets the closed connections and ends)

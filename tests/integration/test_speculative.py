@@ -397,16 +397,11 @@ def test_sampled_tokens_follow_the_target_with_a_draft(random_pairs, workers, tm
 
 def draft_pipe(model, endpoint: str):
     """The draft's pipeline on one worker, as start_speculator brings it up."""
+    from orchestrator.engine.startup import PipelineOptions, start_pipeline  # noqa: PLC0415
     from orchestrator.graph.model import ModelFile  # noqa: PLC0415
-    from orchestrator.pipeline.runner import Pipeline  # noqa: PLC0415
 
-    pipe = Pipeline(ModelFile(model), n_ctx=256, n_batch=256, n_ubatch=256, swa_full=True, flash_attn=True)
-    pipe.connect([endpoint])
-    pipe.place()
-    pipe.allocate()
-    list(pipe.link(push=True))
-    pipe.upload()
-    return pipe
+    options = PipelineOptions(n_ctx=256, n_batch=256, n_ubatch=256, flash_attn=True, swa_full=True)
+    return start_pipeline(ModelFile(model), [endpoint], options)
 
 
 def test_a_prompt_read_ahead_drafts_as_one_read_first(model, workers):

@@ -32,16 +32,11 @@ def llama_workers(bin_dir, tmp_path_factory):
 
 def draft_pipe(model, endpoint: str):
     """The draft's pipeline on one worker, as start_speculator brings it up."""
+    from orchestrator.engine.startup import PipelineOptions, start_pipeline  # noqa: PLC0415
     from orchestrator.graph.model import ModelFile  # noqa: PLC0415
-    from orchestrator.pipeline.runner import Pipeline  # noqa: PLC0415
 
-    pipe = Pipeline(ModelFile(model), n_ctx=256, n_batch=256, n_ubatch=256, swa_full=True, flash_attn=True)
-    pipe.connect([endpoint])
-    pipe.place()
-    pipe.allocate()
-    list(pipe.link(push=True))
-    pipe.upload()
-    return pipe
+    options = PipelineOptions(n_ctx=256, n_batch=256, n_ubatch=256, flash_attn=True, swa_full=True)
+    return start_pipeline(ModelFile(model), [endpoint], options)
 
 
 def test_the_chain_drafts_what_stepwise_drafting_does(model_path, llama_workers):
