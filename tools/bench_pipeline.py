@@ -89,6 +89,7 @@ class Design:
     hops: Callable[[int, bool], int]  # one-way crossings per token at N nodes, hosts apart or not (ideal line)
     command: Callable[["argparse.Namespace", list[str], int], list[str]]  # (args, endpoints, tokens) -> argv
     extra: int = 0  # workers it takes beyond the N nodes (a draft's own), last in its endpoints
+    near: bool = False  # those extra workers sit beside the client: no proxies in front of them
 
 
 def llamacpp_command(args, endpoints: list[str], tokens: int) -> list[str]:
@@ -260,13 +261,16 @@ def measure_cell(cell: Cell, designs: list[str], workers: WorkerSets, args, env)
                 return proxies_stack.enter_context(
                     LatencyProxy(worker.address, latency_s, args.mode, serial=args.serial, log=log))
 
-            proxies[name] = [proxy(w) for w in targets]
+            near = targets[len(targets) - DESIGNS[name].extra:] if DESIGNS[name].near else []
+            far = targets[:len(targets) - len(near)]
+            proxies[name] = [proxy(w) for w in far]
             endpoints[name] = [p.address for p in proxies[name]]
             if DESIGNS[name].topology != "relay":
-                peer_proxies = [proxy(w) for w in targets] if args.apart else []
+                peer_proxies = [proxy(w) for w in far] if args.apart else []
                 proxies[name] += peer_proxies
-                peers = [x.address for x in peer_proxies] if args.apart else [w.address for w in targets]
+                peers = [x.address for x in peer_proxies] if args.apart else [w.address for w in far]
                 endpoints[name] = [f"{e}@{peer}" for e, peer in zip(endpoints[name], peers)]
+            endpoints[name] += [w.address for w in near]
         for rep in range(args.reps):
             for name in designs:  # alternately: llama.cpp, ours, llama.cpp, ours...
                 if name in cell.errors:

@@ -28,9 +28,16 @@ Designs (columns):
                 --draft-always with the draft on a worker of its own (N + 1 workers, `--rpc-draft`, its
                 own proxies): where the default placement puts the draft beside a target stage, the two
                 queue on that worker, which computes one graph at a time
+  drafting, draft near (spec-near, not run by default)
+                the same with the draft on a worker of its own beside the orchestrator (no proxy in front
+                of it: a host where the orchestrator runs, the target's hosts far away); its pushes to the
+                target's first stage cross that stage's link as the others' do, so only apart (together
+                the workers' own links have no proxy and the draft's pushes would cross no distance)
   blocks        the same with --no-ring: every token from drafting blocks of up to --draft-max tokens (the
                 length that pays by the running acceptance rate, pacing.DraftLength), each verified in
                 one pass through the orchestrator (stepwise push), as llama.cpp drafts
+  blocks, draft near (spec-blocks-near, not run by default)
+                --no-ring with the draft beside the orchestrator: drafting costs no link crossing
   blocks, fixed (spec-blocks-fixed, not run by default)
                 the same with --draft-fixed: --draft-max tokens every block, as llama.cpp drafts
   ours on llama.cpp's (plain-llama, not run by default)
@@ -72,7 +79,8 @@ from tools.bench_worker import load_average  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "pyrpc-llama" / "bench_speculative"
 DRAFT_RE = re.compile(r"draft: (\d+) tokens drafted, (\d+) accepted")
-SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-own", "spec-blocks", "spec-blocks-fixed", "spec-llama")
+SPEC_DESIGNS = ("llamacpp-spec", "spec", "spec-only", "spec-own", "spec-near", "spec-blocks", "spec-blocks-fixed",
+                "spec-blocks-near", "spec-llama")
 
 
 def quantized(source: Path, wtype: str) -> Path:
@@ -142,21 +150,25 @@ def register(draft: Path, draft_max: int, p_min: float, baseline: Path | None = 
     flags = ("-md", str(draft), "--draft-max", str(draft_max), "--draft-p-min", str(p_min))
     ring, push = ("ring", bp.ring_hops), ("push", bp.push_hops)
     relay = ("relay", bp.relay_hops)
-    ours = {  # name: label, flags (-md's and more), topology and hops, whether the draft gets a worker of its
-        # own, the workers' kind
-        "spec": ("ours -md", (*flags,), ring, False, "ours"),
-        "spec-only": ("drafting", (*flags, "--draft-always"), ring, False, "ours"),
-        "spec-blocks": ("blocks", (*flags, "--no-ring"), push, False, "ours"),
-        "spec-blocks-fixed": ("blocks, fixed", (*flags, "--no-ring", "--draft-fixed"), push, False, "ours"),
-        "spec-own": ("drafting, own worker", (*flags, "--draft-always"), ring, True, "ours"),
-        "plain-llama": ("ours on llama.cpp's", (), relay, False, "reference"),
-        "spec-llama": ("ours -md on llama.cpp's", (*flags,), relay, True, "reference"),
+    ours = {  # name: label, flags (-md's and more), topology and hops, where the draft's worker of its own
+        # is (None: none, the draft on a target worker; "far": behind proxies as the target's; "near":
+        # beside the orchestrator, no proxy), the workers' kind
+        "spec": ("ours -md", (*flags,), ring, None, "ours"),
+        "spec-only": ("drafting", (*flags, "--draft-always"), ring, None, "ours"),
+        "spec-blocks": ("blocks", (*flags, "--no-ring"), push, None, "ours"),
+        "spec-blocks-fixed": ("blocks, fixed", (*flags, "--no-ring", "--draft-fixed"), push, None, "ours"),
+        "spec-own": ("drafting, own worker", (*flags, "--draft-always"), ring, "far", "ours"),
+        "spec-near": ("drafting, draft near", (*flags, "--draft-always"), ring, "near", "ours"),
+        "spec-blocks-near": ("blocks, draft near", (*flags, "--no-ring"), push, "near", "ours"),
+        "plain-llama": ("ours on llama.cpp's", (), relay, None, "reference"),
+        "spec-llama": ("ours -md on llama.cpp's", (*flags,), relay, "far", "reference"),
     }
     for checkout, suffix, note in ((None, "", ""), *([(baseline, "@base", " (base)")] if baseline else [])):
         for name, (label, more, (topology, hops), own, kind) in ours.items():
             command = bp.ours_command(*more, checkout=checkout)
             d[name + suffix] = bp.Design(label + note, kind, topology, hops,
-                                         own_draft_worker(command) if own else command, extra=int(own))
+                                         own_draft_worker(command) if own else command, extra=int(bool(own)),
+                                         near=own == "near")
 
 
 def own_draft_worker(command):
@@ -217,7 +229,8 @@ def parse_args(argv):
     ap.add_argument("--draft-max", type=int, default=3, help="--draft-max of both (default 3, llama.cpp's)")
     ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of both (default 0, llama.cpp's)")
     ap.add_argument("--designs", default="llamacpp,llamacpp-spec,push,ring,spec,spec-only",
-                    help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only, spec-own, spec-blocks, "
+                    help="of llamacpp, llamacpp-spec, push, ring, spec, spec-only, spec-own, spec-near, spec-blocks, "
+                         "spec-blocks-near, "
                          "plain-llama, spec-llama, "
                          "spec-blocks-fixed (the first gives the reference text)")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per run (default 48)")
