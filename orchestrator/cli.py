@@ -12,6 +12,7 @@ commands share (orchestrator/engine/startup.py) and the text comes from the serv
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import sys
@@ -113,8 +114,9 @@ def draft_options(command):
         click.option("--draft-fixed", is_flag=True, help="draft --draft-max tokens every step, as llama.cpp does "
                      "(default: the length between --draft-min and --draft-max that makes tokens fastest by the "
                      "running acceptance rate)"),
-        click.option("--rpc-draft", default=None, help="workers for the draft model, host:port,... (default: the "
-                     "model's worker with the most free memory once the model is placed)"),
+        click.option("--rpc-draft", default=None, help="workers for the draft model, host:port,..., or 'local': "
+                     "one of ours started on this host, beside the orchestrator (default: the model's worker with "
+                     "the most free memory once the model is placed)"),
         click.option("--spec-type", "spec_type", default=None, metavar="TYPES",
                      help="llama.cpp's speculative types, comma-separated: draft-simple (needs -md) or none (the "
                      "draft model is not used) [default: draft-simple with -md, else none]"),
@@ -147,6 +149,28 @@ def open_draft(loaded, model_draft, rpc_draft, spec_type=None):
             log(f"draft model {model_draft.name}: not used (--spec-type {spec_type})")
         return None
     return speculative.open_draft(model_draft, loaded.vocab, loaded.model.hparams.n_vocab)
+
+
+LOCAL_DRAFT = "local"  # --rpc-draft local
+
+
+@contextlib.contextmanager
+def local_draft_worker(options: dict):
+    """With `--rpc-draft local`, one of our workers started on this host for the draft while the command
+    runs, options["rpc_draft"] set to it: where the model's workers are far from the orchestrator, a
+    draft beside it drafts on no slow link (docs/speculative.md: one client of `serve -md` over three
+    workers 10 ms apart, 18.7 -> 23.0 tok/s: tools/bench_draft_place.py). It takes --rpc-key-file's key, as the workers it pushes
+    into may ask for it. Without -md nothing is started (open_draft says why)."""
+    if (options.get("rpc_draft") or "").strip() != LOCAL_DRAFT or options.get("model_draft") is None:
+        yield
+        return
+    from orchestrator.pipeline.keyfile import worker_key_flags  # noqa: PLC0415
+    from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
+
+    log("--rpc-draft local: starting a local Python worker for the draft")
+    with LocalWorkers(1, log=log, extra=worker_key_flags()) as local:
+        options["rpc_draft"] = local.endpoints[0]
+        yield
 
 
 def start_draft(pipe, draft, n_slots: int, *, draft_max, draft_min, draft_p_min, draft_fixed, rpc_draft,
@@ -264,11 +288,12 @@ def main(**options) -> None:
 def run(*, rpc, workers, threads, **options) -> int:
     from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
 
-    if rpc:
-        return complete_prompt(endpoint_list(rpc), **options)
-    log(f"no --rpc given: starting {workers} local Python worker(s)")
-    with LocalWorkers(workers, threads, log=log) as local:
-        return complete_prompt(local.endpoints, **options)
+    with local_draft_worker(options):
+        if rpc:
+            return complete_prompt(endpoint_list(rpc), **options)
+        log(f"no --rpc given: starting {workers} local Python worker(s)")
+        with LocalWorkers(workers, threads, log=log) as local:
+            return complete_prompt(local.endpoints, **options)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:

@@ -112,10 +112,12 @@ class LocalWorkers:
     it exits or makes no progress for `stall` seconds; once they listen, the orchestrator's waits on
     them follow the same rule (client.STILL_WORKING), not --rpc-timeout alone. `log` receives the
     progress lines (the CLI prints them). `threads` None: default_threads(count, concurrent=concurrent).
+    `extra`: more rpc-server flags for each worker (a --key-file).
     """
 
     def __init__(self, count: int, threads: int | None = None, *, concurrent: bool = False, log: Callable[[str], None] = lambda line: None,
-                 stall: float = STALL_SECONDS, command: Callable[[int], list[str]] | None = None):
+                 stall: float = STALL_SECONDS, command: Callable[[int], list[str]] | None = None,
+                 extra: tuple[str, ...] = ()):
         self.procs: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
         self.log = log
@@ -126,7 +128,7 @@ class LocalWorkers:
         self.log_dir = Path(tempfile.mkdtemp(prefix="orchestrator-workers-"))
         self.env = worker_env(threads, count)
         self.command = command or (lambda port: [sys.executable, "-m", "rpcserver", "-H", HOST, "-p", str(port),
-                                                 "-t", str(threads), "--warmup-tier", tier])
+                                                 "-t", str(threads), "--warmup-tier", tier, *extra])
         try:
             self._wait(*self._start(), first=True)
             rest = [self._start() for _ in range(count - 1)]

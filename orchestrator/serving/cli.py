@@ -18,7 +18,7 @@ from orchestrator.pipeline.keyfile import rpc_key_file_option
 
 from orchestrator.cli import (CliError, PrintedReport, check_gpu_layers, draft_options, endpoint_list, fault_options,
                               gpu_layers_option, log, open_draft, parse_tensor_split, pipeline_options, sampling_options,
-                              sampling_params, start_draft)
+                              sampling_params, start_draft, local_draft_worker)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -81,11 +81,12 @@ def serve(**options) -> None:
 def run(*, rpc, workers, threads, **options) -> None:
     from orchestrator.pipeline.local_workers import LocalWorkers  # noqa: PLC0415
 
-    if rpc:
-        return start(endpoint_list(rpc), **options)
-    log(f"no --rpc given: starting {workers} local Python worker(s)")
-    with LocalWorkers(workers, threads, concurrent=True, log=log) as local:
-        return start(local.endpoints, **options)
+    with local_draft_worker(options):
+        if rpc:
+            return start(endpoint_list(rpc), **options)
+        log(f"no --rpc given: starting {workers} local Python worker(s)")
+        with LocalWorkers(workers, threads, concurrent=True, log=log) as local:
+            return start(local.endpoints, **options)
 
 
 def start(endpoints: list[str], *, model_path, host, port, parallel, slot_prompt_similarity, cache_ram, ctx_size,

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -182,6 +183,70 @@ def test_the_speculative_ring_gives_the_same_text(random_pairs, workers, arch, n
     n_drafted, n_accepted = drafted(spec.stderr)
     assert 0 < n_accepted < n_drafted, spec.stderr[-1000:]  # both: runs that went on and runs started again
     assert made(spec.stderr) == (39, 0), spec.stderr[-1000:]  # the first token: the prompt's
+
+
+def draft_endpoint(stderr: str) -> str:
+    """Where the draft was placed, from the start-up's report."""
+    found = re.search(r"^draft model: .*\nplacement of .* over 1 worker\(s\).*\n\s+(\S+):", stderr, re.M)
+    assert found, stderr[-3000:]
+    return found[1]
+
+
+def refused(endpoint: str) -> bool:
+    """Nothing listens at host:port any more."""
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_a_local_draft_worker_drafts_and_goes_with_the_command(model, workers):
+    """--rpc-draft local: the draft on a worker the command starts on this host (not one of --rpc's), the
+    speculative ring running from it, the plain text; the worker gone when the command ends."""
+    rpc = workers[:2]
+    plain = generate(model, rpc)
+    spec = generate(model, rpc, "-md", model, "--rpc-draft", "local", "--draft-always")
+    assert spec.stdout == plain.stdout
+    assert "--rpc-draft local: starting a local Python worker for the draft" in spec.stderr
+    assert "speculative ring: on" in spec.stderr, spec.stderr[-2000:]
+    n_drafted, n_accepted = drafted(spec.stderr)
+    assert n_accepted >= n_drafted // 2 > 0, spec.stderr[-1000:]
+    endpoint = draft_endpoint(spec.stderr)
+    assert endpoint not in rpc and refused(endpoint)
+
+
+def test_a_local_draft_worker_takes_the_keyed_workers_key(model, tmp_path):
+    """Keyed workers (--key-file) ask every peer for the key: the local draft worker gets --rpc-key-file's,
+    so the speculative ring's pushes into the target land (without it the first fails and the CLI goes on
+    stepwise, "ring: off")."""
+    key = tmp_path / "rpc.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    keyed = [reference.start_worker("ours", tmp_path, threads=1, extra=("--key-file", str(key))) for _ in range(2)]
+    try:
+        rpc = [w.address for w in keyed]
+        plain = generate(model, rpc, "--rpc-key-file", key)
+        spec = generate(model, rpc, "--rpc-key-file", key, "-md", model, "--rpc-draft", "local", "--draft-always")
+    finally:
+        for w in keyed:
+            w.stop()
+    assert spec.stdout == plain.stdout
+    assert "speculative ring: on" in spec.stderr and "ring: off" not in spec.stderr, spec.stderr[-2000:]
+    assert made(spec.stderr) == (39, 0)
+
+
+def test_the_server_drafts_on_a_local_draft_worker(model, workers, tmp_path):
+    """`serve --rpc-draft local`: the server's blocks drafted on the worker it started, the plain answer."""
+    plain, _, _ = serve_completion(model, workers[:2], tmp_path)
+    spec, metrics, _ = serve_completion(model, workers[:2], tmp_path, "-md", model, "--rpc-draft", "local",
+                                        "--draft-always")
+    assert spec == plain
+    counts = dict(re.findall(r"^llamacpp:(n_drafted\w*) (\d+)", metrics, re.M))
+    assert int(counts["n_drafted_accepted_total"]) > 0, metrics
+    logs = "".join(path.read_text() for path in tmp_path.glob("serve-*.log"))
+    assert "--rpc-draft local: starting a local Python worker for the draft" in logs
+    assert draft_endpoint(logs) not in workers
 
 
 def test_a_draft_of_another_vocabulary_is_refused(model, workers):
