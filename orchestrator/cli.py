@@ -158,9 +158,9 @@ LOCAL_DRAFT = "local"  # --rpc-draft local
 def local_draft_worker(options: dict):
     """With `--rpc-draft local`, one of our workers started on this host for the draft while the command
     runs, options["rpc_draft"] set to it: where the model's workers are far from the orchestrator, a
-    draft beside it drafts on no slow link (docs/speculative.md: one client of `serve -md` over three
-    workers 10 ms apart, 18.7 -> 23.0 tok/s: tools/bench_draft_place.py). It takes --rpc-key-file's key, as the workers it pushes
-    into may ask for it. Without -md nothing is started (open_draft says why)."""
+    draft beside it drafts on no slow link (one client of `serve -md` over three workers 10 ms apart:
+    18.7 -> 23.0 tok/s, tools/bench_draft_place.py). It takes --rpc-key-file's key, as the workers it
+    pushes into may ask for it. Without -md nothing is started (open_draft says why)."""
     if (options.get("rpc_draft") or "").strip() != LOCAL_DRAFT or options.get("model_draft") is None:
         yield
         return
