@@ -202,25 +202,11 @@ def refused(endpoint: str) -> bool:
     return False
 
 
-def test_a_local_draft_worker_drafts_and_goes_with_the_command(model, workers):
+def test_a_local_draft_worker_drafts_and_goes_with_the_command(model, tmp_path):
     """--rpc-draft local: the draft on a worker the command starts on this host (not one of --rpc's), the
-    speculative ring running from it, the plain text; the worker gone when the command ends."""
-    rpc = workers[:2]
-    plain = generate(model, rpc)
-    spec = generate(model, rpc, "-md", model, "--rpc-draft", "local", "--draft-always")
-    assert spec.stdout == plain.stdout
-    assert "--rpc-draft local: starting a local Python worker for the draft" in spec.stderr
-    assert "speculative ring: on" in spec.stderr, spec.stderr[-2000:]
-    n_drafted, n_accepted = drafted(spec.stderr)
-    assert n_accepted >= n_drafted // 2 > 0, spec.stderr[-1000:]
-    endpoint = draft_endpoint(spec.stderr)
-    assert endpoint not in rpc and refused(endpoint)
-
-
-def test_a_local_draft_worker_takes_the_keyed_workers_key(model, tmp_path):
-    """Keyed workers (--key-file) ask every peer for the key: the local draft worker gets --rpc-key-file's,
-    so the speculative ring's pushes into the target land (without it the first fails and the CLI goes on
-    stepwise, "ring: off")."""
+    speculative ring running from it into keyed workers (--key-file: they ask every peer for the key, and
+    the local worker has --rpc-key-file's; without it the first push fails and the CLI goes on stepwise,
+    "ring: off"), the plain text; the worker gone when the command ends."""
     key = tmp_path / "rpc.key"
     key.write_bytes(os.urandom(32).hex().encode())
     keyed = [reference.start_worker("ours", tmp_path, threads=1, extra=("--key-file", str(key))) for _ in range(2)]
@@ -232,8 +218,13 @@ def test_a_local_draft_worker_takes_the_keyed_workers_key(model, tmp_path):
         for w in keyed:
             w.stop()
     assert spec.stdout == plain.stdout
+    assert "--rpc-draft local: starting a local Python worker for the draft" in spec.stderr
     assert "speculative ring: on" in spec.stderr and "ring: off" not in spec.stderr, spec.stderr[-2000:]
     assert made(spec.stderr) == (39, 0)
+    n_drafted, n_accepted = drafted(spec.stderr)
+    assert n_accepted >= n_drafted // 2 > 0, spec.stderr[-1000:]
+    endpoint = draft_endpoint(spec.stderr)
+    assert endpoint not in rpc and refused(endpoint)
 
 
 def test_the_server_drafts_on_a_local_draft_worker(model, workers, tmp_path):
